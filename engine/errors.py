@@ -1,0 +1,33 @@
+"""Exceptions raised inside tandem.
+
+Each names one kind of failure; the gRPC edge of each tier maps them to status codes in one
+place, so nothing below the edge knows about gRPC.
+"""
+
+
+class TandemError(Exception):
+    """Base class for every error tandem raises on purpose."""
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The caller sent something that can never succeed (maps to INVALID_ARGUMENT)."""
+
+
+class ModelNotFoundError(TandemError, FileNotFoundError):
+    """The model directory or name does not resolve to a loadable checkpoint."""
+
+
+class UnsupportedModelError(TandemError):
+    """The checkpoint's architecture or options are not implemented by our forward pass."""
+
+
+class OutOfBlocksError(TandemError):
+    """The KV block pool cannot satisfy an allocation; the scheduler decides what to do."""
+
+
+class QueueFullError(TandemError):
+    """Admission refused because a bounded queue is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class DrainingError(TandemError):
+    """The server is shutting down and takes no new work (maps to UNAVAILABLE)."""
