@@ -1,0 +1,29 @@
+"""Exceptions raised while moving KV blocks between tiers.
+
+A KV chunk crosses the network, so every one of its fields is untrusted; each way it can be
+wrong has its own exception so that the receiver can count and log failures by kind. All of
+them mean "this transfer is unusable": the receiver writes nothing from the chunk and the
+decode tier's gRPC edge fails the request.
+"""
+
+from engine.errors import TandemError
+
+
+class KVTransferError(TandemError):
+    """Base class for every problem with a KV transfer."""
+
+
+class KVChecksumError(KVTransferError):
+    """The payload's CRC32C does not match the one the sender computed (corruption in transit)."""
+
+
+class KVLayoutMismatchError(KVTransferError):
+    """The chunk's dtype or shape does not match the receiver's KV layout, or a layout is invalid."""
+
+
+class KVRangeError(KVTransferError):
+    """The chunk names layers or blocks outside what the receiver holds for the request."""
+
+
+class KVPayloadSizeError(KVTransferError):
+    """The payload's length disagrees with its shape, or one block does not fit in a message."""

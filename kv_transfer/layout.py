@@ -1,0 +1,130 @@
+"""The KV-cache layout both tiers must agree on before any KV block moves.
+
+Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]``. Two replicas
+can exchange blocks only when they run the same model with the same layout; the compatibility
+hash folds all of that (plus the wire-format version) into one string that the tiers compare
+in a handshake, so a mismatch fails fast instead of filling a cache with garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.errors import KVLayoutMismatchError
+from protos.tandem.internal.v1 import prefill_pb2
+
+# Bump whenever the meaning of KVChunk's bytes changes: replicas on different versions then
+# get different compatibility hashes and refuse to talk.
+WIRE_FORMAT_VERSION = 1
+
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_NAMES_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a supported KV dtype ("float32", "bfloat16", "float16")."""
+    try:
+        return _NAMES_BY_DTYPE[dtype]
+    except KeyError:
+        raise KVLayoutMismatchError(
+            f"unsupported KV dtype {dtype}; supported: {', '.join(_DTYPES_BY_NAME)}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; the name came from the network, so reject unknown ones."""
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise KVLayoutMismatchError(
+            f"unsupported KV dtype name {name!r}; supported: {', '.join(_DTYPES_BY_NAME)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and element type of one replica's paged KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        # Layouts also arrive from the network (from_proto), so an invalid one is a layout
+        # problem, not a programming error.
+        for field_name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KVLayoutMismatchError(f"KV layout {field_name} must be a positive int, got {value!r}")
+        dtype_name(self.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype's wire name."""
+        return dtype_name(self.dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of K (or V) in one layer: ``(block_size, num_kv_heads, head_dim)``."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    def element_size(self) -> int:
+        """Bytes of one cache element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def block_bytes(self) -> int:
+        """Bytes of K plus V of one block in one layer: the unit a KV message is built from."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size()
+
+    def to_proto(self) -> prefill_pb2.KVLayout:
+        """The layout as the internal API's KVLayout message."""
+        return prefill_pb2.KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype_name,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: prefill_pb2.KVLayout) -> KVLayout:
+        """Parse a peer's layout; raises KVLayoutMismatchError for an unknown dtype or a zero size."""
+        return cls(
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            block_size=msg.block_size,
+            dtype=dtype_from_name(msg.dtype),
+        )
+
+
+def compatibility_hash(model_fingerprint: str, layout: KVLayout) -> str:
+    """SHA-256 hex of everything that must match for KV blocks to be interchangeable.
+
+    The canonical string is JSON with sorted keys, so no choice of fingerprint text can make
+    two different (fingerprint, layout) pairs collide by running fields together.
+    """
+    canonical = json.dumps(
+        {
+            "wire_format_version": WIRE_FORMAT_VERSION,
+            "model_fingerprint": model_fingerprint,
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "block_size": layout.block_size,
+            "dtype": layout.dtype_name,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
