@@ -1,0 +1,204 @@
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Everything runs in fp32 over the whole [B, V] batch with one pass per mask, so the cost does not grow
+with the number of distinct parameter combinations in the batch. Sampling uses the exponential race
+(argmax of logit - log(E) with E ~ Exp(1), the Gumbel-max trick), which needs no softmax or cumsum over
+the vocabulary and lets each seeded row draw its own noise from a generator keyed by (seed, position):
+a seeded request then gets the same tokens whatever else shares its batch and wherever its row is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.params import SamplingParams
+
+_MASK_64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """One splitmix64 step: a cheap bijective mixer, so nearby inputs give unrelated outputs."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK_64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return value ^ (value >> 31)
+
+
+def row_seed(seed: int, position: int) -> int:
+    """The generator seed for one (request seed, position) pair; stable across processes and versions
+    (unlike `hash()`), and below 2**63 so every torch backend accepts it."""
+    return _splitmix64(_splitmix64(seed & _MASK_64) ^ (position & _MASK_64)) >> 1
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler picked for each row, with the logprobs the API reports."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32: log_softmax of the raw logits at the chosen token
+    top_token_ids: torch.Tensor  # [B, N] int64, N = max logprobs requested in the batch (may be 0)
+    top_logprobs: torch.Tensor  # [B, N] fp32, raw log-softmax, sorted descending
+
+
+class Sampler:
+    """Picks one token per row of a logits batch.
+
+    Rows without a seed share one generator (seeded from `seed` when given, for reproducible tests,
+    else from the OS); seeded rows are independent of it and of each other.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._shared_seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        suppress_token_ids: Sequence[Collection[int]] | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V].
+
+        `positions[i]` is how many tokens row i's sequence holds before the sampled one; with the seed
+        it fixes the row's randomness. `suppress_token_ids[i]` are ids row i must not produce (ids
+        outside the vocabulary are ignored: they cannot be produced anyway). Logprobs are always of the
+        raw logits, before suppression, temperature or any mask.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch, vocab = logits.shape
+        if len(params) != batch or len(positions) != batch:
+            raise ValueError(f"{batch} logits rows but {len(params)} params and {len(positions)} positions")
+        if suppress_token_ids is not None and len(suppress_token_ids) != batch:
+            raise ValueError(f"{batch} logits rows but {len(suppress_token_ids)} suppress sets")
+
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if suppress_token_ids is not None:
+            logits = self._suppress(logits, suppress_token_ids)
+
+        token_ids = logits.argmax(dim=-1)
+        sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            row_params = [params[row] for row in sampled_rows]
+            scaled = self._mask(logits.index_select(0, rows), row_params)
+            noise = self._exponential_noise(scaled, row_params, [positions[r] for r in sampled_rows])
+            token_ids[rows] = (scaled - noise.log()).argmax(dim=-1)
+
+        chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        num_top = max((p.logprobs for p in params), default=0)
+        top_logprobs, top_token_ids = raw_logprobs.topk(min(num_top, vocab), dim=-1, sorted=True)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=chosen_logprobs,
+            top_token_ids=top_token_ids,
+            top_logprobs=top_logprobs,
+        )
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, suppress_token_ids: Sequence[Collection[int]]) -> torch.Tensor:
+        """Return `logits` with the listed (row, token) entries set to -inf, in one scatter."""
+        vocab = logits.shape[1]
+        rows: list[int] = []
+        cols: list[int] = []
+        for row, token_ids in enumerate(suppress_token_ids):
+            for token_id in token_ids:
+                if 0 <= token_id < vocab:
+                    rows.append(row)
+                    cols.append(token_id)
+        if not rows:
+            return logits
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Apply temperature, then top-k, top-p and min-p; excluded tokens become -inf.
+
+        Top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest prefix of
+        the sorted distribution (after top-k) whose mass reaches p; min-p drops tokens whose
+        probability is below min_p times the largest one.
+        """
+        device = logits.device
+        vocab = logits.shape[1]
+        neg_inf = float("-inf")
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        logits = logits / temperature.unsqueeze(1)
+
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        use_top_k = any(k < vocab for k in top_k)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_p:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            if use_top_k:
+                kth_index = torch.tensor(top_k, device=device).sub_(1).unsqueeze(1)
+                kth_value = sorted_logits.gather(1, kth_index)
+                sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, neg_inf)
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+            # Rows with top_p == 1 are excluded explicitly: rounding can push mass_before to 1.
+            drop = (mass_before >= top_p) & (top_p < 1.0)
+            sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        elif use_top_k:
+            max_k = max(top_k)
+            largest = logits.topk(max_k, dim=-1, sorted=True).values
+            kth_index = torch.tensor([min(k, max_k) - 1 for k in top_k], device=device).unsqueeze(1)
+            kth_value = largest.gather(1, kth_index)
+            off = torch.tensor([k >= vocab for k in top_k], device=device).unsqueeze(1)
+            logits = logits.masked_fill((logits < kth_value) & ~off, neg_inf)
+
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf keeps everything.
+            threshold = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
+            logits = logits.masked_fill(logits < threshold, neg_inf)
+        return logits
+
+    def _exponential_noise(
+        self, like: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """Exp(1) noise shaped like `like`, one row per sampled sequence: seeded rows from
+        (seed, position) alone, the rest from the shared generator. Clamped away from 0 so log()
+        stays finite and a masked (-inf) token can never win the race."""
+        device = like.device
+        noise = torch.empty_like(like)
+        unseeded = [row for row, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            shared = self._shared_generator(device)
+            if len(unseeded) == len(params):
+                noise.exponential_(generator=shared)
+            else:
+                draw = like.new_empty((len(unseeded), like.shape[1]))
+                noise[torch.tensor(unseeded, device=device)] = draw.exponential_(generator=shared)
+        row_generator = self._row_generator(device)
+        for row, (p, position) in enumerate(zip(params, positions, strict=True)):
+            if p.seed is not None:
+                row_generator.manual_seed(row_seed(p.seed, position))
+                noise[row].exponential_(generator=row_generator)
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._shared_seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._shared_seed)
+            self._shared_generators[device] = generator
+        return generator
+
+    def _row_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._row_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            self._row_generators[device] = generator
+        return generator
