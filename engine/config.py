@@ -1,0 +1,116 @@
+"""Configuration: what the checkpoint says about the model, and how the engine is sized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Accept a dtype or its name ('float32', 'bfloat16', 'float16')."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, not {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts our forward pass needs, read from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any = field(repr=False, compare=False)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        model_type = hf_config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; tandem runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(hf_config, "use_sliding_window", False) or (
+            model_type == "mistral" and getattr(hf_config, "sliding_window", None)
+        ):
+            raise UnsupportedModelError("sliding-window attention is not supported")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type == "llama",
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            hf_config=hf_config,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size of the paged KV pool: either a block count or a memory budget for all layers' K and V."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int = 1 << 30
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim
+        per_block *= torch.empty((), dtype=dtype).element_size()
+        return max(1, self.memory_bytes // per_block)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs: where, in what precision, and within which limits."""
+
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    attention_backend: str | None = None

@@ -1,0 +1,213 @@
+"""The in-process engine API both tiers drive: build sequences, run scheduled steps, free blocks.
+
+The engine executes whatever step it is given; *deciding* the step (admission, chunk sizes,
+preemption) is the scheduler's job in the tier that owns the queue. `generate` is a small FCFS
+driver for tests, demos and benchmarks, not a scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockAllocator, BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.params import SamplingParams, StoppingParams
+from engine.sampler import Sampler
+from engine.sequence import FinishReason, Sequence
+from engine.tokenizer import Tokenizer
+from kernels.backend import get_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenOutput:
+    """One sampled token of one sequence, ready to stream."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    text: str
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class GenerateRequest:
+    """Input of the simple driver `Engine.generate`."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+
+
+class Engine:
+    """Model, paged cache, block manager, sampler and tokenizer of one replica."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        tokenizer: Tokenizer | None,
+        config: EngineConfig,
+        block_order: SequenceOf[int] | None = None,
+        model_name: str = "model",
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        self.dtype = config.dtype
+        self.backend = get_backend(self.device, config.attention_backend)
+        with torch.device("meta"):
+            model = CausalLM(model_config, self.backend)
+        model = model.to_empty(device=self.device).to(config.dtype)
+        if model_config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(state_dict)
+        self.model = model.eval()
+        self.block_size = config.cache.block_size
+        num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)
+        self.kv_cache = KVCache.allocate(model_config, num_blocks, self.block_size, config.dtype, self.device)
+        self.block_manager = BlockManager(BlockAllocator(num_blocks, block_order), self.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler()
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        logger.info(
+            "engine ready",
+            extra={"model": model_name, "num_blocks": num_blocks, "block_size": self.block_size,
+                   "dtype": str(config.dtype), "backend": self.backend.name},
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig, **kwargs) -> Engine:
+        """Load a local Hugging Face checkpoint directory (safetensors, config, tokenizer)."""
+        from engine.model_store import load_checkpoint
+
+        hf_config, state_dict = load_checkpoint(Path(model_dir), dtype=config.dtype)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        name = kwargs.pop("model_name", Path(model_dir).name)
+        return cls(ModelConfig.from_hf(hf_config), state_dict, tokenizer, config, model_name=name, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def make_sequence(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        request_id: str | None = None,
+    ) -> Sequence:
+        """Validate a request against this model and wrap it in a `Sequence`."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt has no tokens")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+        sampling.validate()
+        stopping.validate()
+        if len(prompt_token_ids) + stopping.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({stopping.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
+        return Sequence(request_id or uuid.uuid4().hex, prompt_token_ids, sampling, stopping, detok)
+
+    def step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
+        """Run one forward over the chunks and sample a token for every sequence it completes.
+
+        The caller has grown each block table to cover the chunk. Finished sequences keep their
+        blocks until the caller calls `free` — in the same iteration, for continuous batching.
+        """
+        if not chunks:
+            return []
+        logits = self.runner.execute(chunks)
+        sampled = [c.seq for c in chunks if c.completes_sequence]
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        if not sampled:
+            return []
+        result = self.sampler(
+            logits,
+            [s.sampling for s in sampled],
+            [s.num_tokens for s in sampled],
+            [s.suppressed_token_ids(self.eos_token_ids) for s in sampled],
+        )
+        token_ids = result.token_ids.tolist()
+        logprobs = result.logprobs.tolist()
+        top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
+        outputs = []
+        for row, seq in enumerate(sampled):
+            n = seq.sampling.logprobs
+            text = seq.append_token(token_ids[row], self.eos_token_ids, self.max_model_len)
+            top = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True))
+            outputs.append(TokenOutput(seq, token_ids[row], logprobs[row], top, text, seq.finish_reason))
+        return outputs
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks to the pool (finish, abort or preemption)."""
+        self.block_manager.release(seq.block_table)
+        seq.num_computed_tokens = 0
+
+    def generate(
+        self, requests: SequenceOf[GenerateRequest], max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+    ) -> list[Sequence]:
+        """Run requests to completion FCFS with chunked prefill: decodes first, then prompt chunks.
+
+        Admits a request only when its whole prompt fits in free blocks; never preempts. Meant for
+        tests and benchmarks of the engine alone.
+        """
+        budget = max_num_batched_tokens or self.config.max_num_batched_tokens
+        max_seqs = max_num_seqs or self.config.max_num_seqs
+        waiting = [self.make_sequence(r.prompt_token_ids, r.sampling, r.stopping) for r in requests]
+        done_order = list(waiting)
+        running: list[Sequence] = []
+        while waiting or running:
+            while waiting and len(running) < max_seqs and self.block_manager.can_grow(
+                [], waiting[0].num_tokens + 1
+            ):
+                seq = waiting.pop(0)
+                self.block_manager.grow(seq.block_table, seq.num_tokens + 1)
+                running.append(seq)
+            if not running:
+                raise InvalidRequestError("a prompt does not fit in the KV pool")
+            chunks, left = [], budget
+            for seq in sorted(running, key=lambda s: s.num_uncomputed_tokens > 1):
+                take = min(seq.num_uncomputed_tokens, left)
+                if take == 0:
+                    break
+                self.block_manager.grow(seq.block_table, seq.num_computed_tokens + take + 1)
+                chunks.append(ScheduledChunk(seq, take))
+                left -= take
+            for out in self.step(chunks):
+                if out.finish_reason is not None:
+                    running.remove(out.seq)
+                    self.free(out.seq)
+        return done_order

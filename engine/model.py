@@ -1,0 +1,210 @@
+"""Our own Llama-family forward pass (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window,
+Qwen2 with qkv bias) over the paged KV cache.
+
+One forward takes a flat batch of tokens from many sequences at different positions — prefill
+chunks and single decode tokens mixed — and the `AttentionMetadata` that says where each
+sequence's context lives in the cache. Projections are fused (qkv, gate_up) so a step does
+fewer, larger matmuls; `load_weights` maps Hugging Face parameter names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from engine.kv_cache import KVCache
+from kernels.backend import AttentionBackend
+from kernels.metadata import AttentionMetadata
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of a step, computed the way Hugging Face does.
+
+    The inverse frequencies come from `transformers`' own RoPE initialisers, so every variant its
+    config can name (default, llama3, linear, yarn, ...) gives the same rotation here as there.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        with torch.device("cpu"):
+            inv_freq, scaling = self._inverse_frequencies(config, hf, params, rope_type)
+        # A plain attribute, not a buffer: it must stay fp32 when the model is cast to bf16.
+        self.inv_freq = inv_freq.float()
+        self.scaling = float(scaling)
+
+    @staticmethod
+    def _inverse_frequencies(
+        config: ModelConfig, hf, params: dict, rope_type: str
+    ) -> tuple[torch.Tensor, float]:
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+            return 1.0 / (theta**exponents), 1.0
+        if rope_type == "dynamic":
+            raise UnsupportedModelError("dynamic NTK RoPE changes with sequence length; not supported")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.backend.apply_rope(q, k, *cos_sin)
+        k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.self_attn = Attention(config, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.mlp = MLP(config, backend)
+
+    def forward(self, hidden, residual, cos_sin, kv_cache, meta):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Decoder stack plus LM head; `forward` returns hidden states, `compute_logits` the fp32 logits."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face parameters in, concatenating q/k/v and gate/up into our fused layers."""
+        params = dict(self.named_parameters())
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for hf_name, tensor in state_dict.items():
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            shard = None
+            for hf_part, (ours, index) in fused.items():
+                if f".{hf_part}." in name:
+                    name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint parameter {hf_name!r} has no place in the model")
+            target = params[name]
+            if shard is None:
+                target.data.copy_(tensor)
+            else:
+                target.data.narrow(0, self._shard_offset(name, shard), tensor.shape[0]).copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        missing = self._expected_shards() - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+    def _shard_offset(self, name: str, shard: int) -> int:
+        cfg = self.config
+        if ".qkv_proj." in name:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return (0, q, q + kv)[shard]
+        return shard * cfg.intermediate_size
+
+    def _expected_shards(self) -> set[str]:
+        expected = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shards = (0, 1, 2) if ".qkv_proj." in name else (0, 1) if ".gate_up_proj." in name else (None,)
+            expected.update(f"{name}#{s}" for s in shards)
+        return expected

@@ -1,0 +1,86 @@
+"""Turns one scheduled step into tensors, runs the model, and returns the logits to sample from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model import CausalLM
+from engine.sequence import Sequence
+from kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute `num_tokens` more tokens of `seq`, starting at its `num_computed_tokens`."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token gets sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class ModelRunner:
+    """Owns the model and the cache tensors; knows nothing about queues or policies."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            if len(seq.block_table) * bs < end:
+                raise RuntimeError(f"{seq.request_id}: block table too short for {end} tokens")
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = torch.zeros((len(chunks), width), dtype=torch.int32)
+        for row, chunk in enumerate(chunks):
+            tables[row, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int32)
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one forward; return fp32 logits, one row per chunk that completes its sequence."""
+        input_ids, positions, meta = self.prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        last_rows, end = [], 0
+        for chunk in chunks:
+            end += chunk.num_tokens
+            if chunk.completes_sequence:
+                last_rows.append(end - 1)
+        if not last_rows:
+            return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])

@@ -1,0 +1,104 @@
+"""One request's state inside the engine: its tokens, its block table, and why it stopped."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Collection
+from collections.abc import Sequence as SequenceOf
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.params import SamplingParams, StoppingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Sequence:
+    """Prompt plus generated tokens of one request, and where their KV lives in the paged cache.
+
+    `num_computed_tokens` counts tokens whose KV is already in the cache; the next forward for this
+    sequence starts there. After a preemption it drops to 0 and the whole history is recomputed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceOf[int],
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        detokenizer: IncrementalDetokenizer | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling = sampling
+        self.stopping = stopping
+        self.detokenizer = detokenizer
+        self.stop_matcher = StopStringMatcher(stopping.stop) if stopping.stop else None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: str | int | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> frozenset[int]:
+        """Tokens that would end the sequence before `min_tokens` have been generated."""
+        if self.num_output_tokens >= self.stopping.min_tokens:
+            return frozenset()
+        eos = () if self.stopping.ignore_eos else eos_token_ids
+        return frozenset(eos) | frozenset(self.stopping.stop_token_ids)
+
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> str:
+        """Add a sampled token, decide whether the sequence is done, and return the text to emit.
+
+        Order matters: stop tokens end the sequence without emitting their text; a stop string ends
+        it with the text before the match; the length limits end it with everything held back.
+        """
+        self.token_ids.append(token_id)
+        stopping = self.stopping
+        if self.num_output_tokens > stopping.min_tokens or stopping.min_tokens == 0:
+            if token_id in stopping.stop_token_ids:
+                return self._finish(FinishReason.STOP, token_id)
+            if not stopping.ignore_eos and token_id in eos_token_ids:
+                return self._finish(FinishReason.STOP, token_id)
+        text = self.detokenizer.add(token_id) if self.detokenizer is not None else ""
+        if self.stop_matcher is not None:
+            text, matched = self.stop_matcher.feed(text)
+            if matched is not None and self.num_output_tokens >= stopping.min_tokens:
+                self.finish_reason, self.matched_stop = FinishReason.STOP, matched
+                return text
+        if self.num_output_tokens >= stopping.max_tokens or self.num_tokens >= max_model_len:
+            return text + self._finish(FinishReason.LENGTH, None)
+        return text
+
+    def _finish(self, reason: FinishReason, matched: str | int | None) -> str:
+        self.finish_reason, self.matched_stop = reason, matched
+        return self.stop_matcher.flush() if self.stop_matcher is not None else ""
+
+    def abort(self) -> None:
+        self.finish_reason = FinishReason.ABORT

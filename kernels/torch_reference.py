@@ -1,0 +1,145 @@
+"""Plain torch implementations of every kernel: the definition of truth for tests and the CPU path.
+
+They favour obviousness over speed except where the CPU path needs it (the batched decode
+gather), and even there each step is a readable tensor operation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new K/V rows `[T, kv_heads, head_dim]` at their flat slots; slot -1 rows are skipped."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` cached rows of one sequence, `[seq_len, kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def attend_one_sequence(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of the last q_len positions over a whole context, GQA without repeating KV.
+
+    query `[q_len, heads, d]`, key/value `[ctx, kv_heads, d]`. Query heads are grouped under their
+    KV head so each group is one matmul against that head's keys.
+    """
+    q_len, num_heads, head_dim = query.shape
+    ctx_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).float()
+    k = key.permute(1, 0, 2).float()
+    v = value.permute(1, 0, 2).float()
+    scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [kvh, g, q_len, ctx]
+    query_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+    key_pos = torch.arange(ctx_len).unsqueeze(0)
+    scores.masked_fill_(key_pos > query_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.unsqueeze(1))  # [kvh, g, q_len, d]
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Reference attention for a mixed batch, one sequence at a time. query `[T, heads, d]`."""
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=False)):
+        rows = slice(start, start + q_len)
+        start += q_len
+        key = gather_context(k_cache, meta.block_tables[i], seq_len)
+        value = gather_context(v_cache, meta.block_tables[i], seq_len)
+        out[rows] = attend_one_sequence(query[rows], key, value, scale)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Batched decode attention: one query token per sequence, all sequences in one gather.
+
+    query `[B, heads, d]`; block_tables `[B, max_blocks]`; seq_lens `[B]`. Pads every sequence to
+    the longest context in the batch and masks the padding, which on a CPU beats a Python loop.
+    """
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    k = k_cache[table].view(batch, num_blocks * block_size, num_kv_heads, head_dim).permute(0, 2, 3, 1)
+    v = v_cache[table].view(batch, num_blocks * block_size, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q.float(), k.float()) * scale  # [B, kvh, g, S]
+    padding = torch.arange(num_blocks * block_size) >= seq_lens.to(torch.long).unsqueeze(1)
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())  # [B, kvh, g, d]
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with an optional residual add first; returns (normed, new residual).
+
+    Computed exactly as Hugging Face Llama does (fp32 statistics, weight applied after casting
+    back) so greedy decoding matches it token for token.
+    """
+    if residual is not None:
+        x = x + residual
+    residual = x
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+    return weight * normed, residual
+
+
+def apply_rope(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE on q `[T, heads, d]` and k `[T, kv_heads, d]` with cos/sin `[T, d]`."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: silu(gate) * up, with gate and up concatenated on the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

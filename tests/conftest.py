@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random-weight Hugging Face models built in-process, and engines over them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import Engine
+
+TINY_VOCAB = 384
+
+
+def tiny_hf_config(
+    kind: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab_size: int = TINY_VOCAB,
+    rope_parameters: dict | None = None,
+    num_layers: int = 2,
+):
+    """A small Llama or Qwen2 config; larger init scale than default so greedy has clear winners."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32 * num_heads,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        initializer_range=0.08,
+        tie_word_embeddings=kind == "qwen2",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**common)
+    else:
+        raise ValueError(kind)
+    if rope_parameters is not None:
+        cfg.rope_parameters = rope_parameters
+    return cfg
+
+
+def tiny_hf_model(seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(**kwargs)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def engine_for(
+    hf_model: torch.nn.Module,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    shuffle_seed: int | None = None,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+    **config_kwargs,
+) -> Engine:
+    """An engine over an in-memory HF model; `shuffle_seed` randomises which physical blocks are used."""
+    order = None
+    if shuffle_seed is not None:
+        order = list(range(num_blocks))
+        random.Random(shuffle_seed).shuffle(order)
+    config = EngineConfig(
+        dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), **config_kwargs
+    )
+    return Engine(ModelConfig.from_hf(hf_model.config), hf_model.state_dict(), tokenizer, config, order)
+
+
+def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face greedy continuation of one prompt, alone (no padding), as the reference."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 80, vocab: int = TINY_VOCAB):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
