@@ -1,0 +1,399 @@
+"""KV wire format: sender-to-receiver round trips, splitting, and rejection of every corruption."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import crc32c
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_transfer import (
+    MAX_MESSAGE_BYTES,
+    KVChecksumError,
+    KVLayout,
+    KVLayoutMismatchError,
+    KVPayloadSizeError,
+    KVRangeError,
+    KVTransferError,
+    compatibility_hash,
+    encode_blocks,
+    write_chunk,
+)
+from kv_transfer.wire import plan_chunks
+from protos.tandem.internal.v1 import prefill_pb2
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _random_caches(
+    layout: KVLayout, num_physical_blocks: int, seed: int, device: str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_physical_blocks, *layout.block_shape)
+
+    def one() -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(layout.dtype).to(device)
+
+    return [one() for _ in range(layout.num_layers)], [one() for _ in range(layout.num_layers)]
+
+
+def _snapshot(caches: list[torch.Tensor]) -> list[bytes]:
+    """Exact bytes of each cache tensor, for byte-identical comparisons (NaN-safe, dtype-agnostic)."""
+    return [cache.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() for cache in caches]
+
+
+def _block_bytes(cache: torch.Tensor, block: int) -> bytes:
+    return cache[block].cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@st.composite
+def transfers(draw):
+    """A layout, a sender and a receiver with differently permuted block tables, a block range, a budget."""
+    layout = KVLayout(
+        num_layers=draw(st.integers(1, 4)),
+        num_kv_heads=draw(st.integers(1, 3)),
+        head_dim=draw(st.integers(1, 8)),
+        block_size=draw(st.integers(1, 4)),
+        dtype=draw(st.sampled_from(DTYPES)),
+    )
+    num_logical = draw(st.integers(1, 6))
+    sender_blocks = draw(st.integers(num_logical, num_logical + 4))
+    receiver_blocks = draw(st.integers(num_logical, num_logical + 4))
+    sender_table = draw(st.permutations(range(sender_blocks)))[:num_logical]
+    receiver_table = draw(st.permutations(range(receiver_blocks)))[:num_logical]
+    logical_start = draw(st.integers(0, num_logical - 1))
+    num_blocks = draw(st.integers(1, num_logical - logical_start))
+    block_bytes = layout.block_bytes()
+    budget = draw(st.integers(block_bytes, block_bytes * layout.num_layers * num_blocks + block_bytes))
+    return (
+        layout,
+        sender_blocks,
+        receiver_blocks,
+        sender_table,
+        receiver_table,
+        logical_start,
+        num_blocks,
+        budget,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(transfer=transfers(), seed=st.integers(0, 2**31 - 1))
+def test_round_trip_moves_exactly_the_requested_blocks(transfer, seed: int) -> None:
+    layout, sender_blocks, receiver_blocks, sender_table, receiver_table, start, count, budget = transfer
+    k_src, v_src = _random_caches(layout, sender_blocks, seed)
+    k_dst, v_dst = _random_caches(layout, receiver_blocks, seed + 1)
+    k_before, v_before = _snapshot(k_dst), _snapshot(v_dst)
+
+    covered: list[tuple[int, int]] = []
+    for chunk in encode_blocks(k_src, v_src, sender_table, start, count, layout, max_payload_bytes=budget):
+        assert len(chunk.payload) <= budget
+        covered += [
+            (layer, block)
+            for layer in range(chunk.layer_start, chunk.layer_start + chunk.num_layers)
+            for block in range(chunk.block_start, chunk.block_start + chunk.num_blocks)
+        ]
+        # Decode reserves blocks for the whole request, not only the range being sent.
+        written = write_chunk(chunk, layout, receiver_table, len(receiver_table), k_dst, v_dst)
+        assert written == len(chunk.payload)
+
+    expected = [(layer, block) for layer in range(layout.num_layers) for block in range(start, start + count)]
+    assert sorted(covered) == expected
+    moved = {receiver_table[logical]: sender_table[logical] for logical in range(start, start + count)}
+    for layer in range(layout.num_layers):
+        for dst_block in range(receiver_blocks):
+            for dst, src, before in ((k_dst, k_src, k_before), (v_dst, v_src, v_before)):
+                if dst_block in moved:
+                    assert _block_bytes(dst[layer], dst_block) == _block_bytes(src[layer], moved[dst_block])
+                else:
+                    block_len = layout.block_bytes() // 2
+                    original = before[layer][dst_block * block_len : (dst_block + 1) * block_len]
+                    assert _block_bytes(dst[layer], dst_block) == original
+
+
+def test_split_uses_whole_layer_runs_when_all_layers_of_a_block_do_not_fit() -> None:
+    layout = KVLayout(num_layers=5, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32)
+    spans = plan_chunks(2, layout, max_payload_bytes=layout.block_bytes() * 2)
+    assert [(s.block_offset, s.num_blocks, s.layer_start, s.num_layers) for s in spans] == [
+        (0, 1, 0, 2),
+        (0, 1, 2, 2),
+        (0, 1, 4, 1),
+        (1, 1, 0, 2),
+        (1, 1, 2, 2),
+        (1, 1, 4, 1),
+    ]
+
+
+def test_split_packs_all_layers_of_several_blocks_when_they_fit() -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float16)
+    spans = plan_chunks(7, layout, max_payload_bytes=layout.block_bytes() * 3 * 3)
+    assert [(s.block_offset, s.num_blocks, s.layer_start, s.num_layers) for s in spans] == [
+        (0, 3, 0, 3),
+        (3, 2, 0, 3),
+        (5, 2, 0, 3),
+    ]
+    assert plan_chunks(0, layout) == []
+
+
+def test_default_budget_sends_a_realistic_transfer_in_few_messages() -> None:
+    # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64, 16-token blocks.
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    spans = plan_chunks(64, layout)
+    assert all(s.num_layers == 30 for s in spans)
+    assert sum(s.num_blocks for s in spans) == 64
+    assert max(s.num_blocks for s in spans) * 30 * layout.block_bytes() <= MAX_MESSAGE_BYTES
+    blocks_per_message = MAX_MESSAGE_BYTES // (30 * layout.block_bytes())
+    assert len(spans) == -(-64 // blocks_per_message)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=256, dtype=torch.float32),
+        KVLayout(num_layers=2, num_kv_heads=32, head_dim=128, block_size=128, dtype=torch.bfloat16),
+    ],
+)
+def test_a_block_larger_than_a_message_is_refused_before_streaming(layout: KVLayout) -> None:
+    assert layout.block_bytes() > MAX_MESSAGE_BYTES
+    k = [torch.zeros((1, *layout.block_shape), dtype=layout.dtype) for _ in range(layout.num_layers)]
+    with pytest.raises(KVPayloadSizeError, match="message budget"):
+        encode_blocks(k, k, [0], 0, 1, layout)  # raises on the call, not on first iteration
+
+
+def test_a_custom_budget_below_one_block_is_refused() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
+    k, v = _random_caches(layout, 2, seed=0)
+    with pytest.raises(KVPayloadSizeError):
+        encode_blocks(k, v, [0, 1], 0, 2, layout, max_payload_bytes=layout.block_bytes() - 1)
+
+
+def test_sender_rejects_a_range_outside_its_block_table() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32)
+    k, v = _random_caches(layout, 4, seed=0)
+    with pytest.raises(ValueError, match="block table"):
+        encode_blocks(k, v, [0, 1], 1, 2, layout)
+    with pytest.raises(ValueError, match="outside the cache"):
+        encode_blocks(k, v, [0, 9], 0, 2, layout)
+
+
+# --- receiver rejects every corruption and writes nothing ---------------------------------------
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
+RESERVED = 4  # blocks the receiver reserved for the request
+RECEIVER_TABLE = [5, 2, 7, 0, 3]  # one entry more than reserved: a block of some other request
+
+
+@dataclass
+class Receiver:
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    chunk: prefill_pb2.KVChunk
+
+    def assert_untouched_after(self, chunk: prefill_pb2.KVChunk, error: type[KVTransferError], match: str):
+        before = (_snapshot(self.k), _snapshot(self.v))
+        with pytest.raises(error, match=match):
+            write_chunk(chunk, LAYOUT, RECEIVER_TABLE, RESERVED, self.k, self.v)
+        assert (_snapshot(self.k), _snapshot(self.v)) == before
+
+
+@pytest.fixture
+def receiver() -> Receiver:
+    """A receiver cache and a valid chunk for logical blocks [1, 3) of the request, all layers."""
+    k_src, v_src = _random_caches(LAYOUT, 6, seed=1)
+    (chunk,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT)
+    k_dst, v_dst = _random_caches(LAYOUT, 8, seed=2)
+    return Receiver(k_dst, v_dst, chunk)
+
+
+def _corrupted(chunk: prefill_pb2.KVChunk, **fields) -> prefill_pb2.KVChunk:
+    copy = prefill_pb2.KVChunk()
+    copy.CopyFrom(chunk)
+    for name, value in fields.items():
+        if name == "shape":
+            del copy.shape[:]
+            copy.shape.extend(value)
+        else:
+            setattr(copy, name, value)
+    return copy
+
+
+def _with_payload(chunk: prefill_pb2.KVChunk, payload: bytes) -> prefill_pb2.KVChunk:
+    """Replace the payload and fix its checksum, so only the size is wrong."""
+    return _corrupted(chunk, payload=payload, crc32c=crc32c.crc32c(payload))
+
+
+def test_valid_chunk_is_accepted(receiver: Receiver) -> None:
+    assert write_chunk(receiver.chunk, LAYOUT, RECEIVER_TABLE, RESERVED, receiver.k, receiver.v) > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(position=st.integers(0, 2 * 3 * 2 * 4 * 2 * 4 * 4 - 1), bit=st.integers(0, 7))
+def test_any_flipped_payload_bit_fails_the_checksum(position: int, bit: int) -> None:
+    k_src, v_src = _random_caches(LAYOUT, 6, seed=1)
+    (chunk,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT)
+    assert len(chunk.payload) == 2 * 3 * 2 * 4 * 2 * 4 * 4
+    payload = bytearray(chunk.payload)
+    payload[position] ^= 1 << bit
+    k_dst, v_dst = _random_caches(LAYOUT, 8, seed=2)
+    Receiver(k_dst, v_dst, chunk).assert_untouched_after(
+        _corrupted(chunk, payload=bytes(payload)), KVChecksumError, "CRC32C"
+    )
+
+
+CORRUPTIONS: list[tuple[str, Callable[[prefill_pb2.KVChunk], prefill_pb2.KVChunk], type, str]] = [
+    ("wrong checksum", lambda c: _corrupted(c, crc32c=c.crc32c ^ 1), KVChecksumError, "CRC32C"),
+    # Same element count, different meaning: only the shape check can catch this.
+    (
+        "swapped heads and head_dim",
+        lambda c: _corrupted(c, shape=[2, 3, 2, 4, 4, 2]),
+        KVLayoutMismatchError,
+        "shape",
+    ),
+    (
+        "shape of fewer layers",
+        lambda c: _corrupted(c, shape=[2, 2, 2, 4, 2, 4]),
+        KVLayoutMismatchError,
+        "shape",
+    ),
+    (
+        "shape missing a dimension",
+        lambda c: _corrupted(c, shape=[2, 3, 2, 4, 8]),
+        KVLayoutMismatchError,
+        "shape",
+    ),
+    ("negative shape", lambda c: _corrupted(c, shape=[2, 3, 2, 4, 2, -4]), KVLayoutMismatchError, "shape"),
+    ("other float dtype", lambda c: _corrupted(c, dtype="bfloat16"), KVLayoutMismatchError, "dtype"),
+    ("unknown dtype", lambda c: _corrupted(c, dtype="int8"), KVLayoutMismatchError, "dtype"),
+    (
+        "layer start past the end",
+        lambda c: _corrupted(c, layer_start=3, num_layers=1),
+        KVRangeError,
+        "layers",
+    ),
+    ("layer range overhangs", lambda c: _corrupted(c, layer_start=1), KVRangeError, "layers"),
+    ("no layers", lambda c: _corrupted(c, num_layers=0), KVRangeError, "layers"),
+    ("huge layer start", lambda c: _corrupted(c, layer_start=2**32 - 1), KVRangeError, "layers"),
+    ("block in another request's slot", lambda c: _corrupted(c, block_start=3), KVRangeError, "blocks"),
+    ("block far out of range", lambda c: _corrupted(c, block_start=2**32 - 2), KVRangeError, "blocks"),
+    ("no blocks", lambda c: _corrupted(c, num_blocks=0), KVRangeError, "blocks"),
+    ("truncated payload", lambda c: _with_payload(c, c.payload[:-4]), KVPayloadSizeError, "bytes"),
+    ("payload cut mid-element", lambda c: _with_payload(c, c.payload[:-1]), KVPayloadSizeError, "bytes"),
+    ("empty payload", lambda c: _with_payload(c, b""), KVPayloadSizeError, "bytes"),
+    (
+        "payload with extra bytes",
+        lambda c: _with_payload(c, c.payload + b"\0" * 4),
+        KVPayloadSizeError,
+        "bytes",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error", "match"),
+    [case[1:] for case in CORRUPTIONS],
+    ids=[case[0] for case in CORRUPTIONS],
+)
+def test_corrupted_chunk_is_rejected_and_writes_nothing(
+    receiver: Receiver, corrupt, error: type[KVTransferError], match: str
+) -> None:
+    receiver.assert_untouched_after(corrupt(receiver.chunk), error, match)
+
+
+@pytest.mark.parametrize(
+    "sender_layout",
+    [
+        dataclasses.replace(LAYOUT, block_size=2),
+        dataclasses.replace(LAYOUT, num_kv_heads=1, head_dim=8),
+        dataclasses.replace(LAYOUT, dtype=torch.bfloat16),
+    ],
+    ids=["block_size", "heads", "dtype"],
+)
+def test_chunk_from_a_peer_with_another_layout_is_rejected(
+    receiver: Receiver, sender_layout: KVLayout
+) -> None:
+    k_src, v_src = _random_caches(sender_layout, 4, seed=3)
+    (chunk,) = encode_blocks(k_src, v_src, [0, 1], 0, 2, sender_layout)
+    receiver.assert_untouched_after(chunk, KVLayoutMismatchError, "layout")
+
+
+def test_all_wire_errors_are_tandem_errors() -> None:
+    from engine.errors import TandemError
+
+    for error in (KVChecksumError, KVLayoutMismatchError, KVRangeError, KVPayloadSizeError):
+        assert issubclass(error, KVTransferError) and issubclass(error, TandemError)
+
+
+# --- layout and compatibility hash ---------------------------------------------------------------
+
+
+def test_layout_proto_round_trip() -> None:
+    for dtype in DTYPES:
+        layout = dataclasses.replace(LAYOUT, dtype=dtype)
+        message = prefill_pb2.KVLayout.FromString(layout.to_proto().SerializeToString())
+        assert KVLayout.from_proto(message) == layout
+    assert LAYOUT.to_proto().dtype == "float32"
+    assert dataclasses.replace(LAYOUT, dtype=torch.bfloat16).to_proto().dtype == "bfloat16"
+
+
+def test_block_bytes_counts_k_and_v() -> None:
+    assert LAYOUT.block_bytes() == 2 * 4 * 2 * 4 * 4
+    assert dataclasses.replace(LAYOUT, dtype=torch.float16).block_bytes() == 2 * 4 * 2 * 4 * 2
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="int8"),
+        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype=""),
+        prefill_pb2.KVLayout(num_layers=0, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32"),
+        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=0, dtype="float16"),
+    ],
+)
+def test_invalid_peer_layout_is_rejected(message: prefill_pb2.KVLayout) -> None:
+    with pytest.raises(KVLayoutMismatchError):
+        KVLayout.from_proto(message)
+
+
+def test_unsupported_local_dtype_is_rejected() -> None:
+    with pytest.raises(KVLayoutMismatchError, match="float64"):
+        dataclasses.replace(LAYOUT, dtype=torch.float64)
+
+
+def test_compatibility_hash_changes_with_every_input() -> None:
+    base = compatibility_hash("smollm2-135m@abc", LAYOUT)
+    assert base == compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT))
+    assert len(base) == 64 and int(base, 16) >= 0
+    variants = [
+        compatibility_hash("smollm2-135m@abd", LAYOUT),
+        compatibility_hash("", LAYOUT),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, num_layers=4)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, num_kv_heads=3)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, head_dim=8)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, block_size=8)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.bfloat16)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.float16)),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_compatibility_hash_does_not_run_fields_together() -> None:
+    # Swapping values between two fields must not give the same hash.
+    swapped = dataclasses.replace(LAYOUT, num_kv_heads=LAYOUT.head_dim, head_dim=LAYOUT.num_kv_heads)
+    assert compatibility_hash("m", swapped) != compatibility_hash("m", LAYOUT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_round_trip_between_gpu_caches() -> None:
+    layout = dataclasses.replace(LAYOUT, dtype=torch.bfloat16)
+    k_src, v_src = _random_caches(layout, 6, seed=4, device="cuda")
+    k_dst, v_dst = _random_caches(layout, 6, seed=5, device="cuda")
+    for chunk in encode_blocks(k_src, v_src, [3, 0, 5], 0, 3, layout, max_payload_bytes=layout.block_bytes()):
+        write_chunk(chunk, layout, [1, 4, 2], 3, k_dst, v_dst)
+    for layer in range(layout.num_layers):
+        assert torch.equal(k_dst[layer][[1, 4, 2]], k_src[layer][[3, 0, 5]])
+        assert torch.equal(v_dst[layer][[1, 4, 2]], v_src[layer][[3, 0, 5]])
