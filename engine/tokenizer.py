@@ -1,0 +1,123 @@
+"""The tokenizer both tiers share: a thin wrapper over a local Hugging Face tokenizer.
+
+It exists so that the rest of tandem sees plain lists of ints and our own exceptions, and so that
+the end-of-sequence ids come from one place (the tokenizer's eos plus generation_config.json, which
+is where chat models such as Llama 3 list their extra end-of-turn tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _generation_config_eos_ids(directory: Path) -> set[int]:
+    """The eos_token_id entry of `directory/generation_config.json` (an int or a list), if any."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(token_id) for token_id in eos}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and end-of-sequence ids."""
+
+    def __init__(
+        self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
+        self._hf = hf_tokenizer
+        eos = set(extra_eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        self._eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer saved in the local directory `path` (tokenizer.json and friends)."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ModelNotFoundError(f"tokenizer directory {directory} does not exist")
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except OSError as exc:
+            raise ModelNotFoundError(f"no loadable tokenizer in {directory}: {exc}") from exc
+        extra_eos = frozenset(_generation_config_eos_ids(directory))
+        tokenizer = cls(hf_tokenizer, extra_eos)
+        logger.info("loaded tokenizer from %s: vocab %d, eos ids %s", directory, tokenizer.vocab_size,
+                    sorted(tokenizer.eos_token_ids))
+        return tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens the model's tokenizer adds by default (e.g. BOS)."""
+        return list(self._hf(text)["input_ids"])
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], sanitize_control_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a chat ending in the assistant's generation prompt.
+
+        With `sanitize_control_tokens` (the default) control tokens written inside message contents
+        are encoded as plain text, so a user cannot close their turn and forge another role's.
+        """
+        if self._hf.chat_template is None:
+            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        conversation = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidRequestError(f"messages[{index}] must be a mapping with role and content")
+            role = message.get("role")
+            content = message.get("content")
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}"
+                )
+            if not isinstance(content, str):
+                raise InvalidRequestError(f"messages[{index}].content must be a string, got {content!r}")
+            conversation.append({"role": role, "content": content})
+        try:
+            encoded = self._hf.apply_chat_template(
+                conversation,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                sanitize_control_tokens=sanitize_control_tokens,
+            )
+        except TemplateError as exc:
+            # Templates reject some conversations themselves (e.g. roles that do not alternate).
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
+        return list(encoded["input_ids"])
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
+        return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation unless the request says ignore_eos."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return len(self._hf)
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The wrapped transformers tokenizer, for what this class does not cover."""
+        return self._hf
