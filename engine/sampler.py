@@ -132,28 +132,26 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
 
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        use_top_k = any(k < vocab for k in top_k)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        if use_top_p:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            if use_top_k:
-                kth_index = torch.tensor(top_k, device=device).sub_(1).unsqueeze(1)
-                kth_value = sorted_logits.gather(1, kth_index)
-                sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, neg_inf)
-            probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1).sub_(probs)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
-            # Rows with top_p == 1 are excluded explicitly: rounding can push mass_before to 1.
-            drop = (mass_before >= top_p) & (top_p < 1.0)
-            sorted_logits = sorted_logits.masked_fill(drop, neg_inf)
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        elif use_top_k:
-            max_k = max(top_k)
+        if any(k < vocab for k in top_k):
+            # The k-th largest value is exact whichever way it is found, so comparing against it
+            # gives every row the same mask whatever else is in the batch.
+            max_k = max(k for k in top_k if k < vocab)
             largest = logits.topk(max_k, dim=-1, sorted=True).values
             kth_index = torch.tensor([min(k, max_k) - 1 for k in top_k], device=device).unsqueeze(1)
             kth_value = largest.gather(1, kth_index)
-            off = torch.tensor([k >= vocab for k in top_k], device=device).unsqueeze(1)
-            logits = logits.masked_fill((logits < kth_value) & ~off, neg_inf)
+            top_k_off = torch.tensor([k >= vocab for k in top_k], device=device).unsqueeze(1)
+            logits = logits.masked_fill((logits < kth_value) & ~top_k_off, neg_inf)
+
+        top_p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0]
+        if top_p_rows:
+            # Only these rows pay for the full sort; each row's result depends on that row alone.
+            rows = torch.tensor(top_p_rows, device=device)
+            top_p = torch.tensor([params[r].top_p for r in top_p_rows], dtype=torch.float32, device=device)
+            sorted_logits, order = logits.index_select(0, rows).sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), neg_inf)
+            logits[rows] = torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
 
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
