@@ -97,8 +97,13 @@ class Sequence:
         return text
 
     def _finish(self, reason: FinishReason, matched: str | int | None) -> str:
+        """Record why the sequence ended and release any text still held back."""
         self.finish_reason, self.matched_stop = reason, matched
-        return self.stop_matcher.flush() if self.stop_matcher is not None else ""
+        tail = self.detokenizer.flush() if self.detokenizer is not None else ""
+        if self.stop_matcher is None:
+            return tail
+        text, _ = self.stop_matcher.feed(tail)
+        return text + self.stop_matcher.flush()
 
     def abort(self) -> None:
         self.finish_reason = FinishReason.ABORT

