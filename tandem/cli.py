@@ -55,7 +55,37 @@ def _run_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_fetch_model,)
+def _add_serve_decode(tiers: argparse._SubParsersAction) -> None:
+    # decode_service.cli declares its flags without importing torch or gRPC.
+    from decode_service.cli import add_arguments
+
+    parser = tiers.add_parser(
+        "decode",
+        help="run the decode tier: the public Generation API and the continuous batcher",
+        description="Serve tandem.v1.Generation on one model. Without a prefill tier it runs aggregated, "
+        "prefilling prompts itself with chunked prefill mixed into its decode steps.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=_run_serve_decode)
+
+
+def _run_serve_decode(args: argparse.Namespace) -> int:
+    from decode_service.cli import run
+
+    return run(args)
+
+
+SERVE_TIERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_serve_decode,)
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run a serving tier", description="Run one tandem tier.")
+    tiers = parser.add_subparsers(dest="tier", metavar="TIER", required=True)
+    for add_tier in SERVE_TIERS:
+        add_tier(tiers)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_fetch_model, _add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

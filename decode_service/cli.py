@@ -1,0 +1,107 @@
+"""`tandem serve decode`: its flags, and turning them into a running server.
+
+`add_arguments` imports nothing heavy so that `tandem --help` stays fast; `run` loads torch, the model
+and gRPC only when the server actually starts. The flags are the CLI contract the Helm chart uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `tandem serve decode`."""
+    parser.add_argument(
+        "--model", type=Path, required=True, help="local model directory (safetensors, config, tokenizer)"
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="serve Prometheus metrics over HTTP on this port (default: 0, off)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument(
+        "--kv-cache-memory", default="2GiB",
+        help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: 2GiB)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=512,
+        help="tokens per step, decodes plus prefill chunks (default: 512)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    parser.add_argument("--policy", default="fifo", choices=["fifo", "priority", "sjf", "wfq"])
+    parser.add_argument(
+        "--tenant-weights", default="", help="wfq weights per tenant, e.g. a=2,b=1 (others weigh 1)"
+    )
+    parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
+    parser.add_argument(
+        "--static-batch-timeout", type=float, default=0.1,
+        help="static batching: seconds to wait for a full batch before running a partial one (default: 0.1)",
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=256,
+        help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED (default: 256)",
+    )
+    parser.add_argument(
+        "--max-tokens-cap", type=int, default=4096,
+        help="max_tokens of requests that leave it unset, at most (default: 4096)",
+    )
+    parser.add_argument(
+        "--drain-grace-seconds", type=float, default=30.0,
+        help="on SIGTERM, how long running requests may take to finish (default: 30)",
+    )
+    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, start the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
+    import asyncio
+
+    import torch
+
+    from decode_service.config import DecodeServiceConfig, parse_memory_size, parse_tenant_weights
+    from decode_service.log_format import use_log_format
+    from decode_service.server import serve
+    from engine.config import CacheConfig, EngineConfig, parse_dtype
+    from engine.engine import Engine
+
+    use_log_format(args.log_format)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    engine_config = EngineConfig(
+        dtype=parse_dtype(args.dtype),
+        device=args.device,
+        cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_memory_size(args.kv_cache_memory)),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    config = DecodeServiceConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        tenant_weights=parse_tenant_weights(args.tenant_weights),
+        batching=args.batching,
+        static_batch_timeout_s=args.static_batch_timeout,
+        max_queue=args.max_queue,
+        max_tokens_cap=args.max_tokens_cap,
+        drain_grace_seconds=args.drain_grace_seconds,
+    )
+    config.validate()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    engine = Engine.from_pretrained(args.model, engine_config)
+    return asyncio.run(serve(engine, config))

@@ -1,0 +1,101 @@
+"""How one decode server runs: its address, scheduling policy, batching mode, queue and drain limits.
+
+Engine sizing (max_num_seqs, max_num_batched_tokens, max_model_len, KV pool) lives in
+`engine.config.EngineConfig`, because the engine enforces it; this is everything the decode tier adds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.errors import TandemError
+
+BATCHING_MODES = ("continuous", "static")
+
+
+class ConfigError(TandemError, ValueError):
+    """A server setting is out of range or malformed (the server refuses to start)."""
+
+
+@dataclass(frozen=True)
+class DecodeServiceConfig:
+    """Settings of the decode tier; defaults suit a single CPU replica.
+
+    `max_queue` bounds the requests waiting beyond a full batch: the server holds at most
+    `max_num_seqs + max_queue` live requests and refuses more with RESOURCE_EXHAUSTED.
+    `max_tokens_cap` is the default `max_tokens` when a request leaves it unset (further capped by
+    what the context has left). A request preempted `max_preemptions` times ranks ahead of every
+    request that was not, so it is never the victim again while others are (bounded thrash).
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    policy: str = "fifo"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    sjf_aging_tokens_per_second: float = 100.0
+    batching: str = "continuous"
+    static_batch_timeout_s: float = 0.1
+    max_queue: int = 256
+    max_tokens_cap: int = 4096
+    max_preemptions: int = 3
+    admission_watermark: float = 0.01
+    drain_grace_seconds: float = 30.0
+    event_log_size: int = 4096
+    warm_up: bool = True
+
+    def validate(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ConfigError(f"batching must be one of {', '.join(BATCHING_MODES)}, not {self.batching!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_queue", "max_preemptions"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_tokens_cap < 1:
+            raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if not 0 <= self.admission_watermark < 1:
+            raise ConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
+        for name in ("static_batch_timeout_s", "drain_grace_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.event_log_size < 1:
+            raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """Parse `a=2,b=1` into {'a': 2.0, 'b': 1.0}; an empty string means no weights."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        tenant, sep, value = item.partition("=")
+        if not sep or not tenant.strip():
+            raise ConfigError(f"tenant weights look like a=2,b=1; cannot parse {item!r}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ConfigError(f"weight of tenant {tenant.strip()!r} is not a number: {value!r}") from None
+        if not weight > 0:
+            raise ConfigError(f"weight of tenant {tenant.strip()!r} must be > 0, got {value!r}")
+        weights[tenant.strip()] = weight
+    return weights
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+    "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """Parse a byte size such as `2GiB`, `512MiB`, `1.5G` or `1048576` (Kubernetes-style Gi/Mi too)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot parse memory size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"memory size must be > 0, got {text!r}")
+    return size

@@ -1,0 +1,147 @@
+"""Scheduling policies: which waiting request is admitted next, and which running one is preempted.
+
+A policy is one ordering used both ways, so admission and preemption can never disagree: the scheduler
+admits the waiting request with the smallest `rank` and, when the KV pool runs dry, preempts the
+running request with the largest. Policies see requests, never blocks or the engine.
+
+- `fifo`: arrival order (preempts the newest arrival).
+- `priority`: higher `priority` first, FIFO among equals.
+- `sjf`: shortest estimated job first (prompt + max_tokens still to compute), with aging: every second
+  of waiting takes `aging_tokens_per_second` off the estimate, so a long job is eventually admitted
+  however many short ones keep arriving.
+- `wfq`: weighted fair queuing across tenants by token cost. Each tenant has a virtual counter of the
+  tokens it was served divided by its weight (prompt tokens charged at first admission, one token per
+  generated token); the tenant with the smallest counter goes next. A tenant that comes back from idle
+  starts at the smallest counter among backlogged tenants, so it cannot bank credit while away, and a
+  tenant that floods the queue only advances its own counter: it cannot starve another.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping
+from typing import ClassVar
+
+from decode_service.config import ConfigError
+from decode_service.request import ServedRequest
+
+Rank = tuple[float, ...]
+
+
+class SchedulingPolicy(ABC):
+    """Orders requests; smaller rank = more urgent. Stateless policies only implement `rank`."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, request: ServedRequest, now: float) -> Rank:
+        """The request's place in line at time `now` (monotonic seconds)."""
+
+    def on_enqueued(self, request: ServedRequest) -> None:
+        """A new request entered the system (not called again when a preempted one is requeued)."""
+        return
+
+    def on_admitted(self, request: ServedRequest) -> None:
+        """The request got its prompt blocks and starts prefill (also after each preemption)."""
+        return
+
+    def on_token_generated(self, request: ServedRequest) -> None:
+        """The request received one more generated token."""
+        return
+
+    def on_finished(self, request: ServedRequest) -> None:
+        """The request left the system (finished, aborted or failed)."""
+        return
+
+
+class FifoPolicy(SchedulingPolicy):
+    name = "fifo"
+
+    def rank(self, request: ServedRequest, now: float) -> Rank:
+        return (request.arrival_index,)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+
+    def rank(self, request: ServedRequest, now: float) -> Rank:
+        return (-request.priority, request.arrival_index)
+
+
+class ShortestJobFirstPolicy(SchedulingPolicy):
+    name = "sjf"
+
+    def __init__(self, aging_tokens_per_second: float = 100.0) -> None:
+        if aging_tokens_per_second < 0:
+            raise ConfigError(f"SJF aging must be >= 0 tokens/s, got {aging_tokens_per_second}")
+        self.aging_tokens_per_second = aging_tokens_per_second
+
+    def rank(self, request: ServedRequest, now: float) -> Rank:
+        waited = max(0.0, now - request.arrival_time)
+        estimate = request.estimated_remaining_tokens - self.aging_tokens_per_second * waited
+        return (estimate, request.arrival_index)
+
+
+class WeightedFairQueuingPolicy(SchedulingPolicy):
+    name = "wfq"
+
+    def __init__(
+        self, tenant_weights: Mapping[str, float] | None = None, default_weight: float = 1.0
+    ) -> None:
+        weights = dict(tenant_weights or {})
+        for tenant, weight in [*weights.items(), ("<default>", default_weight)]:
+            if not weight > 0:
+                raise ConfigError(f"tenant weight must be > 0, got {tenant}={weight}")
+        self.tenant_weights = weights
+        self.default_weight = default_weight
+        self.virtual_tokens: dict[str, float] = {}
+        self._live = Counter[str]()
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, self.default_weight)
+
+    def rank(self, request: ServedRequest, now: float) -> Rank:
+        return (self.virtual_tokens.get(request.tenant, 0.0), request.arrival_index)
+
+    def on_enqueued(self, request: ServedRequest) -> None:
+        tenant = request.tenant
+        if self._live[tenant] == 0:
+            backlogged = [self.virtual_tokens.get(t, 0.0) for t, n in self._live.items() if n > 0]
+            floor = min(backlogged, default=0.0)
+            self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), floor)
+        self._live[tenant] += 1
+
+    def on_admitted(self, request: ServedRequest) -> None:
+        # Only the first admission is charged: recomputing after a preemption is the server's cost.
+        if request.num_preemptions == 0:
+            self._charge(request.tenant, request.seq.num_prompt_tokens)
+
+    def on_token_generated(self, request: ServedRequest) -> None:
+        self._charge(request.tenant, 1)
+
+    def on_finished(self, request: ServedRequest) -> None:
+        self._live[request.tenant] -= 1
+        if self._live[request.tenant] <= 0:
+            del self._live[request.tenant]
+
+    def _charge(self, tenant: str, num_tokens: int) -> None:
+        self.virtual_tokens[tenant] = self.virtual_tokens.get(tenant, 0.0) + num_tokens / self.weight(tenant)
+
+
+POLICY_NAMES = ("fifo", "priority", "sjf", "wfq")
+
+
+def make_policy(
+    name: str, tenant_weights: Mapping[str, float] | None = None, sjf_aging_tokens_per_second: float = 100.0
+) -> SchedulingPolicy:
+    """Build the policy named in the server config."""
+    if name == "fifo":
+        return FifoPolicy()
+    if name == "priority":
+        return PriorityPolicy()
+    if name == "sjf":
+        return ShortestJobFirstPolicy(sjf_aging_tokens_per_second)
+    if name == "wfq":
+        return WeightedFairQueuingPolicy(tenant_weights)
+    raise ConfigError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {name!r}")

@@ -1,0 +1,88 @@
+"""A request as the decode tier serves it: the engine's `Sequence` plus what scheduling and streaming need.
+
+The engine only knows tokens and blocks. Priority, tenant, arrival order, preemption count and the
+timings reported to the client belong to the tier that owns the queue, so they live here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sequence import FinishReason, Sequence
+
+
+class RequestState(enum.Enum):
+    """Where a request is in the decode tier's pipeline.
+
+    WAITING: queued, holds no blocks. PREFILLING: admitted, its prompt blocks are reserved and its KV
+    is being computed (locally now, by a prefill tier later). RUNNING: in the decode batch, one token
+    per step. FINISHED: done or aborted, holds no blocks.
+    """
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class ServedRequest:
+    """One live request of the decode tier (identity equality: two requests are never 'equal')."""
+
+    seq: Sequence
+    priority: int = 0
+    tenant: str = ""
+    # Monotonic seconds; the edge stamps it on receipt, else the scheduler does when the request is added.
+    arrival_time: float | None = None
+    state: RequestState = RequestState.WAITING
+    # Set by the scheduler when the request is added: a total order of arrivals for FIFO ties.
+    arrival_index: int = -1
+    num_preemptions: int = 0
+    admitted_time: float | None = None
+    prefill_done_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def estimated_total_tokens(self) -> int:
+        """Upper bound on the tokens this request will hold: prompt plus max_tokens."""
+        return self.seq.num_prompt_tokens + self.seq.stopping.max_tokens
+
+    @property
+    def estimated_remaining_tokens(self) -> int:
+        """Tokens still to compute if it runs to max_tokens: uncomputed history plus ungenerated output."""
+        left_to_generate = self.seq.stopping.max_tokens - self.seq.num_output_tokens
+        return self.seq.num_uncomputed_tokens + max(0, left_to_generate)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one generated token and the top alternatives, as the API reports them."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step produced for one request: the message its stream sends next.
+
+    A delta with `finish_reason` set is the last one. `error` is set instead when the engine failed
+    on this request; the stream then ends with an error status.
+    """
+
+    request: ServedRequest
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None

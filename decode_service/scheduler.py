@@ -1,0 +1,305 @@
+"""The iteration-level batcher: decides, before every forward, who runs and with how many tokens.
+
+Each step: every running sequence gets one decode token (growing its block table, preempting by policy
+when the pool is dry); then new requests are admitted in policy order while slots and blocks last
+(their prompt blocks reserved, handed to the prefill stage); then prefill chunks fill what is left of
+the token budget. After the forward, finished sequences free their blocks at once, so the next step's
+admission already sees them.
+
+`StaticScheduler` is the baseline continuous batching is measured against: it fills a batch (or waits
+a timeout), reserves every member's full length, and admits nothing until the whole batch is done.
+
+The scheduler is single-threaded: only the engine loop thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decode_service.config import ConfigError, DecodeServiceConfig
+from decode_service.event_log import ChunkKind
+from decode_service.policies import Rank, SchedulingPolicy
+from decode_service.prefill_stage import LocalPrefillStage, PrefillStage
+from decode_service.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
+from engine.engine import Engine, TokenOutput
+from engine.errors import InvalidRequestError
+from engine.model_runner import ScheduledChunk
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One step's work: the chunks of the forward, what kind each is, and who was preempted for it."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    kinds: list[ChunkKind] = field(default_factory=list)
+    preempted: list[ServedRequest] = field(default_factory=list)
+
+    def add(self, chunk: ScheduledChunk, kind: ChunkKind) -> None:
+        self.chunks.append(chunk)
+        self.kinds.append(kind)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+def check_fits_pool(engine: Engine, seq: Sequence) -> None:
+    """Refuse a request that could not finish even with the whole KV pool to itself.
+
+    Preemption only helps when the victim can eventually run alone; a request longer than the pool
+    would preempt everyone and then itself, forever.
+    """
+    needed = engine.block_manager.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
+    total = engine.block_manager.allocator.num_blocks
+    if needed > total:
+        raise InvalidRequestError(
+            f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) needs "
+            f"{needed} KV blocks but the server's pool has {total}; lower max_tokens"
+        )
+
+
+class ContinuousScheduler:
+    """Continuous batching with chunked prefill, policy-ordered admission and preemption."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: SchedulingPolicy,
+        config: DecodeServiceConfig,
+        prefill_stage: PrefillStage | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.config = config
+        self.prefill_stage = prefill_stage or LocalPrefillStage()
+        self.clock = clock
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.token_budget = engine.config.max_num_batched_tokens
+        if self.token_budget < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.token_budget}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that every running sequence gets its token each step"
+            )
+        self.watermark_blocks = int(config.admission_watermark * engine.block_manager.allocator.num_blocks)
+        self.waiting: list[ServedRequest] = []
+        self.running: list[ServedRequest] = []
+        self.num_preemptions = 0
+        self._live: dict[str, ServedRequest] = {}
+        self._next_arrival_index = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def prefilling(self) -> list[ServedRequest]:
+        return self.prefill_stage.requests
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._live)
+
+    def add(self, request: ServedRequest) -> None:
+        """Queue a validated request; it holds no blocks until admitted."""
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already live")
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        request.arrival_index = self._next_arrival_index
+        self._next_arrival_index += 1
+        request.state = RequestState.WAITING
+        self._live[request.request_id] = request
+        self.waiting.append(request)
+        self.policy.on_enqueued(request)
+
+    def abort(self, request_id: str) -> ServedRequest | None:
+        """Remove a live request wherever it is and free its blocks; None when no such request."""
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        request.seq.abort()
+        self._finish(request)
+        return request
+
+    def idle_wait_seconds(self) -> float | None:
+        """How long the loop may sleep for new input when `schedule` found nothing to run (None: forever)."""
+        return None
+
+    # -- ranking -------------------------------------------------------------------------------------
+
+    def _rank(self, request: ServedRequest, now: float) -> tuple[int, Rank]:
+        """Policy rank, behind a thrash guard: requests preempted too often go first."""
+        protected = request.num_preemptions >= self.config.max_preemptions
+        return (0 if protected else 1, self.policy.rank(request, now))
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: decodes first, then admissions, then prefill chunks, within the budget."""
+        now = self.clock()
+        plan = StepPlan()
+        budget = self._schedule_decodes(plan, now)
+        if not plan.preempted:
+            self._admit(now)
+        for chunk in self.prefill_stage.plan_chunks(budget):
+            plan.add(chunk, "prefill")
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan, now: float) -> int:
+        """Give each running sequence one token, most urgent first; returns the budget left."""
+        budget = self.token_budget
+        block_manager = self.engine.block_manager
+        scheduled: set[int] = set()
+        for request in sorted(self.running, key=lambda r: self._rank(r, now)):
+            if request.state is not RequestState.RUNNING or budget == 0:
+                continue
+            table, needed = request.seq.block_table, request.seq.num_tokens
+            while not block_manager.can_grow(table, needed):
+                victim = self._pick_victim(request, scheduled, now)
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                block_manager.grow(table, needed)
+                plan.add(ScheduledChunk(request.seq, 1), "decode")
+                scheduled.add(id(request))
+                budget -= 1
+        return budget
+
+    def _pick_victim(self, needy: ServedRequest, scheduled: set[int], now: float) -> ServedRequest:
+        """The least urgent request holding blocks that this step has not already scheduled."""
+        candidates = [r for r in self.running if id(r) not in scheduled] + self.prefill_stage.requests
+        return max(candidates, key=lambda r: self._rank(r, now), default=needy)
+
+    def _preempt(self, request: ServedRequest) -> None:
+        """Free a request's blocks and requeue it; it recomputes its prompt and outputs when readmitted."""
+        if request.state is RequestState.RUNNING:
+            self.running.remove(request)
+        else:
+            self.prefill_stage.remove(request)
+        self.engine.free(request.seq)
+        request.state = RequestState.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)
+        logger.debug("preempted %s (%d times)", request.request_id, request.num_preemptions)
+
+    def _admission_open(self, now: float) -> bool:
+        return True
+
+    def _reserved_tokens(self, request: ServedRequest) -> int:
+        """Tokens to reserve blocks for at admission: the known history (prompt + outputs so far)."""
+        return request.seq.num_tokens
+
+    def _admit(self, now: float) -> None:
+        """Admit waiting requests in policy order while slots and blocks last; stop at the first misfit.
+
+        Stopping (rather than skipping to a smaller request) keeps the policy's order honest: a big
+        request at the head is not overtaken forever by small ones.
+        """
+        if not self.waiting or not self._admission_open(now):
+            return
+        block_manager = self.engine.block_manager
+        while self.waiting and len(self.running) + len(self.prefill_stage) < self.max_num_seqs:
+            request = min(self.waiting, key=lambda r: self._rank(r, now))
+            needed = block_manager.blocks_for_tokens(self._reserved_tokens(request))
+            busy = bool(self.running) or len(self.prefill_stage) > 0
+            reserve = self.watermark_blocks if busy else 0
+            if needed + reserve > block_manager.num_free_blocks:
+                break
+            self.waiting.remove(request)
+            block_manager.grow(request.seq.block_table, self._reserved_tokens(request))
+            request.state = RequestState.PREFILLING
+            if request.admitted_time is None:
+                request.admitted_time = now
+            self.policy.on_admitted(request)
+            self.prefill_stage.start(request)
+
+    # -- after the forward ---------------------------------------------------------------------------
+
+    def complete_step(self, plan: StepPlan, outputs: list[TokenOutput]) -> list[StreamDelta]:
+        """Turn the step's sampled tokens into stream deltas; free finished sequences right away."""
+        now = self.clock()
+        deltas = []
+        for out in outputs:
+            request = self._live[out.seq.request_id]
+            if request.state is RequestState.PREFILLING:
+                self.prefill_stage.remove(request)
+                request.state = RequestState.RUNNING
+                self.running.append(request)
+                if request.prefill_done_time is None:
+                    request.prefill_done_time = now
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.policy.on_token_generated(request)
+            logprobs = []
+            if request.seq.sampling.logprobs > 0:
+                logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
+            deltas.append(StreamDelta(request, [out.token_id], out.text, logprobs, out.finish_reason))
+            if out.finish_reason is not None:
+                self._finish(request)
+        return deltas
+
+    def fail_step(self, plan: StepPlan, error: Exception) -> list[StreamDelta]:
+        """The forward failed: end every request in it with the error, freeing its blocks."""
+        deltas = []
+        for chunk in plan.chunks:
+            request = self._live.get(chunk.seq.request_id)
+            if request is not None:
+                chunk.seq.abort()
+                self._finish(request)
+                deltas.append(StreamDelta(request, error=error))
+        return deltas
+
+    def _finish(self, request: ServedRequest) -> None:
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state is RequestState.PREFILLING:
+            self.prefill_stage.remove(request)
+        elif request.state is RequestState.RUNNING:
+            self.running.remove(request)
+        self.engine.free(request.seq)
+        request.state = RequestState.FINISHED
+        del self._live[request.request_id]
+        self.policy.on_finished(request)
+
+
+class StaticScheduler(ContinuousScheduler):
+    """Static batching: fill a batch (or wait `static_batch_timeout_s`), run it to its longest member.
+
+    Every member's blocks are reserved for prompt + max_tokens up front, as static batching does, so a
+    batch never needs preemption; slots freed by early finishers stay empty until the batch ends.
+    """
+
+    def _batch_in_flight(self) -> bool:
+        return bool(self.running) or len(self.prefill_stage) > 0
+
+    def _admission_open(self, now: float) -> bool:
+        if self._batch_in_flight():
+            return False
+        if len(self.waiting) >= self.max_num_seqs:
+            return True
+        oldest = min(r.arrival_time for r in self.waiting)
+        return now - oldest >= self.config.static_batch_timeout_s
+
+    def _reserved_tokens(self, request: ServedRequest) -> int:
+        return request.seq.num_prompt_tokens + request.seq.stopping.max_tokens
+
+    def idle_wait_seconds(self) -> float | None:
+        if not self.waiting or self._batch_in_flight():
+            return None
+        oldest = min(r.arrival_time for r in self.waiting)
+        return max(0.0, oldest + self.config.static_batch_timeout_s - self.clock())

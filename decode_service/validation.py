@@ -1,0 +1,91 @@
+"""The one place a public `GenerateRequest` is checked and turned into an engine sequence.
+
+Everything a client can get wrong is caught here, before the request reaches the scheduler, as an
+`InvalidRequestError` whose message names the field; the servicer maps it to INVALID_ARGUMENT.
+
+Defaults for unset fields follow what vLLM users expect: temperature 1.0, top_p 1.0, top_k off,
+min_p 0, no seed; `max_tokens` unset means "until the context is full", capped by the server's
+`max_tokens_cap` (and never less than 1, so an over-long prompt is reported as such).
+"""
+
+from __future__ import annotations
+
+from decode_service.scheduler import check_fits_pool
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams, StoppingParams
+from engine.sequence import Sequence
+from protos.tandem.v1 import generation_pb2 as pb
+
+
+def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
+    """The prompt as token ids, from exactly one of prompt, token_ids and messages."""
+    given = [name for name, present in (
+        ("prompt", bool(request.prompt)),
+        ("token_ids", len(request.token_ids) > 0),
+        ("messages", len(request.messages) > 0),
+    ) if present]
+    if len(given) != 1:
+        detail = "none was given" if not given else f"got {' and '.join(given)}"
+        raise InvalidRequestError(f"set exactly one of prompt, token_ids and messages; {detail}")
+    if given[0] == "token_ids":
+        return list(request.token_ids)
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError(f"this server has no tokenizer: send token_ids instead of {given[0]}")
+    if given[0] == "prompt":
+        ids = tokenizer.encode(request.prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt encodes to no tokens")
+        return ids
+    return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams with the server defaults for unset fields; validated."""
+    proto = request.sampling
+    params = SamplingParams(
+        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+        top_k=proto.top_k if proto.HasField("top_k") else -1,
+        min_p=proto.min_p if proto.HasField("min_p") else 0.0,
+        seed=proto.seed if proto.HasField("seed") else None,
+        logprobs=proto.logprobs,
+    )
+    params.validate()
+    return params
+
+
+def stopping_params(
+    request: pb.GenerateRequest, num_prompt_tokens: int, engine: Engine, max_tokens_cap: int
+) -> StoppingParams:
+    """StoppingParams; unset max_tokens fills the context up to `max_tokens_cap`. Validated."""
+    proto = request.stopping
+    if proto.HasField("max_tokens"):
+        max_tokens = proto.max_tokens
+    else:
+        max_tokens = max(1, min(engine.max_model_len - num_prompt_tokens, max_tokens_cap))
+    params = StoppingParams(
+        max_tokens=max_tokens,
+        stop=tuple(proto.stop),
+        stop_token_ids=tuple(proto.stop_token_ids),
+        ignore_eos=proto.ignore_eos,
+        min_tokens=proto.min_tokens,
+    )
+    params.validate(engine.vocab_size)
+    return params
+
+
+def build_sequence(
+    request: pb.GenerateRequest, request_id: str, engine: Engine, max_tokens_cap: int
+) -> Sequence:
+    """Validate a public request against the served model and return its engine sequence.
+
+    Tokenizes text and chat prompts, so call it off the event loop.
+    """
+    sampling = sampling_params(request)
+    ids = prompt_token_ids(request, engine)
+    stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
+    seq = engine.make_sequence(ids, sampling, stopping, request_id)
+    check_fits_pool(engine, seq)
+    return seq
