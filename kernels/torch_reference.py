@@ -109,6 +109,51 @@ def paged_decode_attention(
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
+def decode_attention_partials(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    split_size: int,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First stage of split-KV decode, written plainly: per split of `split_size` context tokens,
+    the softmax-normalised output and the natural-log sum-exp of its scores.
+
+    Returns `partial [B, heads, num_splits, d]` and `lse [B, heads, num_splits]` in fp32; a split
+    past the end of its sequence has output 0 and lse -inf (it carries no weight in the merge).
+    """
+    batch, num_heads, head_dim = query.shape
+    group = num_heads // k_cache.shape[2]
+    partial = torch.zeros((batch, num_heads, num_splits, head_dim), dtype=torch.float32)
+    lse = torch.full((batch, num_heads, num_splits), float("-inf"))
+    for i in range(batch):
+        seq_len = int(seq_lens[i])
+        key = gather_context(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        value = gather_context(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        for split in range(num_splits):
+            span = slice(split * split_size, min((split + 1) * split_size, seq_len))
+            if span.start >= seq_len:
+                break
+            scores = torch.einsum("hd,nhd->hn", query[i].float(), key[span]) * scale
+            lse[i, :, split] = torch.logsumexp(scores, dim=-1)
+            partial[i, :, split] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), value[span])
+    return partial, lse
+
+
+def merge_attention_partials(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Second stage of split-KV decode: the splits' outputs weighted by softmax over their lse.
+
+    `partial [B, heads, S, d]`, `lse [B, heads, S]` -> `[B, heads, d]` fp32. A row whose splits
+    all have lse -inf (an empty sequence) merges to zeros.
+    """
+    empty = torch.isneginf(lse).all(dim=-1, keepdim=True)
+    weights = torch.softmax(lse.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return (weights.unsqueeze(-1) * partial.float()).sum(dim=-2)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

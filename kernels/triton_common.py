@@ -1,0 +1,79 @@
+"""What every Triton kernel of tandem shares: the paged-cache address arithmetic, the dot input dtype,
+and facts about the device that launch heuristics need.
+
+The address arithmetic lives in one `@triton.jit` helper so the 64-bit rule is written (and tested)
+once: a cache with a few million blocks has element offsets past 2**31, and an offset computed in
+int32 silently wraps and reads another sequence's keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Streaming multiprocessors assumed when the kernels run without a GPU (the interpreter): an H100/H200.
+DEFAULT_NUM_SMS = 132
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` was decorated under `TRITON_INTERPRET=1` and so runs in numpy on the CPU.
+
+    Asked of the kernel object, not the environment, because the decision was taken when the
+    module was imported and a later change of the variable does not change the kernel.
+    """
+    return isinstance(kernel, InterpretedFunction)
+
+
+def dot_dtype(kernel: object, dtype: torch.dtype) -> tl.dtype:
+    """The input dtype of `tl.dot` for tensors of `dtype`.
+
+    The interpreter computes bf16/fp16 dots wrongly, so under it every dot runs in fp32; on a GPU
+    half-precision inputs go to the tensor cores as they are, with fp32 accumulation.
+    """
+    if is_interpreted(kernel):
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+def dot_precision(dtype: tl.dtype) -> str:
+    """`tl.dot`'s input_precision: full fp32 for fp32 inputs (a fp32 model asked for fp32, and TF32
+    would flip greedy near-ties against the reference), the default for half inputs (where it is moot).
+    """
+    return "ieee" if dtype == tl.float32 else "tf32"
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """How many programs run at once, to the first order: the SM count, or an H200's on a CPU."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def slot_offsets(slots, block_size, stride_block, stride_token):
+    """Element offsets (int64) of flat cache slots (block * block_size + row), as in the slot mapping."""
+    slots = slots.to(tl.int64)
+    return (slots // block_size) * stride_block + (slots % block_size) * stride_token
+
+
+@triton.jit
+def kv_token_offsets(table_row_ptr, positions, mask, block_size, stride_block, stride_token):
+    """Element offsets (int64) of context `positions` of one sequence in a paged cache.
+
+    `table_row_ptr` points at the sequence's row of the block table; a position p lives in slot
+    p % block_size of physical block table[p // block_size]. The block id is widened to int64
+    before it is scaled, which is the whole point of this helper.
+    """
+    block_ids = tl.load(table_row_ptr + positions // block_size, mask=mask, other=0).to(tl.int64)
+    return block_ids * stride_block + (positions % block_size).to(tl.int64) * stride_token

@@ -1,0 +1,182 @@
+"""Chunked-prefill attention over the paged cache, for a mixed batch of prompt chunks and decodes.
+
+Sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`, its last q_len positions;
+their K/V have already been written into the cache, so the cached prefix and the chunk itself
+are one range of context positions `0..seq_len`, all read through the block table. One program
+computes a tile of `BLOCK_M` query rows of one query head with an fp32 online softmax and a
+causal mask (query at position p sees keys 0..p); KV tiles past the tile's last query position
+are never visited. A single-token decode is simply a sequence with q_len 1, so prefill chunks and
+decodes share the launch.
+
+The grid is `(query tiles of the longest chunk, sequences, query heads)`; tiles past a shorter
+chunk's end exit at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton_common import dot_dtype, dot_precision, kv_token_offsets
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """Launch shape: query rows and context positions per tile, and the warps/stages to run them."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tile(head_dim: int) -> PrefillTile:
+    """Tiles sized so Q, K, V and the accumulator of one program fit in registers/shared memory.
+
+    The Q tile and accumulator grow with head_dim, so larger heads get fewer rows or more warps.
+    """
+    if head_dim <= 64:
+        return PrefillTile(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PrefillTile(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    scale_log2,
+    block_size,
+    stride_q_token,
+    stride_q_head,
+    stride_c_block,
+    stride_c_token,
+    stride_c_head,
+    stride_table,
+    stride_o_token,
+    stride_o_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    query_pos = prefix + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    tokens = (q_begin + rows).to(tl.int64)
+    q_offsets = tokens[:, None] * stride_q_token + head.to(tl.int64) * stride_q_head + dims[None, :]
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0).to(DOT_DTYPE)
+
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
+    kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
+    kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < kv_end
+        token_offsets = kv_token_offsets(
+            table_row, positions, valid, block_size, stride_c_block, stride_c_token
+        )
+        kv_offsets = (token_offsets + kv_head_offset)[:, None] + dims[None, :]
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = valid[None, :] & (positions[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Every row sees key 0, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_offsets = tokens[:, None] * stride_o_token + head.to(tl.int64) * stride_o_head + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    tile: PrefillTile | None = None,
+) -> torch.Tensor:
+    """Attention for the flat token batch `query [T, heads, head_dim]` described by `meta`.
+
+    Same contract as `torch_reference.paged_attention`. `tile` defaults to `prefill_tile(head_dim)`;
+    tests pass smaller ones to cover many tiles with few tokens.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("query and cache need a contiguous head_dim")
+    tile = tile or prefill_tile(head_dim)
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(meta.max_query_len, tile.block_m), meta.num_seqs, num_heads)
+    dot_type = dot_dtype(_prefill_kernel, k_cache.dtype)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        out,
+        scale * math.log2(math.e),
+        block_size,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        DOT_DTYPE=dot_type,
+        DOT_PRECISION=dot_precision(dot_type),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
