@@ -1,0 +1,359 @@
+"""The decode tier's batcher without gRPC: continuous batching, chunked prefill, preemption, policies,
+static mode and aborts, driven step by step through `EngineLoop.step_once` on tiny random models."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import pytest
+import torch
+from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
+
+from decode_service.config import DecodeServiceConfig
+from decode_service.engine_loop import EngineLoop
+from decode_service.event_log import EventLog, StepRecord
+from decode_service.policies import make_policy
+from decode_service.request import RequestState, ServedRequest, StreamDelta
+from decode_service.scheduler import ContinuousScheduler, StaticScheduler
+from engine.params import SamplingParams, StoppingParams
+from engine.sequence import FinishReason
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return tiny_hf_model(11)
+
+
+class FakeClock:
+    """A clock the test advances by hand, so aging and timeouts are deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """An engine loop with a scheduler, collecting every delta per request."""
+
+    def __init__(
+        self, engine, policy: str = "fifo", batching: str = "continuous", clock=None, **config_kwargs
+    ) -> None:
+        self.engine = engine
+        self.config = DecodeServiceConfig(policy=policy, batching=batching, **config_kwargs)
+        scheduler_type = StaticScheduler if batching == "static" else ContinuousScheduler
+        policy_obj = make_policy(policy, self.config.tenant_weights, self.config.sjf_aging_tokens_per_second)
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.scheduler = scheduler_type(engine, policy_obj, self.config, **kwargs)
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.finish: dict[str, FinishReason] = {}
+        self.errors: dict[str, Exception] = {}
+        self.loop = EngineLoop(engine, self.scheduler, self._deliver, EventLog(100_000))
+
+    def _deliver(self, deltas: list[StreamDelta]) -> None:
+        for delta in deltas:
+            rid = delta.request.request_id
+            self.tokens[rid].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finish[rid] = delta.finish_reason
+            if delta.error is not None:
+                self.errors[rid] = delta.error
+
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, **kwargs) -> ServedRequest:
+        stopping = StoppingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = ServedRequest(self.engine.make_sequence(prompt, GREEDY, stopping, request_id), **kwargs)
+        self.loop.submit(request)
+        return request
+
+    def run(self) -> list[StepRecord]:
+        self.loop.run_until_idle()
+        return self.loop.events.snapshot()
+
+
+def first_step(events: list[StepRecord], request_id: str) -> int:
+    return next(e.step for e in events if request_id in e.request_ids)
+
+
+def last_step(events: list[StepRecord], request_id: str) -> int:
+    return max(e.step for e in events if request_id in e.request_ids)
+
+
+def admission_order(events: list[StepRecord]) -> list[str]:
+    order: list[str] = []
+    for event in events:
+        order.extend(c.request_id for c in event.chunks if c.kind == "prefill" and c.request_id not in order)
+    return order
+
+
+def test_new_requests_join_while_others_run_and_blocks_come_back(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=200, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = Harness(engine)
+    prompts = random_prompts(12, 21, min_len=2, max_len=50)
+    max_tokens = [2, 40, 5, 30, 3, 25, 8, 12, 35, 4, 20, 6]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        harness.submit(f"r{i}", prompt, n)
+    events = harness.run()
+
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, n)
+        assert harness.finish[f"r{i}"] is FinishReason.LENGTH
+    assert max(len(e.request_ids) for e in events) == 4
+    late = [f"r{i}" for i in range(12) if first_step(events, f"r{i}") > 0]
+    assert late, "every request started at step 0: nothing joined a running batch"
+    for rid in late:
+        joined = first_step(events, rid)
+        still_running = [
+            other for other in (f"r{i}" for i in range(12))
+            if first_step(events, other) < joined <= last_step(events, other) and other != rid
+        ]
+        assert still_running, f"{rid} joined at step {joined} only after the whole batch had drained"
+    # A finish frees its slot and blocks at once: whenever requests still waited, the next step admitted one.
+    for event, following in itertools.pairwise(events):
+        if event.finished and event.num_waiting > 0:
+            assert following.prefill_ids - event.request_ids, f"step {following.step} admitted nobody"
+    assert events[-1].num_free_blocks == 200
+    assert engine.block_manager.num_free_blocks == 200
+
+
+def test_long_prompt_is_chunked_while_decodes_keep_going(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=16)
+    harness = Harness(engine)
+    short = random_prompts(2, 22, min_len=3, max_len=6)
+    for i, prompt in enumerate(short):
+        harness.submit(f"short{i}", prompt, 60)
+    while len(harness.tokens) < 2:
+        harness.loop.step_once()
+    long_prompt = random_prompts(1, 23, min_len=200, max_len=200)[0]
+    harness.submit("long", long_prompt, 3)
+    events = harness.run()
+
+    prefill_steps = [e for e in events if "long" in e.prefill_ids]
+    assert len(prefill_steps) >= 200 // 14
+    for event in prefill_steps:
+        assert event.decode_ids == {"short0", "short1"}, f"step {event.step} stalled a running decode"
+        assert sum(c.num_tokens for c in event.chunks) <= 16
+    assert harness.tokens["long"] == hf_greedy(hf_model, long_prompt, 3)
+    assert harness.tokens["short0"] == hf_greedy(hf_model, short[0], 60)
+
+
+def test_preemption_recomputes_and_outputs_match_hf(hf_model):
+    # 8 requests of up to 44 tokens need 6 blocks each at full length: 48 blocks, the pool has 16.
+    engine = engine_for(hf_model, block_size=8, num_blocks=16, shuffle_seed=3, max_num_seqs=8,
+                        max_num_batched_tokens=64)
+    harness = Harness(engine)
+    prompts = random_prompts(8, 24, min_len=10, max_len=20)
+    for i, prompt in enumerate(prompts):
+        harness.submit(f"r{i}", prompt, 24)
+    events = harness.run()
+
+    assert harness.scheduler.num_preemptions > 0
+    assert any(e.preempted for e in events)
+    for i, prompt in enumerate(prompts):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 24), f"r{i} diverged after preemption"
+        assert harness.finish[f"r{i}"] is FinishReason.LENGTH
+    assert engine.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(
+    ("policy", "requests", "expected"),
+    [
+        # (request id, prompt length, max_tokens, priority)
+        ("fifo", [("a", 9, 9, 0), ("b", 2, 2, 9), ("c", 5, 5, 0), ("d", 1, 1, 0)], ["a", "b", "c", "d"]),
+        ("priority", [("a", 3, 3, 0), ("b", 3, 3, 5), ("c", 3, 3, 1), ("d", 3, 3, 5), ("e", 3, 3, -1)],
+         ["b", "d", "c", "a", "e"]),
+        ("sjf", [("a", 20, 10, 0), ("b", 5, 5, 0), ("c", 10, 10, 0), ("d", 3, 2, 0), ("e", 15, 10, 0)],
+         ["d", "b", "c", "e", "a"]),
+    ],
+)
+def test_policy_admission_order(hf_model, policy, requests, expected):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+    harness = Harness(engine, policy=policy, clock=FakeClock())
+    for (rid, prompt_len, max_tokens, priority), prompt in zip(
+        requests, random_prompts(len(requests), 25, min_len=20, max_len=20), strict=True
+    ):
+        harness.submit(rid, prompt[:prompt_len], max_tokens, priority=priority)
+    assert admission_order(harness.run()) == expected
+
+
+def test_wfq_admission_interleaves_tenants_by_weight(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+    harness = Harness(engine, policy="wfq", tenant_weights={"a": 2.0, "b": 1.0}, clock=FakeClock())
+    prompt = random_prompts(1, 26, min_len=4, max_len=4)[0]
+    for tenant in "ab":
+        for i in range(6):
+            harness.submit(f"{tenant}{i}", prompt, 4, tenant=tenant)
+    # Each request costs 8 virtual tokens for b and 4 for a; ties go to the earlier arrival.
+    expected = ["a0", "b0", "a1", "a2", "b1", "a3", "a4", "b2", "a5", "b3", "b4", "b5"]
+    assert admission_order(harness.run()) == expected
+
+
+def test_wfq_token_shares_follow_weights_when_one_tenant_floods(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=128, max_num_seqs=3, max_num_batched_tokens=64)
+    harness = Harness(engine, policy="wfq", tenant_weights={"a": 2.0, "b": 1.0})
+    prompts = random_prompts(60, 27, min_len=4, max_len=8)
+    tenant_of = {}
+    # b floods first with twice as many requests; it must not starve a, nor get more than its weight.
+    for i in range(40):
+        tenant_of[f"b{i}"] = "b"
+        harness.submit(f"b{i}", prompts[i], 10, tenant="b")
+    for i in range(20):
+        tenant_of[f"a{i}"] = "a"
+        harness.submit(f"a{i}", prompts[40 + i], 10, tenant="a")
+    events = harness.run()
+
+    # Measure while both tenants are backlogged: until a's last request is admitted.
+    window_end = max(first_step(events, f"a{i}") for i in range(20))
+    served = defaultdict(int)
+    for event in events[: window_end + 1]:
+        for chunk in event.chunks:
+            served[tenant_of[chunk.request_id]] += chunk.num_tokens
+    share_a = served["a"] / (served["a"] + served["b"])
+    assert abs(share_a - 2 / 3) <= 0.1 * 2 / 3, f"tenant a got {share_a:.2f} of the tokens, weight says 0.67"
+
+
+@pytest.mark.parametrize(("aging", "admitted"), [(5.0, True), (0.0, False)])
+def test_sjf_aging_admits_a_long_job_despite_a_stream_of_short_ones(hf_model, aging, admitted):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+    clock = FakeClock()
+    harness = Harness(engine, policy="sjf", sjf_aging_tokens_per_second=aging, clock=clock)
+    prompts = random_prompts(2, 28, min_len=4, max_len=4)
+    long_job = harness.submit("long", prompts[0], 50)
+    for step in range(150):
+        waiting_short = [r for r in harness.scheduler.waiting if r is not long_job]
+        if len(waiting_short) < 2:
+            harness.submit(f"short{step}", prompts[1][:2], 2)
+        harness.loop.step_once()
+        clock.now += 1.0
+        if long_job.state is not RequestState.WAITING:
+            break
+    assert (long_job.state is not RequestState.WAITING) is admitted
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("priority", "early-low"), ("fifo", "late-high")])
+def test_policy_picks_the_preemption_victim(hf_model, policy, victim):
+    # Two sequences of up to 20 tokens need 5 blocks each; the pool has 6, so one must be preempted.
+    engine = engine_for(hf_model, block_size=4, num_blocks=6, max_num_seqs=2, max_num_batched_tokens=16)
+    harness = Harness(engine, policy=policy)
+    prompts = random_prompts(2, 29, min_len=4, max_len=4)
+    harness.submit("early-low", prompts[0], 16, priority=0)
+    harness.submit("late-high", prompts[1], 16, priority=5)
+    events = harness.run()
+    preempted = [rid for e in events for rid in e.preempted]
+    assert preempted and preempted[0] == victim
+    for rid, prompt in zip(("early-low", "late-high"), prompts, strict=True):
+        assert harness.tokens[rid] == hf_greedy(hf_model, prompt, 16)
+    assert engine.block_manager.num_free_blocks == 6
+
+
+@pytest.mark.parametrize(("max_preemptions", "first_after_victim"), [(1, "low"), (100, "high2")])
+def test_a_request_preempted_too_often_goes_first(hf_model, max_preemptions, first_after_victim):
+    engine = engine_for(hf_model, block_size=4, num_blocks=6, max_num_seqs=2, max_num_batched_tokens=16)
+    harness = Harness(engine, policy="priority", max_preemptions=max_preemptions)
+    prompts = random_prompts(3, 30, min_len=4, max_len=4)
+    harness.submit("low", prompts[0], 16, priority=0)
+    harness.loop.step_once()
+    harness.submit("high", prompts[1], 16, priority=5)
+    harness.submit("high2", prompts[2], 16, priority=5)
+    events = harness.run()
+    assert [rid for e in events for rid in e.preempted][0] == "low"
+    victim_step = next(e.step for e in events if e.preempted)
+    readmitted = [
+        c.request_id for e in events[victim_step + 1 :] for c in e.chunks if c.kind == "prefill"
+    ]
+    assert readmitted[0] == first_after_victim
+    assert all(rid in harness.finish for rid in ("low", "high", "high2"))
+    assert engine.block_manager.num_free_blocks == 6
+
+
+def test_static_batching_same_tokens_with_idle_slots(hf_model):
+    prompts = random_prompts(8, 31, min_len=3, max_len=30)
+    max_tokens = [2, 20, 4, 3, 18, 2, 5, 3]
+    steps = {}
+    for batching in ("static", "continuous"):
+        engine = engine_for(
+            hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=128
+        )
+        harness = Harness(engine, batching=batching)
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            harness.submit(f"r{i}", prompt, n)
+        events = harness.run()
+        steps[batching] = len(events)
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, n)
+        assert engine.block_manager.num_free_blocks == 100
+        if batching == "static":
+            first_batch = {f"r{i}" for i in range(4)}
+            second_start = min(first_step(events, f"r{i}") for i in range(4, 8))
+            assert second_start > max(last_step(events, rid) for rid in first_batch)
+            idle = [e for e in events if e.num_waiting > 0 and len(e.request_ids) < 4]
+            assert idle, "static batching never left a slot idle while requests waited"
+    assert steps["continuous"] < steps["static"]
+
+
+def test_static_batch_waits_for_a_full_batch_or_the_timeout(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=64)
+    clock = FakeClock()
+    harness = Harness(engine, batching="static", static_batch_timeout_s=2.0, clock=clock)
+    prompts = random_prompts(2, 32, min_len=3, max_len=8)
+    for i, prompt in enumerate(prompts):
+        harness.submit(f"r{i}", prompt, 3)
+    assert not harness.loop.step_once()
+    assert harness.scheduler.idle_wait_seconds() == pytest.approx(2.0)
+    clock.now = 2.0
+    assert harness.loop.step_once()
+    assert harness.loop.events.snapshot()[-1].prefill_ids == {"r0", "r1"}
+
+
+def test_abort_frees_waiting_prefilling_and_running_requests(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=8)
+    harness = Harness(engine)
+    prompts = random_prompts(3, 33, min_len=4, max_len=4)
+    running = harness.submit("running", prompts[0], 50)
+    harness.loop.step_once()
+    prefilling = harness.submit("prefilling", prompts[1] * 20, 5)
+    waiting = harness.submit("waiting", prompts[2], 5)
+    harness.loop.step_once()
+    assert (running.state, prefilling.state, waiting.state) == (
+        RequestState.RUNNING, RequestState.PREFILLING, RequestState.WAITING
+    )
+    assert engine.block_manager.num_free_blocks < 64
+    for rid in ("running", "prefilling", "waiting"):
+        harness.loop.abort(rid)
+    harness.loop.abort("no-such-request")
+    harness.loop.step_once()
+    assert harness.finish == dict.fromkeys(("running", "prefilling", "waiting"), FinishReason.ABORT)
+    assert engine.block_manager.num_free_blocks == 64
+    assert not harness.scheduler.has_work
+
+
+def test_a_failing_forward_fails_its_requests_and_frees_their_blocks(hf_model, monkeypatch):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = Harness(engine)
+    prompts = random_prompts(2, 34, min_len=4, max_len=10)
+    harness.submit("a", prompts[0], 5)
+    harness.loop.step_once()
+
+    def broken_step(chunks):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    harness.loop.step_once()
+    assert isinstance(harness.errors["a"], RuntimeError)
+    assert engine.block_manager.num_free_blocks == 64
+    monkeypatch.undo()
+    harness.submit("b", prompts[1], 5)
+    harness.run()
+    assert harness.tokens["b"] == hf_greedy(hf_model, prompts[1], 5)
