@@ -465,7 +465,7 @@ def test_gpu_benchmark_dry_run(repo_root, tmp_path):
     """The benchmark's CPU dry run: kernels checked against references on tiny shapes, JSON written."""
     out = tmp_path / "kernels.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.kernels_gpu", "--dry-run", "--output", str(out)],
+        [sys.executable, "-m", "bench.kernels_gpu", "--dry-run", "--out", str(out)],
         cwd=repo_root, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
