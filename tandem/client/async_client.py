@@ -1,0 +1,144 @@
+"""The asyncio client: `AsyncTandemClient`, the same API as `TandemClient` with awaitables.
+
+Create it inside the event loop that will use it (grpc.aio channels belong to one loop). Leaving an
+`async for` over `generate()` early, or cancelling the task, cancels the call and so the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc
+from tandem.client.connection import ConnectionSettings, Metadata
+from tandem.client.errors import error_from_rpc
+from tandem.client.requests import ChatMessageLike, build_request
+from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
+from tandem.security import PathLike
+
+
+class AsyncTandemClient:
+    """The asyncio twin of `TandemClient`; see it for the constructor's arguments."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        ca_cert: PathLike | None = None,
+        client_cert: PathLike | None = None,
+        client_key: PathLike | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        timeout: float | None = None,
+        options: Iterable[tuple[str, Any]] = (),
+    ) -> None:
+        self._settings = ConnectionSettings.create(
+            target, tls=tls, ca_cert=ca_cert, client_cert=client_cert, client_key=client_key,
+            tls_server_name=tls_server_name, auth_token=auth_token, timeout=timeout, options=options,
+        )
+        self._channel = self._settings.aio_channel()
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def target(self) -> str:
+        return self._settings.target
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Iterable[ChatMessageLike] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        logprobs: int = 0,
+        max_tokens: int | None = None,
+        stop: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Stream a completion (`async for`); arguments as in `TandemClient.generate`."""
+        request = build_request(
+            prompt, token_ids=token_ids, messages=messages, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, seed=seed, logprobs=logprobs, max_tokens=max_tokens, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
+            request_id=request_id, priority=priority, tenant=tenant,
+        )
+        return self._stream(request, timeout, metadata)
+
+    async def _stream(
+        self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata | None
+    ) -> AsyncIterator[GenerationDelta]:
+        call = self._stub.Generate(
+            request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+        )
+        try:
+            async for message in call:
+                yield GenerationDelta.from_proto(message)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run `generate()` with the same arguments to the end and return the whole completion."""
+        builder = CompletionBuilder()
+        async for delta in self.generate(prompt, **kwargs):
+            builder.add(delta)
+        return builder.build()
+
+    async def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
+        """Abort a running or queued request; True if the server found it (its stream ends with ABORT)."""
+        request = pb.AbortRequest(request_id=request_id)
+        response = await self._unary(self._stub.Abort, request, timeout, metadata)
+        return response.aborted
+
+    async def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> ModelInfo:
+        response = await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
+        return ModelInfo.from_proto(response)
+
+    async def health(
+        self, service: str = "", *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> str:
+        """The grpc.health.v1 status of `service` ('' is the whole server): 'SERVING', 'NOT_SERVING', ..."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = await self._unary(self._health.Check, request, timeout, metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def _unary(
+        self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None
+    ) -> Any:
+        try:
+            return await method(
+                request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTandemClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

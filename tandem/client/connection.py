@@ -1,0 +1,75 @@
+"""How a client reaches a server: target, TLS, bearer token, default deadline, per-call metadata.
+
+Shared by the sync and asyncio clients so both resolve credentials and metadata identically; only
+channel creation differs (`grpc` vs `grpc.aio`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.security import PathLike, bearer_metadata, channel_credentials
+
+logger = logging.getLogger(__name__)
+
+Metadata = Mapping[str, str] | Iterable[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class ConnectionSettings:
+    target: str
+    credentials: grpc.ChannelCredentials | None
+    options: tuple[tuple[str, Any], ...]
+    auth_token: str | None
+    timeout: float | None
+
+    @classmethod
+    def create(
+        cls,
+        target: str,
+        *,
+        tls: bool = False,
+        ca_cert: PathLike | None = None,
+        client_cert: PathLike | None = None,
+        client_key: PathLike | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        timeout: float | None = None,
+        options: Iterable[tuple[str, Any]] = (),
+    ) -> ConnectionSettings:
+        """Any certificate path (or `tls=True`, which trusts the system's CAs) makes the channel TLS."""
+        secure = tls or any(p is not None for p in (ca_cert, client_cert, client_key))
+        credentials = channel_credentials(ca_cert, client_cert, client_key) if secure else None
+        channel_options = list(options)
+        if tls_server_name:
+            # Verify the server's certificate against this name instead of the host in `target`.
+            channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if auth_token and not secure:
+            logger.warning("sending a bearer token to %s over a plaintext channel", target)
+        return cls(target, credentials, tuple(channel_options), auth_token or None, timeout)
+
+    def deadline(self, timeout: float | None) -> float | None:
+        """Seconds allowed for one call: the call's own timeout, else the client's default."""
+        return self.timeout if timeout is None else timeout
+
+    def metadata(self, extra: Metadata | None = None) -> tuple[tuple[str, str], ...]:
+        """The bearer token (if any) followed by the caller's own metadata for this call."""
+        entries = [bearer_metadata(self.auth_token)] if self.auth_token else []
+        if extra:
+            entries.extend(extra.items() if isinstance(extra, Mapping) else extra)
+        return tuple(entries)
+
+    def sync_channel(self) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(self.target, options=self.options)
+        return grpc.secure_channel(self.target, self.credentials, options=self.options)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.target, options=self.options)
+        return grpc.aio.secure_channel(self.target, self.credentials, options=self.options)

@@ -1,0 +1,213 @@
+"""`tandem generate`: stream one completion from a decode server to the terminal.
+
+stdout carries only the generated text (or, with --json, one JSON object per stream message), so it
+can be piped; the closing summary (finish reason, usage, time to first token) and errors go to stderr.
+Exit status: 0 when generation finished (stop or length), 1 on a server error or an aborted request,
+2 on a usage error (as argparse), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from google.protobuf import json_format
+
+from tandem.client.errors import TandemError
+from tandem.client.results import FinishReason, GenerationDelta
+from tandem.client.sync_client import TandemClient
+from tandem.security import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
+
+DEFAULT_TARGET = "localhost:50051"
+STDIN_PROMPT = "-"
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+def _int_list(text: str) -> list[int]:
+    """Parse '1,2, 3' (the argparse type of the token-id flags)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `tandem generate`."""
+    parser.add_argument(
+        "prompt", nargs="?", metavar="PROMPT", help=f"prompt text; {STDIN_PROMPT!r} reads it from stdin"
+    )
+    prompt = parser.add_argument_group("prompt")
+    prompt.add_argument("--chat", action="store_true", help="send PROMPT as a user message (chat template)")
+    prompt.add_argument("--system", metavar="TEXT", help="with --chat: a system message before PROMPT")
+    prompt.add_argument(
+        "--token-ids", type=_int_list, metavar="IDS", help="token ids instead of PROMPT, e.g. 1,2,3"
+    )
+
+    sampling = parser.add_argument_group("sampling (unset: the server's default)")
+    sampling.add_argument("--temperature", type=float, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--seed", type=int, help="makes sampling reproducible")
+    sampling.add_argument(
+        "--logprobs", type=int, default=0, metavar="N", help="logprobs with N alternatives (see --json)"
+    )
+
+    stopping = parser.add_argument_group("stopping")
+    stopping.add_argument("--max-tokens", type=int, help="tokens to generate at most")
+    stopping.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    stopping.add_argument(
+        "--stop-token-ids", type=_int_list, action="extend", default=[], metavar="IDS",
+        help="stop token ids, e.g. 2,7 (repeatable)",
+    )
+    stopping.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    stopping.add_argument("--min-tokens", type=int, default=0, help="do not stop before this many tokens")
+
+    scheduling = parser.add_argument_group("request")
+    scheduling.add_argument(
+        "--priority", type=int, default=0, help="higher runs first under the priority policy"
+    )
+    scheduling.add_argument("--tenant", default="", help="tenant for fair queuing")
+    scheduling.add_argument("--request-id", help="id for Abort (default: chosen by the server)")
+    scheduling.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of the whole stream")
+    scheduling.add_argument("--json", action="store_true", help="print each stream message as one JSON line")
+
+    connection = parser.add_argument_group("connection")
+    connection.add_argument(
+        "--target", default=DEFAULT_TARGET, help=f"server host:port (default: {DEFAULT_TARGET})"
+    )
+    connection.add_argument("--tls", action="store_true", help="use TLS, trusting the system's CAs")
+    connection.add_argument(
+        "--ca-cert", metavar="PEM", help="CA that signed the server's certificate (implies TLS)"
+    )
+    connection.add_argument("--client-cert", metavar="PEM", help="this client's certificate, for mTLS")
+    connection.add_argument("--client-key", metavar="PEM", help="this client's private key, for mTLS")
+    connection.add_argument(
+        "--tls-server-name", metavar="NAME", help="expected name in the server's certificate"
+    )
+    connection.add_argument(
+        "--auth-token", metavar="TOKEN", help=f"bearer token (default: ${AUTH_TOKEN_ENV})"
+    )
+    parser.set_defaults(generate_usage_error=parser.error)
+
+
+def _read_prompt(args: argparse.Namespace) -> str | None:
+    return sys.stdin.read() if args.prompt == STDIN_PROMPT else args.prompt
+
+
+def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """prompt / token_ids / messages from the flags; inconsistent combinations are usage errors."""
+    usage_error = args.generate_usage_error
+    if args.token_ids is not None:
+        if args.prompt is not None:
+            usage_error("give either PROMPT or --token-ids, not both")
+        if args.chat:
+            usage_error("--chat needs PROMPT text, not --token-ids")
+        return {"token_ids": args.token_ids}
+    if args.prompt is None:
+        usage_error(f"give a PROMPT ({STDIN_PROMPT!r} reads it from stdin) or --token-ids")
+    if args.system is not None and not args.chat:
+        usage_error("--system needs --chat")
+    text = _read_prompt(args)
+    if not args.chat:
+        return {"prompt": text}
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return {"messages": [*system, {"role": "user", "content": text}]}
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        **_prompt_kwargs(args),
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "logprobs": args.logprobs,
+        "max_tokens": args.max_tokens,
+        "stop": args.stop,
+        "stop_token_ids": args.stop_token_ids,
+        "ignore_eos": args.ignore_eos,
+        "min_tokens": args.min_tokens,
+        "request_id": args.request_id,
+        "priority": args.priority,
+        "tenant": args.tenant,
+        "timeout": args.timeout,
+    }
+
+
+def _json_line(delta: GenerationDelta) -> str:
+    return json.dumps(json_format.MessageToDict(delta.raw), ensure_ascii=False, separators=(",", ":"))
+
+
+def _summary(final: GenerationDelta, time_to_first_token: float | None) -> str:
+    """One stderr line: why it stopped, token counts, client-side and server-side time to first token."""
+    finish = final.finish_reason.value if final.finish_reason else "unknown"
+    if final.matched_stop is not None:
+        finish += f" (matched {final.matched_stop!r})"
+    parts = [f"finish: {finish}"]
+    if final.usage is not None:
+        usage = final.usage
+        parts.append(f"usage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens")
+    if time_to_first_token is not None:
+        ttft = f"ttft: {time_to_first_token:.3f} s"
+        if final.timings is not None:
+            ttft += f" (server {final.timings.first_token_seconds:.3f} s)"
+        parts.append(ttft)
+    return " | ".join(parts)
+
+
+def _stream(client: TandemClient, kwargs: dict[str, Any], as_json: bool, out: TextIO, err: TextIO) -> int:
+    start = time.monotonic()
+    time_to_first_token: float | None = None
+    final: GenerationDelta | None = None
+    try:
+        for delta in client.generate(**kwargs):
+            if time_to_first_token is None and delta.token_ids:
+                time_to_first_token = time.monotonic() - start
+            out.write(_json_line(delta) + "\n" if as_json else delta.text)
+            out.flush()
+            if delta.is_final:
+                final = delta
+    finally:
+        if not as_json:
+            # End the text's line even when an error cuts the stream short.
+            out.write("\n")
+            out.flush()
+    if final is None:
+        print("error: the stream ended without a final message", file=err)
+        return EXIT_FAILED
+    print(_summary(final, time_to_first_token), file=err)
+    return EXIT_FAILED if final.finish_reason is FinishReason.ABORT else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Send the request and stream the answer; returns the exit status."""
+    kwargs = _request_kwargs(args)
+    try:
+        client = TandemClient(
+            args.target,
+            tls=args.tls,
+            ca_cert=args.ca_cert,
+            client_cert=args.client_cert,
+            client_key=args.client_key,
+            tls_server_name=args.tls_server_name,
+            auth_token=args.auth_token or load_auth_token(),
+        )
+    except CredentialsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    with client:
+        try:
+            return _stream(client, kwargs, args.json, sys.stdout, sys.stderr)
+        except TandemError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED

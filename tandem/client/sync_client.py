@@ -1,0 +1,151 @@
+"""The blocking client: `TandemClient`, for scripts and threads.
+
+Every gRPC failure surfaces as a typed `TandemError`. A `generate()` stream that the caller stops
+iterating (break, exception, garbage collection) cancels its call, which makes the server abort the
+request and free its KV blocks at once instead of generating into the void.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc
+from tandem.client.connection import ConnectionSettings, Metadata
+from tandem.client.errors import error_from_rpc
+from tandem.client.requests import ChatMessageLike, build_request
+from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
+from tandem.security import PathLike
+
+
+class TandemClient:
+    """A connection to one tandem decode server (or a load balancer in front of several).
+
+    `target` is 'host:port'. TLS is on when `tls` is true or any certificate path is given: `ca_cert`
+    verifies the server (default: the system's CAs), `client_cert`/`client_key` authenticate this client
+    under mTLS. `auth_token` is sent as `authorization: Bearer <token>` on every call. `timeout` is the
+    default deadline in seconds of every call (a whole `generate()` stream included); None: no deadline.
+    Use as a context manager, or call `close()`.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        tls: bool = False,
+        ca_cert: PathLike | None = None,
+        client_cert: PathLike | None = None,
+        client_key: PathLike | None = None,
+        tls_server_name: str | None = None,
+        auth_token: str | None = None,
+        timeout: float | None = None,
+        options: Iterable[tuple[str, Any]] = (),
+    ) -> None:
+        self._settings = ConnectionSettings.create(
+            target, tls=tls, ca_cert=ca_cert, client_cert=client_cert, client_key=client_key,
+            tls_server_name=tls_server_name, auth_token=auth_token, timeout=timeout, options=options,
+        )
+        self._channel = self._settings.sync_channel()
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def target(self) -> str:
+        return self._settings.target
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        messages: Iterable[ChatMessageLike] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        seed: int | None = None,
+        logprobs: int = 0,
+        max_tokens: int | None = None,
+        stop: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "",
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> Iterator[GenerationDelta]:
+        """Stream a completion; give exactly one of `prompt`, `token_ids`, `messages`.
+
+        Parameters mean what the fields of the same name in generation.proto mean; None leaves a
+        field unset so the server's default applies. The call starts on the first `next()`.
+        """
+        request = build_request(
+            prompt, token_ids=token_ids, messages=messages, temperature=temperature, top_p=top_p,
+            top_k=top_k, min_p=min_p, seed=seed, logprobs=logprobs, max_tokens=max_tokens, stop=stop,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
+            request_id=request_id, priority=priority, tenant=tenant,
+        )
+        return self._stream(request, timeout, metadata)
+
+    def _stream(
+        self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata | None
+    ) -> Iterator[GenerationDelta]:
+        call = self._stub.Generate(
+            request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+        )
+        try:
+            for message in call:
+                yield GenerationDelta.from_proto(message)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run `generate()` with the same arguments to the end and return the whole completion."""
+        builder = CompletionBuilder()
+        for delta in self.generate(prompt, **kwargs):
+            builder.add(delta)
+        return builder.build()
+
+    def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
+        """Abort a running or queued request; True if the server found it (its stream ends with ABORT)."""
+        response = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata)
+        return response.aborted
+
+    def model_info(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> ModelInfo:
+        response = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
+        return ModelInfo.from_proto(response)
+
+    def health(
+        self, service: str = "", *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> str:
+        """The grpc.health.v1 status of `service` ('' is the whole server): 'SERVING', 'NOT_SERVING', ..."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = self._unary(self._health.Check, request, timeout, metadata)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def _unary(self, method: Any, request: Any, timeout: float | None, metadata: Metadata | None) -> Any:
+        try:
+            return method(
+                request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
