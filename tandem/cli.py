@@ -85,7 +85,31 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         add_tier(tiers)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_fetch_model, _add_serve)
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    # tandem.client.generate_command needs only gRPC and the stubs, never torch.
+    from tandem.client.generate_command import add_arguments
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream one completion from a decode server",
+        description="Send one Generate request and stream the text to stdout as it arrives (--json: one JSON "
+        "object per stream message). The finish reason, usage and time to first token go to stderr.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tandem.client.generate_command import run
+
+    return run(args)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_fetch_model,
+    _add_serve,
+    _add_generate,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
