@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -363,3 +368,57 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(model):
         assert drain.result(60) is True
     finally:
         running.close()
+
+
+def _tandem_command() -> list[str]:
+    script = Path(sys.executable).with_name("tandem")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tandem.cli"]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_a_tandem_serve_decode_process(model):
+    command = [
+        *_tandem_command(), "serve", "decode", "--model", str(model[0]), "--host", "127.0.0.1", "--port", "0",
+        "--threads", "1", "--block-size", "8", "--kv-cache-memory", "16MiB", "--max-model-len", "2048",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--drain-grace-seconds", "60",
+    ]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    port: list[int] = []
+    serving = threading.Event()
+
+    def read_log() -> None:
+        for line in process.stderr:
+            log.append(line)
+            match = re.search(r"decode server serving .* on [0-9.]+:([0-9]+)", line)
+            if match:
+                port.append(int(match.group(1)))
+                serving.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        assert serving.wait(120), "server did not start:\n" + "".join(log)
+        with grpc.insecure_channel(f"127.0.0.1:{port[0]}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest()).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            stream = iter(stub.Generate(greedy_request([3, 4, 5], 1000), timeout=120))
+            received = [next(stream)]
+            process.send_signal(signal.SIGTERM)
+            assert wait_until(
+                lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(greedy_request([1, 2], 2), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in refused.value.details()
+            received.extend(stream)
+        assert received[-1].finish_reason == pb.LENGTH
+        assert len(output_tokens(received)) == 1000
+        assert process.wait(60) == 0, "".join(log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

@@ -1,0 +1,93 @@
+"""Decode-tier settings: flag parsing (the Helm chart's CLI contract), config checks, the error-to-status
+mapping, and the JSON log format."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+import pytest
+
+from decode_service.config import ConfigError, DecodeServiceConfig, parse_memory_size, parse_tenant_weights
+from decode_service.log_format import JsonFormatter
+from decode_service.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
+from decode_service.status import status_for
+from engine.errors import DrainingError, InvalidRequestError, QueueFullError
+from tandem.cli import build_parser
+
+
+def test_tenant_weights_parse():
+    assert parse_tenant_weights("a=2,b=1") == {"a": 2.0, "b": 1.0}
+    assert parse_tenant_weights(" gold = 3.5 , ") == {"gold": 3.5}
+    assert parse_tenant_weights("") == {}
+    for bad in ("a", "=2", "a=x", "a=0", "a=-1"):
+        with pytest.raises(ConfigError):
+            parse_tenant_weights(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000), ("4096", 4096), ("2Gi", 2 << 30)],
+)
+def test_memory_size_parse(text, size):
+    assert parse_memory_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 parsecs", "-1GiB", "0"])
+def test_memory_size_rejects_nonsense(text):
+    with pytest.raises(ConfigError):
+        parse_memory_size(text)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"batching": "dynamic"}, {"port": 70000}, {"max_queue": -1}, {"max_tokens_cap": 0},
+     {"admission_watermark": 1.0}, {"drain_grace_seconds": -1}, {"event_log_size": 0}],
+)
+def test_config_rejects_out_of_range_settings(change):
+    DecodeServiceConfig().validate()
+    with pytest.raises(ConfigError):
+        DecodeServiceConfig(**change).validate()
+
+
+def test_policies_by_name():
+    assert {make_policy(name).name for name in POLICY_NAMES} == set(POLICY_NAMES)
+    with pytest.raises(ConfigError, match="policy must be one of"):
+        make_policy("lottery")
+    with pytest.raises(ConfigError):
+        WeightedFairQueuingPolicy({"a": 0.0})
+    with pytest.raises(ConfigError):
+        make_policy("sjf", sjf_aging_tokens_per_second=-1)
+
+
+def test_serve_decode_accepts_the_helm_chart_flags():
+    args = build_parser().parse_args([
+        "serve", "decode", "--model", "/models/m", "--dtype", "bfloat16", "--block-size", "32",
+        "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090", "--kv-cache-memory", "2GiB",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--max-model-len", "2048",
+        "--policy", "wfq", "--tenant-weights", "a=2,b=1", "--batching", "static", "--threads", "4",
+        "--drain-grace-seconds", "30", "--log-format", "json", "--max-queue", "10", "--max-tokens-cap", "100",
+    ])
+    assert (args.command, args.tier) == ("serve", "decode")
+    assert (args.policy, args.batching, args.block_size, args.max_model_len) == ("wfq", "static", 32, 2048)
+    assert args.handler.__name__ == "_run_serve_decode"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "decode", "--model", "m", "--policy", "random"])
+
+
+def test_errors_map_to_status_codes_in_one_place():
+    assert status_for(InvalidRequestError("bad top_p")) == (grpc.StatusCode.INVALID_ARGUMENT, "bad top_p")
+    assert status_for(QueueFullError("full"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(DrainingError("bye"))[0] == grpc.StatusCode.UNAVAILABLE
+    code, message = status_for(RuntimeError("secret internals"))
+    assert code == grpc.StatusCode.INTERNAL and "secret" not in message
+
+
+def test_json_log_lines_carry_extra_fields():
+    record = logging.LogRecord("tandem.test", logging.INFO, __file__, 1, "hello %s", ("world",), None)
+    record.num_blocks = 12
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["message"] == "hello world"
+    assert entry["level"] == "INFO" and entry["logger"] == "tandem.test"
+    assert entry["num_blocks"] == 12
