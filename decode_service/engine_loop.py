@@ -46,6 +46,7 @@ class EngineLoop:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._ready = threading.Event()
+        self._warm_up_error: Exception | None = None
         self._thread: threading.Thread | None = None
         self.num_steps = 0
 
@@ -76,8 +77,11 @@ class EngineLoop:
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the warm-up forward is done; True when it is."""
-        return self._ready.wait(timeout)
+        """Block until the warm-up forward is done; True when it is. Re-raises a failed warm-up's error."""
+        ready = self._ready.wait(timeout)
+        if self._warm_up_error is not None:
+            raise self._warm_up_error
+        return ready
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the thread after its current step; requests still live are aborted and told so."""
@@ -90,9 +94,16 @@ class EngineLoop:
                 logger.warning("engine loop did not stop within %s s", timeout)
 
     def _run(self, warm_up: bool) -> None:
-        if warm_up:
-            self.warm_up()
-        self._ready.set()
+        try:
+            if warm_up:
+                self.warm_up()
+        except Exception as exc:
+            # The server must not report SERVING on an engine that cannot run a forward.
+            logger.exception("warm-up forward failed")
+            self._warm_up_error = exc
+            return
+        finally:
+            self._ready.set()
         ran = False
         while True:
             if not ran:

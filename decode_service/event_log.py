@@ -40,10 +40,6 @@ class StepRecord:
         return {chunk.request_id for chunk in self.chunks}
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.kind == "prefill")
-
-    @property
     def decode_ids(self) -> set[str]:
         return {c.request_id for c in self.chunks if c.kind == "decode"}
 

@@ -44,10 +44,6 @@ class StepPlan:
         self.chunks.append(chunk)
         self.kinds.append(kind)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 def check_fits_pool(engine: Engine, seq: Sequence) -> None:
     """Refuse a request that could not finish even with the whole KV pool to itself.
@@ -95,10 +91,6 @@ class ContinuousScheduler:
         self._next_arrival_index = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------------
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
 
     @property
     def has_work(self) -> bool:
@@ -161,7 +153,7 @@ class ContinuousScheduler:
         """Give each running sequence one token, most urgent first; returns the budget left."""
         budget = self.token_budget
         block_manager = self.engine.block_manager
-        scheduled: set[int] = set()
+        scheduled: set[ServedRequest] = set()
         for request in sorted(self.running, key=lambda r: self._rank(r, now)):
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
@@ -175,13 +167,13 @@ class ContinuousScheduler:
             else:
                 block_manager.grow(table, needed)
                 plan.add(ScheduledChunk(request.seq, 1), "decode")
-                scheduled.add(id(request))
+                scheduled.add(request)
                 budget -= 1
         return budget
 
-    def _pick_victim(self, needy: ServedRequest, scheduled: set[int], now: float) -> ServedRequest:
+    def _pick_victim(self, needy: ServedRequest, scheduled: set[ServedRequest], now: float) -> ServedRequest:
         """The least urgent request holding blocks that this step has not already scheduled."""
-        candidates = [r for r in self.running if id(r) not in scheduled] + self.prefill_stage.requests
+        candidates = [r for r in self.running if r not in scheduled] + self.prefill_stage.requests
         return max(candidates, key=lambda r: self._rank(r, now), default=needy)
 
     def _preempt(self, request: ServedRequest) -> None:

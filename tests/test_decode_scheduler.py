@@ -367,3 +367,18 @@ def test_a_request_longer_than_the_whole_pool_is_refused_up_front(hf_model):
     too_long = engine.make_sequence(list(range(10)), GREEDY, StoppingParams(max_tokens=23))
     with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the server's pool has 4"):
         check_fits_pool(engine, too_long)
+
+
+def test_a_failed_warm_up_is_reported_instead_of_ready(hf_model, monkeypatch):
+    engine = engine_for(hf_model, block_size=8, num_blocks=16)
+    harness = Harness(engine)
+
+    def broken_step(chunks):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    harness.loop.start(warm_up=True)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        harness.loop.wait_ready(30)
+    assert engine.block_manager.num_free_blocks == 16
+    harness.loop.stop()
