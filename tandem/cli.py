@@ -75,7 +75,30 @@ def _run_serve_decode(args: argparse.Namespace) -> int:
     return run(args)
 
 
-SERVE_TIERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_serve_decode,)
+def _add_serve_prefill(tiers: argparse._SubParsersAction) -> None:
+    # prefill_service.cli declares its flags without importing torch or gRPC.
+    from prefill_service.cli import add_arguments
+
+    parser = tiers.add_parser(
+        "prefill",
+        help="run the prefill tier: chunked prefill that streams KV blocks to the decode tier",
+        description="Serve tandem.internal.v1.Prefill on one model: chunked prefill packing several prompts "
+        "per forward, each prompt's KV streamed block by block to the calling decode replica.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=_run_serve_prefill)
+
+
+def _run_serve_prefill(args: argparse.Namespace) -> int:
+    from prefill_service.cli import run
+
+    return run(args)
+
+
+SERVE_TIERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_serve_decode,
+    _add_serve_prefill,
+)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,190 @@
+"""The internal `tandem.internal.v1.Prefill` service: protobuf in, engine-loop calls, KV messages out.
+
+Handlers never run model work: validation is cheap and runs inline, prefill runs on the engine thread,
+and KV encoding on the sender's pool. A handler awaits its job's events and turns them into stream
+messages. Errors become status codes through `status.status_for`, here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.engine import Engine
+from prefill_service.engine_loop import PrefillEngineLoop
+from prefill_service.job import KVReady, PrefillFailed, PrefillFinished, PrefillJob
+from prefill_service.kv_sender import KVSender
+from prefill_service.logs import log_event
+from prefill_service.registry import JobRegistry
+from prefill_service.status import status_for
+from prefill_service.validation import build_job
+from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.v1 import generation_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StreamStats:
+    """What one call has sent so far, for its log lines; `over` once it finished or failed (not cancelled)."""
+
+    kv_messages: int = 0
+    kv_bytes: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    over: bool = False
+
+
+def done_message(job: PrefillJob, finished: PrefillFinished) -> prefill_pb2.PrefillResponse:
+    """The last message of a successful stream: first token, its logprobs, and where the time went."""
+    return prefill_pb2.PrefillResponse(
+        done=prefill_pb2.PrefillDone(
+            first_token_id=finished.token_id,
+            first_token_logprob=finished.logprob,
+            top_logprobs=[
+                generation_pb2.TopLogprob(token_id=token_id, logprob=logprob)
+                for token_id, logprob in finished.top_logprobs
+            ],
+            num_prompt_tokens=job.num_prompt_tokens,
+            timings=prefill_pb2.PrefillTimings(
+                queue_seconds=finished.queue_seconds, prefill_seconds=finished.prefill_seconds
+            ),
+        )
+    )
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """GetInfo and Prefill over one engine loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        engine_loop: PrefillEngineLoop,
+        registry: JobRegistry,
+        sender: KVSender,
+        info: prefill_pb2.PrefillInfo,
+    ) -> None:
+        self._engine = engine
+        self._engine_loop = engine_loop
+        self._registry = registry
+        self._sender = sender
+        self._info = info
+
+    async def GetInfo(
+        self, request: prefill_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillInfo:
+        info = prefill_pb2.PrefillInfo()
+        info.CopyFrom(self._info)
+        return info
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        arrival = time.monotonic()
+        try:
+            self._registry.check_accepting()
+            job = build_job(request, self._engine, self._info.compatibility_hash, arrival)
+            self._registry.open(job)
+        except Exception as exc:
+            await self._refuse(context, request, exc)
+        log_event(
+            logger,
+            logging.INFO,
+            "prefill admitted",
+            request_id=job.request_id,
+            prompt_tokens=job.num_prompt_tokens,
+            queued=self._registry.num_queued,
+        )
+        stats = _StreamStats()
+        try:
+            self._engine_loop.submit(job)
+            try:
+                async for response in self._responses(job, stats):
+                    yield response
+            except Exception as exc:
+                stats.over = True
+                await self._fail(context, job, stats, exc)
+            stats.over = True
+            log_event(
+                logger,
+                logging.INFO,
+                "prefill finished",
+                request_id=job.request_id,
+                prompt_tokens=job.num_prompt_tokens,
+                kv_messages=stats.kv_messages,
+                kv_bytes=stats.kv_bytes,
+                queue_s=stats.queue_seconds,
+                prefill_s=stats.prefill_seconds,
+                total_s=time.monotonic() - arrival,
+            )
+        finally:
+            self._registry.close(job)
+            # Only now may the blocks go back: the stream has sent them, or never will.
+            self._engine_loop.release(job)
+            if not stats.over:
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "prefill cancelled",
+                    request_id=job.request_id,
+                    kv_messages=stats.kv_messages,
+                    kv_bytes=stats.kv_bytes,
+                    after_s=time.monotonic() - arrival,
+                )
+
+    async def _responses(
+        self, job: PrefillJob, stats: _StreamStats
+    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        """KV messages as blocks become ready, then the done message; raises the job's error if it fails."""
+        while True:
+            event = await job.events.get()
+            if isinstance(event, KVReady):
+                async for chunk in self._sender.messages(event):
+                    stats.kv_messages += 1
+                    stats.kv_bytes += len(chunk.payload)
+                    yield prefill_pb2.PrefillResponse(kv=chunk)
+            elif isinstance(event, PrefillFinished):
+                stats.queue_seconds, stats.prefill_seconds = event.queue_seconds, event.prefill_seconds
+                yield done_message(job, event)
+                return
+            elif isinstance(event, PrefillFailed):
+                raise event.error
+
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, job: PrefillJob, stats: _StreamStats, error: Exception
+    ) -> None:
+        code, message = status_for(error)
+        log_event(
+            logger,
+            logging.WARNING,
+            "prefill failed",
+            request_id=job.request_id,
+            code=code.name,
+            kv_messages=stats.kv_messages,
+            kv_bytes=stats.kv_bytes,
+        )
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("prefill %s failed: %r", job.request_id, error, exc_info=error)
+        await context.abort(code, message)
+
+    @staticmethod
+    async def _refuse(
+        context: grpc.aio.ServicerContext, request: prefill_pb2.PrefillRequest, error: Exception
+    ) -> None:
+        code, message = status_for(error)
+        log_event(
+            logger,
+            logging.INFO,
+            "prefill refused",
+            request_id=request.request_id or "-",
+            code=code.name,
+            prompt_tokens=len(request.prompt_token_ids),
+            reason=message,
+        )
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("prefill request %s refused by a bug: %r", request.request_id, error, exc_info=error)
+        await context.abort(code, message)

@@ -1,0 +1,28 @@
+"""The one mapping from tandem's exceptions to gRPC status codes, used only at the prefill service edge."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import DrainingError, InvalidRequestError, QueueFullError
+from prefill_service.errors import IncompatibleKVError
+
+# First match wins, so more specific classes go first.
+_STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (IncompatibleKVError, grpc.StatusCode.FAILED_PRECONDITION),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and caller-facing message for an error raised below the edge.
+
+    Errors raised on purpose carry messages written for the caller; anything else is a bug, reported
+    as INTERNAL without internals (the server log has the traceback).
+    """
+    for error_type, code in _STATUS_BY_ERROR:
+        if isinstance(error, error_type):
+            return code, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__}); see the prefill server log"

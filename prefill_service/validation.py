@@ -1,0 +1,65 @@
+"""The one place a `PrefillRequest` is checked and turned into a prefill job.
+
+Order matters to the caller: an incompatible replica is reported first (FAILED_PRECONDITION: no
+retry with the same replica can help), then anything wrong with the request itself
+(INVALID_ARGUMENT), each with a message naming what to fix.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams, StoppingParams
+from prefill_service.errors import IncompatibleKVError
+from prefill_service.job import PrefillJob
+from protos.tandem.internal.v1 import prefill_pb2
+from protos.tandem.v1 import generation_pb2
+
+# Prefill computes the prompt's KV and samples exactly one token; the decode tier applies the stop rules.
+PREFILL_STOPPING = StoppingParams(max_tokens=1, ignore_eos=True)
+
+
+def sampling_params(proto: generation_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams with the public API's defaults for unset fields (as the decode tier reads them)."""
+    params = SamplingParams(
+        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+        top_k=proto.top_k if proto.HasField("top_k") else -1,
+        min_p=proto.min_p if proto.HasField("min_p") else 0.0,
+        seed=proto.seed if proto.HasField("seed") else None,
+        logprobs=proto.logprobs,
+    )
+    params.validate()
+    return params
+
+
+def check_compatible(caller_hash: str, own_hash: str) -> None:
+    """Refuse a caller whose KV layout or model differs from ours, before any KV moves."""
+    if caller_hash != own_hash:
+        shown = caller_hash[:16] if caller_hash else "(empty)"
+        raise IncompatibleKVError(
+            f"compatibility_hash {shown}... differs from this prefill replica's {own_hash[:16]}...: "
+            "different model, dtype, block size or KV wire format; call GetInfo and use a compatible replica"
+        )
+
+
+def build_job(
+    request: prefill_pb2.PrefillRequest, engine: Engine, own_hash: str, arrival_time: float
+) -> PrefillJob:
+    """Validate a request against this replica and return its job (not yet queued)."""
+    check_compatible(request.compatibility_hash, own_hash)
+    # The decode tier names every prefill; a hand-made call (grpcurl) may not, and still gets a log id.
+    request_id = request.request_id or f"prefill-{uuid.uuid4().hex}"
+    seq = engine.make_sequence(
+        list(request.prompt_token_ids), sampling_params(request.sampling), PREFILL_STOPPING, request_id
+    )
+    needed = engine.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
+    pool = engine.block_manager.allocator.num_blocks
+    if needed > pool:
+        raise InvalidRequestError(
+            f"the prompt needs {needed} KV blocks but this prefill replica's pool has {pool}; "
+            "it can never be prefilled here"
+        )
+    return PrefillJob(seq, arrival_time)
