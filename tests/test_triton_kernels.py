@@ -248,6 +248,21 @@ def test_split_plan_heuristic():
     assert plan(2, 8, 32768, 132, 64).num_splits >= plan(16, 8, 32768, 132, 64).num_splits
 
 
+def test_kv_tiles_do_not_depend_on_the_block_size():
+    """A block size that divides no tile (12, as the engine parity tests use) for decode and prefill."""
+    seq_lens = [1, 12, 13, 700]
+    k_cache, v_cache, table = paged_cache(seq_lens, 12, 2, 64, seed=8)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(len(seq_lens), 4, 64)
+    out = triton_decode.paged_decode_attention(query, k_cache, v_cache, table, lens, 0.125)
+    expected = ref.paged_decode_attention(query, k_cache, v_cache, table, lens, 0.125)
+    torch.testing.assert_close(out, expected, **FP32_TOL)
+    meta = metadata([1, 12, 5, 30], seq_lens, table)
+    query = torch.randn(48, 4, 64)
+    out = triton_prefill.paged_prefill_attention(query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(out, ref.paged_attention(query, k_cache, v_cache, meta, 0.125), **FP32_TOL)
+
+
 # ---------------------------------------------------------------- 64-bit offsets
 
 
