@@ -467,8 +467,8 @@ def test_cli_usage_errors_exit_2(argv, capsys):
 
 
 def test_cli_status_error_prints_its_name_and_exits_1(server, capsys):
-    code, _, err = run_cli(capsys, BAD, "--target", server.target)
-    assert code == 1
+    code, out, err = run_cli(capsys, BAD, "--target", server.target)
+    assert code == 1 and out == ""
     assert "error: INVALID_ARGUMENT: temperature must be >= 0" in err.splitlines()
 
 
@@ -480,3 +480,15 @@ def test_cli_deadline_is_a_status_error(server, capsys):
 def test_cli_missing_ca_file_is_an_error_not_a_traceback(server, capsys, tmp_path):
     code, _, err = run_cli(capsys, "hi", "--target", server.target, "--ca-cert", str(tmp_path / "nope.pem"))
     assert code == 1 and err.startswith("error: cannot read the CA certificate")
+
+
+def test_cli_aborted_stream_exits_1(server, capsys):
+    def abort_when_running() -> None:
+        with TandemClient(server.target, timeout=SAFETY_TIMEOUT) as other:
+            wait_until(lambda: other.abort("cli-abort"))
+
+    aborter = threading.Thread(target=abort_when_running)
+    aborter.start()
+    code, out, err = run_cli(capsys, WAIT_FOR_ABORT, "--request-id", "cli-abort", "--target", server.target)
+    aborter.join(SAFETY_TIMEOUT)
+    assert code == 1 and out == "first\n" and "finish: abort" in err

@@ -167,17 +167,19 @@ def _stream(client: TandemClient, kwargs: dict[str, Any], as_json: bool, out: Te
     start = time.monotonic()
     time_to_first_token: float | None = None
     final: GenerationDelta | None = None
+    wrote_text = False
     try:
         for delta in client.generate(**kwargs):
             if time_to_first_token is None and delta.token_ids:
                 time_to_first_token = time.monotonic() - start
             out.write(_json_line(delta) + "\n" if as_json else delta.text)
             out.flush()
+            wrote_text = wrote_text or bool(delta.text)
             if delta.is_final:
                 final = delta
     finally:
-        if not as_json:
-            # End the text's line even when an error cuts the stream short.
+        if wrote_text and not as_json:
+            # End the text's line, even when an error cuts the stream short.
             out.write("\n")
             out.flush()
     if final is None:
