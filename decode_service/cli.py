@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decode_service.config import DecodeServiceConfig
+    from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +21,9 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve decode`."""
     parser.add_argument(
-        "--model", type=Path, required=True, help="local model directory (safetensors, config, tokenizer)"
+        "--model", default=None,
+        help="model directory (safetensors, config, tokenizer) or the default model's name "
+        "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model` first)",
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
@@ -62,24 +69,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-format", default="text", choices=["text", "json"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
+    parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
+    parser.add_argument(
+        "--auth-token-file", type=Path, default=None,
+        help="file holding the bearer token every call must carry (default: $TANDEM_AUTH_TOKEN; unset: off)",
+    )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the model, start the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
-    import asyncio
-
-    import torch
-
-    from decode_service.config import DecodeServiceConfig, parse_memory_size, parse_tenant_weights
-    from decode_service.log_format import use_log_format
-    from decode_service.server import serve
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe (sizes checked here, where the flag names are known)."""
+    from decode_service.config import ConfigError, parse_memory_size
     from engine.config import CacheConfig, EngineConfig, parse_dtype
-    from engine.engine import Engine
 
-    use_log_format(args.log_format)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    engine_config = EngineConfig(
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return EngineConfig(
         dtype=parse_dtype(args.dtype),
         device=args.device,
         cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_memory_size(args.kv_cache_memory)),
@@ -87,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+
+
+def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
+    """The validated DecodeServiceConfig the flags describe (reads the auth token file, if any)."""
+    from decode_service.config import DecodeServiceConfig, parse_tenant_weights
+    from tandem.security import load_auth_token
+
     config = DecodeServiceConfig(
         host=args.host,
         port=args.port,
@@ -97,11 +110,34 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_tokens_cap=args.max_tokens_cap,
         drain_grace_seconds=args.drain_grace_seconds,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=load_auth_token(args.auth_token_file),
     )
     config.validate()
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, start the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
+    import asyncio
+
+    import torch
+
+    from decode_service.log_format import use_log_format
+    from decode_service.server import serve
+    from engine.engine import Engine
+    from engine.model_store import resolve_model
+
+    use_log_format(args.log_format)
+    engine_config = engine_config_from_args(args)
+    config = service_config_from_args(args)
+    model_dir = resolve_model(args.model)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    engine = Engine.from_pretrained(args.model, engine_config)
+    engine = Engine.from_pretrained(model_dir, engine_config)
     return asyncio.run(serve(engine, config))

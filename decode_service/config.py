@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.errors import TandemError
 
@@ -28,6 +29,8 @@ class DecodeServiceConfig:
     `max_tokens_cap` is the default `max_tokens` when a request leaves it unset (further capped by
     what the context has left). A request preempted `max_preemptions` times ranks ahead of every
     request that was not, so it is never the victim again while others are (bounded thrash).
+    `tls_cert`/`tls_key` switch the public port to TLS; `auth_token` requires `authorization: Bearer`
+    on every call but health checks and reflection.
     """
 
     host: str = "0.0.0.0"
@@ -44,6 +47,9 @@ class DecodeServiceConfig:
     drain_grace_seconds: float = 30.0
     event_log_size: int = 4096
     warm_up: bool = True
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_token: str | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -62,6 +68,8 @@ class DecodeServiceConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.event_log_size < 1:
             raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("the TLS certificate and private key go together")
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:

@@ -28,6 +28,7 @@ from decode_service.servicer import GenerationServicer
 from decode_service.streams import StreamHub
 from engine.engine import Engine
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.security import BearerTokenInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class DecodeServer:
         self.engine_loop = EngineLoop(engine, self.scheduler, self.hub.deliver_threadsafe, self.events)
         self._validation_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
         self.health = HealthServicer()
-        self._server = grpc.aio.server()
+        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        self._server = grpc.aio.server(interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(
                 engine, self.engine_loop, self.hub, config, self._validation_executor, server_version()
@@ -81,15 +83,21 @@ class DecodeServer:
         """Bind and start serving; returns the bound port (useful with port 0). SERVING after warm-up."""
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            credentials = server_credentials(self.config.tls_cert, self.config.tls_key)
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
         await self._server.start()
         self.engine_loop.start(warm_up=self.config.warm_up)
         await asyncio.to_thread(self.engine_loop.wait_ready)
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "decode server serving %s on %s:%d (%s batching, %s policy)",
+            "decode server serving %s on %s:%d (%s batching, %s policy%s%s)",
             self.engine.model_name, self.config.host, self.port, self.config.batching, self.config.policy,
+            ", TLS" if self.config.tls_cert else "", ", bearer-token auth" if self.config.auth_token else "",
         )
         return self.port
 

@@ -8,7 +8,9 @@ import logging
 
 import grpc
 import pytest
+import torch
 
+from decode_service.cli import engine_config_from_args, service_config_from_args
 from decode_service.config import ConfigError, DecodeServiceConfig, parse_memory_size, parse_tenant_weights
 from decode_service.log_format import JsonFormatter
 from decode_service.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
@@ -74,6 +76,33 @@ def test_serve_decode_accepts_the_helm_chart_flags():
     assert args.handler.__name__ == "_run_serve_decode"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "decode", "--model", "m", "--policy", "random"])
+
+
+def test_flags_become_engine_and_service_configs(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_AUTH_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    args = build_parser().parse_args([
+        "serve", "decode", "--dtype", "bfloat16", "--block-size", "32", "--kv-cache-memory", "512MiB",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--policy", "wfq",
+        "--tenant-weights", "a=2", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+        "--auth-token-file", str(token_file),
+    ])
+    assert args.model is None
+    engine_config = engine_config_from_args(args)
+    assert (engine_config.dtype, engine_config.cache.block_size) == (torch.bfloat16, 32)
+    assert engine_config.cache.memory_bytes == 512 << 20
+    assert (engine_config.max_num_seqs, engine_config.max_num_batched_tokens) == (8, 256)
+    config = service_config_from_args(args)
+    assert (config.policy, dict(config.tenant_weights), config.auth_token) == ("wfq", {"a": 2.0}, "s3cret")
+    assert "s3cret" not in repr(config)
+
+    half_tls = build_parser().parse_args(["serve", "decode", "--tls-cert", "c.pem"])
+    with pytest.raises(ConfigError, match="go together"):
+        service_config_from_args(half_tls)
+    no_seqs = build_parser().parse_args(["serve", "decode", "--max-num-seqs", "0"])
+    with pytest.raises(ConfigError, match="--max-num-seqs must be >= 1"):
+        engine_config_from_args(no_seqs)
 
 
 def test_errors_map_to_status_codes_in_one_place():

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import re
 import signal
 import subprocess
@@ -18,6 +20,10 @@ import grpc
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts, tiny_hf_model
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
@@ -366,6 +372,57 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(model):
         assert received[-1].finish_reason == pb.LENGTH
         assert len(output_tokens(received)) == 600
         assert drain.result(60) is True
+    finally:
+        running.close()
+
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A throwaway P-256 certificate for localhost/127.0.0.1 that is its own trust anchor."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+def test_tls_and_bearer_token_guard_the_public_port(model, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    running = start_server(model[0], tls_cert=cert, tls_key=key, auth_token="s3cret")
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(f"localhost:{running.port}", credentials) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            token = (("authorization", "Bearer s3cret"),)
+            responses = list(stub.Generate(greedy_request([5, 6], 3), metadata=token, timeout=30))
+            assert output_tokens(responses) == hf_greedy(model[1], [5, 6], 3)
+            for metadata in ((), (("authorization", "Bearer wrong"),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.Generate(greedy_request([5, 6], 3), metadata=metadata, timeout=30))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=30).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
     finally:
         running.close()
 
