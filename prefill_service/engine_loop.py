@@ -124,7 +124,10 @@ class PrefillEngineLoop:
         """Apply queued submissions and releases, admit, run one forward; False when nothing ran."""
         self._drain_inbox()
         plan = self.scheduler.schedule()
-        events: JobEvents = [(job, Admitted()) for job in plan.admitted]
+        if plan.admitted:
+            # Before the forward, so the queue bound counts them as admitted while it runs.
+            self._deliver_safely([(job, Admitted()) for job in plan.admitted])
+        events: JobEvents = []
         failed = False
         if plan.chunks:
             try:

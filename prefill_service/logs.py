@@ -20,7 +20,7 @@ def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> 
     if not logger.isEnabledFor(level):
         return
     shown = " ".join(f"{key}={_format(value)}" for key, value in fields.items())
-    logger.log(level, "%s %s", event, shown, extra={"event": event, **fields})
+    logger.log(level, "%s %s", event, shown, extra={"event": event, **fields}, stacklevel=2)
 
 
 def _format(value: Any) -> str:

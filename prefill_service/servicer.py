@@ -94,7 +94,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         log_event(
             logger,
             logging.INFO,
-            "prefill admitted",
+            "prefill accepted",
             request_id=job.request_id,
             prompt_tokens=job.num_prompt_tokens,
             queued=self._registry.num_queued,
