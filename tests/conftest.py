@@ -14,6 +14,10 @@ from engine.engine import Engine
 
 TINY_VOCAB = 384
 
+# Test servers, subprocesses and the test process share two cores: one intra-op thread each avoids
+# oversubscription, which made tiny-model steps two orders of magnitude slower.
+torch.set_num_threads(1)
+
 
 def tiny_hf_config(
     kind: str = "llama",
