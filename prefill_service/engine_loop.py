@@ -91,7 +91,7 @@ class PrefillEngineLoop:
         self._ready.set()
         while True:
             with self._wakeup:
-                if not self._inbox and not self._stopping and not self._runnable():
+                if not self._inbox and not self._stopping and not self.scheduler.can_step():
                     self._wakeup.wait()
                 if self._stopping:
                     break
@@ -101,10 +101,6 @@ class PrefillEngineLoop:
                 # A bug in scheduling must not silently kill the thread every stream waits on.
                 logger.exception("prefill engine loop step failed")
         self._fail_remaining()
-
-    def _runnable(self) -> bool:
-        """Whether a step would compute something now (admitted prompts still have tokens to run)."""
-        return bool(self.scheduler.running)
 
     def warm_up(self) -> None:
         """One single-token forward and sample, so the first real request does not pay for lazy init."""

@@ -56,8 +56,17 @@ class ChunkedPrefillScheduler:
 
     @property
     def has_work(self) -> bool:
-        """True when a step could run (or could once blocks come back)."""
+        """True when a job is queued or prefilling (a step may run now or once blocks come back)."""
         return bool(self.waiting or self.running)
+
+    def can_step(self) -> bool:
+        """True when the next `schedule` would run something: a prompt in progress, or one it can admit."""
+        return bool(self.running) or (bool(self.waiting) and self._can_admit_head())
+
+    def _can_admit_head(self) -> bool:
+        return len(self.running) < self.max_num_seqs and self.engine.block_manager.can_grow(
+            [], self.waiting[0].num_prompt_tokens
+        )
 
     def add(self, job: PrefillJob) -> None:
         """Queue a validated job at the back (FIFO)."""
@@ -87,11 +96,7 @@ class ChunkedPrefillScheduler:
         plan = StepPlan()
         block_manager = self.engine.block_manager
         now = self._clock()
-        while (
-            self.waiting
-            and len(self.running) < self.max_num_seqs
-            and block_manager.can_grow([], self.waiting[0].num_prompt_tokens)
-        ):
+        while self.waiting and self._can_admit_head():
             job = self.waiting.popleft()
             block_manager.grow(job.seq.block_table, job.num_prompt_tokens)
             job.admitted_time = now

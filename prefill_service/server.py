@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.engine import Engine
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash
-from prefill_service.config import ConfigError, PrefillServiceConfig, TLSConfig
+from prefill_service.config import ConfigError, PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.event_log import EventLog
 from prefill_service.kv_sender import KVSender
@@ -28,6 +28,7 @@ from prefill_service.registry import JobRegistry
 from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.servicer import PrefillServicer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from tandem.security import server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,6 @@ def kv_layout(engine: Engine) -> KVLayout:
         head_dim=model.head_dim,
         block_size=engine.block_size,
         dtype=engine.dtype,
-    )
-
-
-def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """TLS credentials; with a client CA, callers must present a certificate it signed (mTLS)."""
-    client_ca = tls.client_ca.read_bytes() if tls.client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(tls.key.read_bytes(), tls.cert.read_bytes())],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
     )
 
 
@@ -128,7 +119,10 @@ class PrefillServer:
         if self.config.tls is None:
             self.port = self._server.add_insecure_port(address)
         else:
-            self.port = self._server.add_secure_port(address, server_credentials(self.config.tls))
+            tls = self.config.tls
+            self.port = self._server.add_secure_port(
+                address, server_credentials(tls.cert, tls.key, tls.client_ca)
+            )
         await self._server.start()
         self.engine_loop.start(warm_up=self.config.warm_up)
         await asyncio.to_thread(self.engine_loop.wait_ready)
