@@ -4,6 +4,8 @@ clients that write the streamed KV into their own engine and decode from it."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import json
 import random
 import re
@@ -21,6 +23,10 @@ import grpc
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts, tiny_hf_model
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
@@ -31,10 +37,11 @@ from engine.model_runner import ScheduledChunk
 from engine.model_store import model_fingerprint
 from engine.params import SamplingParams, StoppingParams
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash, write_chunk
-from prefill_service.config import PrefillServiceConfig
+from prefill_service.config import PrefillServiceConfig, TLSConfig
 from prefill_service.server import MAX_GRPC_MESSAGE_BYTES, PrefillServer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
+from tandem.security import channel_credentials
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
@@ -480,6 +487,82 @@ def test_drain_finishes_in_flight_prefills_and_refuses_new_ones(model):
         running.gate.open()
         assert in_flight.result(60).done.first_token_id == hf_greedy(hf, prompt, 1)[0]
         assert drain.result(60) is True
+    finally:
+        running.close()
+
+
+def test_drain_past_its_grace_fails_unfinished_prefills_with_unavailable(model):
+    running = start_server(model[0])
+    try:
+        prompt = random_prompts(1, 14, min_len=600, max_len=600, vocab=TINY_VOCAB_SIZE)[0]
+        running.gate.delay_s = 0.2  # 13 slow forwards: far longer than the grace period
+        call = running.stub.Prefill(prefill_request(running, prompt, "cut-off"), timeout=60)
+        stream = iter(call)
+        assert next(stream).WhichOneof("kind") == "kv"
+        assert running.call(running.server.drain(grace_seconds=0.3)) is False
+        with pytest.raises(grpc.RpcError) as cut:
+            collect(stream)
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stopped before" in cut.value.details()
+    finally:
+        running.close()
+
+
+def _issue(directory: Path, name: str, issuer_key, issuer_name, san: bool = False, ca: bool = False):
+    """A P-256 certificate and key for `name`, signed by the issuer (itself when issuer_key is None)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name or subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if san:
+        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path, key, subject
+
+
+def test_mutual_tls_admits_only_callers_with_a_certificate_from_the_client_ca(model, tmp_path):
+    model_dir, hf = model
+    ca_cert, _, ca_key, ca_name = _issue(tmp_path, "ca", None, None, ca=True)
+    server_cert, server_key, _, _ = _issue(tmp_path, "prefill", ca_key, ca_name, san=True)
+    client_cert, client_key, _, _ = _issue(tmp_path, "decode", ca_key, ca_name)
+    _, _, rogue_key, rogue_name = _issue(tmp_path, "rogue-ca", None, None, ca=True)
+    rogue_cert, rogue_client_key, _, _ = _issue(tmp_path, "rogue-decode", rogue_key, rogue_name)
+    running = start_server(model_dir, tls=TLSConfig(server_cert, server_key, client_ca=ca_cert))
+    try:
+        target = f"127.0.0.1:{running.port}"
+        with grpc.secure_channel(target, channel_credentials(ca_cert, client_cert, client_key)) as channel:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+            assert stub.GetInfo(prefill_pb2.GetInfoRequest(), timeout=30).compatibility_hash
+            received = collect(stub.Prefill(prefill_request(running, [5, 6, 7], "mtls"), timeout=30))
+            assert received.done.first_token_id == hf_greedy(hf, [5, 6, 7], 1)[0]
+        refused_clients = {
+            "no client certificate": channel_credentials(ca_cert),
+            "certificate from another CA": channel_credentials(ca_cert, rogue_cert, rogue_client_key),
+        }
+        for case, credentials in refused_clients.items():
+            with grpc.secure_channel(target, credentials) as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    prefill_pb2_grpc.PrefillStub(channel).GetInfo(prefill_pb2.GetInfoRequest(), timeout=30)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, case
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError):
+            prefill_pb2_grpc.PrefillStub(channel).GetInfo(prefill_pb2.GetInfoRequest(), timeout=30)
     finally:
         running.close()
 
