@@ -18,10 +18,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.event_log import EventLog
+from decode_service.metrics import DecodeMetrics
 from decode_service.policies import make_policy
 from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
@@ -50,7 +52,14 @@ class DecodeServer:
     `scheduler` and `engine_loop`; none of it is exposed over the public API.
     """
 
-    def __init__(self, engine: Engine, config: DecodeServiceConfig) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: DecodeServiceConfig,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
+        max_concurrent_streams: int | None = None,
+    ) -> None:
         config.validate()
         self.engine = engine
         self.config = config
@@ -60,11 +69,15 @@ class DecodeServer:
         self.events = EventLog(config.event_log_size)
         capacity = engine.config.max_num_seqs + config.max_queue
         self.hub = StreamHub(asyncio.get_running_loop(), capacity)
-        self.engine_loop = EngineLoop(engine, self.scheduler, self.hub.deliver_threadsafe, self.events)
+        self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
+        deliver = self.metrics.observing(self.hub.deliver_threadsafe)
+        self.engine_loop = EngineLoop(engine, self.scheduler, deliver, self.events)
         self._validation_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
         self.health = HealthServicer()
         interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
-        self._server = grpc.aio.server(interceptors=interceptors)
+        # A hard cap on concurrent streams per connection, so one client cannot open unbounded calls.
+        options = [("grpc.max_concurrent_streams", max_concurrent_streams)] if max_concurrent_streams else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=options)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(
                 engine, self.engine_loop, self.hub, config, self._validation_executor, server_version()
@@ -133,9 +146,17 @@ class DecodeServer:
         await self._stopped.wait()
 
 
-async def serve(engine: Engine, config: DecodeServiceConfig) -> int:
+async def serve(
+    engine: Engine,
+    config: DecodeServiceConfig,
+    *,
+    metrics_registry: CollectorRegistry | None = None,
+    max_concurrent_streams: int | None = None,
+) -> int:
     """Run a decode server until SIGTERM or SIGINT, then drain; returns the process exit status."""
-    server = DecodeServer(engine, config)
+    server = DecodeServer(
+        engine, config, metrics_registry=metrics_registry, max_concurrent_streams=max_concurrent_streams
+    )
     await server.start()
     drained = asyncio.Event()
     loop = asyncio.get_running_loop()

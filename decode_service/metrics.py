@@ -1,0 +1,225 @@
+"""Prometheus metrics of the decode tier, under the names vLLM users already chart (`tandem:` prefix).
+
+Two sources, each read where it is cheapest and exact:
+
+- Per-token and per-request series (TTFT, inter-token latency, end-to-end and queue time, token
+  counters, finish reasons) are observed on the engine thread from the deltas of each step, through
+  `observing(deliver)`, which wraps the engine loop's delivery callback. Every delta passes there,
+  including the final ABORT of a request whose client left, so nothing is missed or counted twice.
+- Live state (running/waiting requests, KV usage, preemptions, KV-transfer counters) is read at
+  scrape time by a custom collector, so the gauges are never stale and the engine thread pays nothing.
+
+Each server has its own `CollectorRegistry`, so several servers in one process (tests, benchmarks)
+do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`.
+Labels are small and bounded: only `finished_reason`, never request ids or tenants.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from decode_service.request import ServedRequest, StreamDelta
+from decode_service.scheduler import ContinuousScheduler
+from engine.engine import Engine
+from engine.sequence import FinishReason
+
+PREFIX = "tandem:"
+
+# Seconds; a CPU replica of a small model sits in the middle, a busy GPU one at the low end.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+DeliverFn = Callable[[list[StreamDelta]], None]
+
+
+class KVTransferStats:
+    """Counters the decode side of KV transfer keeps (bytes, durations, failures); thread-safe.
+
+    The remote prefill stage records into the server's instance (`server.metrics.kv_transfer`); the
+    scrape reads it through the collector, so the transfer code needs no Prometheus import.
+    """
+
+    def __init__(self, buckets: Sequence[float] = KV_TRANSFER_BUCKETS) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self._lock = threading.Lock()
+        self.bytes_total = 0
+        self.failures_total = 0
+        self.seconds_sum = 0.0
+        # Per bucket (non-cumulative), the last entry counting what is above every bucket.
+        self._bucket_counts = [0] * (len(self.buckets) + 1)
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        """One request's KV arrived: `num_bytes` of payload, `seconds` from the call to its last block."""
+        index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
+        with self._lock:
+            self.bytes_total += num_bytes
+            self.seconds_sum += seconds
+            self._bucket_counts[index] += 1
+
+    def record_failure(self) -> None:
+        """One request's KV transfer failed (prefill tier down, corrupt block, incompatible layout...)."""
+        with self._lock:
+            self.failures_total += 1
+
+    def cumulative_buckets(self) -> list[tuple[str, int]]:
+        """(upper bound, observations at or below it) pairs ending with +Inf, as Prometheus wants them."""
+        with self._lock:
+            counts = list(self._bucket_counts)
+        bounds = [*(repr(float(b)) for b in self.buckets), "+Inf"]
+        running, pairs = 0, []
+        for bound, count in zip(bounds, counts, strict=True):
+            running += count
+            pairs.append((bound, running))
+        return pairs
+
+
+class _LiveStateCollector(Collector):
+    """Gauges and counters read from the scheduler, the engine and the KV-transfer stats at scrape time.
+
+    Reads happen on the HTTP thread while the engine thread runs; they are `len()` and integer reads,
+    each atomic under the GIL, so a scrape sees a consistent-enough snapshot without taking a lock.
+    """
+
+    def __init__(self, scheduler: ContinuousScheduler, engine: Engine, kv_transfer: KVTransferStats) -> None:
+        self._scheduler = scheduler
+        self._engine = engine
+        self._kv_transfer = kv_transfer
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        scheduler = self._scheduler
+        running = len(scheduler.running) + len(scheduler.prefill_stage)
+        yield GaugeMetricFamily(
+            f"{PREFIX}num_requests_running",
+            "Requests holding KV blocks: in the decode batch or being prefilled.",
+            value=running,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}num_requests_waiting", "Requests queued for admission (holding no blocks).",
+            value=len(scheduler.waiting),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}kv_cache_usage_perc", "Fraction of the KV block pool in use (0 to 1).",
+            value=self._engine.block_manager.usage,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}num_preemptions", "Preemptions: requests whose blocks were freed to make room.",
+            value=scheduler.num_preemptions,
+        )
+        kv = self._kv_transfer
+        yield CounterMetricFamily(
+            f"{PREFIX}kv_transfer_bytes", "KV cache bytes received from the prefill tier.",
+            value=kv.bytes_total,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}kv_transfer_failures", "Requests whose KV transfer from the prefill tier failed.",
+            value=kv.failures_total,
+        )
+        yield HistogramMetricFamily(
+            f"{PREFIX}kv_transfer_seconds", "Per request: from the Prefill call to its last KV block.",
+            buckets=kv.cumulative_buckets(), sum_value=kv.seconds_sum,
+        )
+
+
+class DecodeMetrics:
+    """The decode tier's metrics over one scheduler and engine, in their own registry.
+
+    `observe(deltas)` must be called from one thread only (the engine thread, via `observing`): it
+    keeps each live request's last token time to measure inter-token latency without a lock.
+    """
+
+    def __init__(
+        self,
+        scheduler: ContinuousScheduler,
+        engine: Engine,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.kv_transfer = KVTransferStats()
+        self._clock = clock
+        self._last_token_time: dict[ServedRequest, float] = {}
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "From the request's arrival to its first token.",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Between consecutive tokens of one request.",
+            buckets=INTER_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "From the request's arrival to its last message.",
+            buckets=REQUEST_BUCKETS, registry=self.registry,
+        )
+        self.request_queue_time = Histogram(
+            f"{PREFIX}request_queue_time_seconds", "From the request's arrival to its admission.",
+            buckets=REQUEST_BUCKETS, registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens of requests that got their first token.",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Tokens generated and streamed.", registry=self.registry
+        )
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Requests that ended, by finish reason.", ["finished_reason"],
+            registry=self.registry,
+        )
+        self.request_errors = Counter(
+            f"{PREFIX}request_errors", "Requests that ended with a server error (a failed step).",
+            registry=self.registry,
+        )
+        for reason in FinishReason:
+            self.request_success.labels(reason.value)
+        self.registry.register(_LiveStateCollector(scheduler, engine, self.kv_transfer))
+
+    def observing(self, deliver: DeliverFn) -> DeliverFn:
+        """`deliver`, preceded by observing each step's deltas; give it to the engine loop."""
+
+        def observe_then_deliver(deltas: list[StreamDelta]) -> None:
+            self.observe(deltas)
+            deliver(deltas)
+
+        return observe_then_deliver
+
+    def observe(self, deltas: list[StreamDelta]) -> None:
+        """Account for one step's deltas: new tokens, first tokens, finished requests."""
+        now = self._clock()
+        for delta in deltas:
+            if delta.token_ids:
+                self._observe_tokens(delta.request, len(delta.token_ids), now)
+            if delta.is_last:
+                self._observe_end(delta, now)
+
+    def _observe_tokens(self, request: ServedRequest, num_tokens: int, now: float) -> None:
+        previous = self._last_token_time.get(request)
+        if previous is None:
+            arrival = request.arrival_time if request.arrival_time is not None else now
+            first_token = request.first_token_time if request.first_token_time is not None else now
+            self.time_to_first_token.observe(max(0.0, first_token - arrival))
+            if request.admitted_time is not None:
+                self.request_queue_time.observe(max(0.0, request.admitted_time - arrival))
+            self.prompt_tokens.inc(request.seq.num_prompt_tokens)
+        else:
+            self.inter_token_latency.observe(max(0.0, now - previous))
+        self.generation_tokens.inc(num_tokens)
+        self._last_token_time[request] = now
+
+    def _observe_end(self, delta: StreamDelta, now: float) -> None:
+        request = delta.request
+        self._last_token_time.pop(request, None)
+        if delta.error is not None:
+            self.request_errors.inc()
+            return
+        if delta.finish_reason is not None:
+            self.request_success.labels(delta.finish_reason.value).inc()
+        if request.arrival_time is not None:
+            self.e2e_request_latency.observe(max(0.0, now - request.arrival_time))
