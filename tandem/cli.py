@@ -128,10 +128,25 @@ def _run_generate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    # bench.cli declares the benchmark subcommands (each delegating to its bench module) without
+    # importing torch, gRPC or matplotlib.
+    from bench.cli import add_arguments
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark running servers and peers (load generator, comparisons, plots)",
+        description="Benchmarks: load-test a server, compare tandem with its peers on one workload, draw the "
+        "plots and profile decode steps.",
+    )
+    add_arguments(parser)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_fetch_model,
     _add_serve,
     _add_generate,
+    _add_bench,
 )
 
 
