@@ -24,9 +24,11 @@ from decode_service.streams import StreamHub
 from decode_service.validation import build_sequence
 from engine.config import dtype_name
 from engine.engine import Engine
+from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from tandem.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,40 @@ def to_response(delta: StreamDelta) -> pb.GenerateResponse:
     return response
 
 
+def check_max_tokens_cap(request: pb.GenerateRequest, max_tokens_cap: int) -> None:
+    """Refuse, rather than clip, a max_tokens above the server's cap.
+
+    A silently shortened answer would look like a model that stopped early; an INVALID_ARGUMENT tells
+    the client what to change. An unset max_tokens is filled in (up to the cap) by validation.
+    """
+    if request.stopping.HasField("max_tokens") and request.stopping.max_tokens > max_tokens_cap:
+        raise InvalidRequestError(
+            f"stopping.max_tokens is {request.stopping.max_tokens}, "
+            f"above this server's cap of {max_tokens_cap}"
+        )
+
+
+def _prompt_log_fields(request: pb.GenerateRequest, served: ServedRequest) -> dict[str, object]:
+    """The prompt as the client sent it, for `--log-prompts` only (empty otherwise)."""
+    return prompt_fields(
+        prompt=request.prompt or None,
+        messages=[{"role": m.role, "content": m.content} for m in request.messages] or None,
+        prompt_token_ids=served.seq.token_ids[: served.seq.num_prompt_tokens],
+    )
+
+
+def _finish_log_fields(request: ServedRequest, now: float) -> dict[str, object]:
+    """Counts and timings of a request that just ended, for its `request finished` line."""
+    return {
+        "prompt_tokens": request.seq.num_prompt_tokens,
+        "completion_tokens": request.seq.num_output_tokens,
+        "preemptions": request.num_preemptions,
+        "queue_s": _since(request.arrival_time, request.admitted_time),
+        "ttft_s": _since(request.arrival_time, request.first_token_time),
+        "e2e_s": _since(request.arrival_time, now),
+    }
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Generate, Abort and GetModelInfo over one engine loop."""
 
@@ -93,9 +129,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        bind_request_id(request_id)
         try:
             self._hub.check_accepting()
-            request_id = request.request_id or uuid.uuid4().hex
+            check_max_tokens_cap(request, self._config.max_tokens_cap)
             seq = await asyncio.get_running_loop().run_in_executor(
                 self._validation_executor, build_sequence, request, request_id, self._engine,
                 self._config.max_tokens_cap,
@@ -105,7 +143,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             queue = self._hub.open(served)
         except Exception as exc:
-            await self._abort_with(context, exc)
+            await self._abort_with(context, exc, request_id, refused=True)
+        log_event(
+            logger, logging.INFO, "request accepted", request_id=request_id,
+            prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.stopping.max_tokens,
+            priority=request.priority, tenant=request.tenant or "-", **_prompt_log_fields(request, served),
+        )
+        completion: list[str] = []
         finished = False
         try:
             self._engine_loop.submit(served)
@@ -113,13 +157,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 delta = await queue.get()
                 finished = delta.is_last
                 if delta.error is not None:
-                    await self._abort_with(context, delta.error)
+                    await self._abort_with(context, delta.error, request_id, refused=False)
+                if log_prompts_enabled():
+                    completion.append(delta.text)
+                if delta.finish_reason is not None:
+                    log_event(
+                        logger, logging.INFO, "request finished", request_id=request_id,
+                        finish_reason=delta.finish_reason.value,
+                        **_finish_log_fields(served, time.monotonic()),
+                        **prompt_fields(completion="".join(completion)),
+                    )
                 yield to_response(delta)
         finally:
             self._hub.close(served)
             if not finished:
                 # Client cancelled, deadline passed, or the connection dropped: free the blocks now.
                 self._engine_loop.abort(served.request_id)
+                log_event(
+                    logger, logging.INFO, "request cancelled", request_id=request_id,
+                    completion_tokens=served.seq.num_output_tokens, after_s=time.monotonic() - arrival,
+                )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if request.request_id not in self._hub:
@@ -143,8 +200,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     @staticmethod
-    async def _abort_with(context: grpc.aio.ServicerContext, error: Exception) -> None:
+    async def _abort_with(
+        context: grpc.aio.ServicerContext, error: Exception, request_id: str, refused: bool
+    ) -> None:
+        """End the call with the error's status; `refused`: before it was accepted, else while streaming."""
         code, message = status_for(error)
+        if refused:
+            log_event(
+                logger, logging.INFO, "request refused", request_id=request_id, code=code.name, reason=message
+            )
+        else:
+            log_event(logger, logging.WARNING, "request failed", request_id=request_id, code=code.name)
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request failed: %r", error, exc_info=error)
         await context.abort(code, message)
