@@ -11,17 +11,17 @@ Two sources, each read where it is cheapest and exact:
 
 Each server has its own `CollectorRegistry`, so several servers in one process (tests, benchmarks)
 do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`.
-Labels are small and bounded: only `finished_reason`, never request ids or tenants.
+Labels are small and bounded (`finished_reason`, prefill `outcome`), never request ids or tenants.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from decode_service.request import ServedRequest, StreamDelta
@@ -35,71 +35,45 @@ PREFIX = "tandem:"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 DeliverFn = Callable[[list[StreamDelta]], None]
 
 
-class KVTransferStats:
-    """Counters the decode side of KV transfer keeps (bytes, durations, failures); thread-safe.
+class PrefillTransferCounters(Protocol):
+    """What the decode side of disaggregated prefill counts (`prefill_transfer.PrefillTransferStats`).
 
-    The remote prefill stage records into the server's instance (`server.metrics.kv_transfer`); the
-    scrape reads it through the collector, so the transfer code needs no Prometheus import.
+    Plain numbers, each written by one thread; the collector only reads them, so the transfer code
+    needs no Prometheus import and pays nothing per message.
     """
 
-    def __init__(self, buckets: Sequence[float] = KV_TRANSFER_BUCKETS) -> None:
-        self.buckets = tuple(sorted(buckets))
-        self._lock = threading.Lock()
-        self.bytes_total = 0
-        self.failures_total = 0
-        self.seconds_sum = 0.0
-        # Per bucket (non-cumulative), the last entry counting what is above every bucket.
-        self._bucket_counts = [0] * (len(self.buckets) + 1)
-
-    def record_transfer(self, num_bytes: int, seconds: float) -> None:
-        """One request's KV arrived: `num_bytes` of payload, `seconds` from the call to its last block."""
-        index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
-        with self._lock:
-            self.bytes_total += num_bytes
-            self.seconds_sum += seconds
-            self._bucket_counts[index] += 1
-
-    def record_failure(self) -> None:
-        """One request's KV transfer failed (prefill tier down, corrupt block, incompatible layout...)."""
-        with self._lock:
-            self.failures_total += 1
-
-    def cumulative_buckets(self) -> list[tuple[str, int]]:
-        """(upper bound, observations at or below it) pairs ending with +Inf, as Prometheus wants them."""
-        with self._lock:
-            counts = list(self._bucket_counts)
-        bounds = [*(repr(float(b)) for b in self.buckets), "+Inf"]
-        running, pairs = 0, []
-        for bound, count in zip(bounds, counts, strict=True):
-            running += count
-            pairs.append((bound, running))
-        return pairs
+    local_prefills: int
+    remote_prefills_completed: int
+    remote_prefills_failed: int
+    fallbacks_local: int
+    attempt_failures: int
+    retries: int
+    kv_bytes_received: int
+    transfer_seconds: float
 
 
 class _LiveStateCollector(Collector):
-    """Gauges and counters read from the scheduler, the engine and the KV-transfer stats at scrape time.
+    """Gauges and counters read from the scheduler, the engine and the transfer counters at scrape time.
 
-    Reads happen on the HTTP thread while the engine thread runs; they are `len()` and integer reads,
+    Reads happen on the HTTP thread while the engine thread runs; they are `len()` and number reads,
     each atomic under the GIL, so a scrape sees a consistent-enough snapshot without taking a lock.
     """
 
-    def __init__(self, scheduler: ContinuousScheduler, engine: Engine, kv_transfer: KVTransferStats) -> None:
+    def __init__(self, scheduler: ContinuousScheduler, engine: Engine) -> None:
         self._scheduler = scheduler
         self._engine = engine
-        self._kv_transfer = kv_transfer
+        self.transfer: PrefillTransferCounters | None = None
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler
-        running = len(scheduler.running) + len(scheduler.prefill_stage)
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_running",
             "Requests holding KV blocks: in the decode batch or being prefilled.",
-            value=running,
+            value=len(scheduler.running) + len(scheduler.prefill_stage),
         )
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_waiting", "Requests queued for admission (holding no blocks).",
@@ -113,18 +87,36 @@ class _LiveStateCollector(Collector):
             f"{PREFIX}num_preemptions", "Preemptions: requests whose blocks were freed to make room.",
             value=scheduler.num_preemptions,
         )
-        kv = self._kv_transfer
+        yield from self._transfer_metrics()
+
+    def _transfer_metrics(self) -> Iterator[Metric]:
+        """KV transfer from the prefill tier; all zero in aggregated mode (no counters to read)."""
+        stats = self.transfer
         yield CounterMetricFamily(
             f"{PREFIX}kv_transfer_bytes", "KV cache bytes received from the prefill tier.",
-            value=kv.bytes_total,
+            value=stats.kv_bytes_received if stats else 0,
+        )
+        yield SummaryMetricFamily(
+            f"{PREFIX}kv_transfer_seconds",
+            "Remote prefills completed, and their total seconds from the Prefill call to the last KV block.",
+            count_value=stats.remote_prefills_completed if stats else 0,
+            sum_value=stats.transfer_seconds if stats else 0.0,
         )
         yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_failures", "Requests whose KV transfer from the prefill tier failed.",
-            value=kv.failures_total,
+            f"{PREFIX}kv_transfer_failures", "Prefill calls whose KV transfer failed (each attempt counts).",
+            value=stats.attempt_failures if stats else 0,
         )
-        yield HistogramMetricFamily(
-            f"{PREFIX}kv_transfer_seconds", "Per request: from the Prefill call to its last KV block.",
-            buckets=kv.cumulative_buckets(), sum_value=kv.seconds_sum,
+        outcomes = CounterMetricFamily(
+            f"{PREFIX}prefills", "Prompts prefilled, by where: remote, local, or remote given up.",
+            labels=["outcome"],
+        )
+        outcomes.add_metric(["remote"], stats.remote_prefills_completed if stats else 0)
+        outcomes.add_metric(["local"], stats.local_prefills if stats else 0)
+        outcomes.add_metric(["remote_failed"], stats.remote_prefills_failed if stats else 0)
+        yield outcomes
+        yield CounterMetricFamily(
+            f"{PREFIX}prefill_retries", "Prefill calls retried on another replica.",
+            value=stats.retries if stats else 0,
         )
 
 
@@ -143,7 +135,6 @@ class DecodeMetrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.kv_transfer = KVTransferStats()
         self._clock = clock
         self._last_token_time: dict[ServedRequest, float] = {}
         self.time_to_first_token = Histogram(
@@ -179,7 +170,12 @@ class DecodeMetrics:
         )
         for reason in FinishReason:
             self.request_success.labels(reason.value)
-        self.registry.register(_LiveStateCollector(scheduler, engine, self.kv_transfer))
+        self._live = _LiveStateCollector(scheduler, engine)
+        self.registry.register(self._live)
+
+    def watch_prefill_transfer(self, counters: PrefillTransferCounters) -> None:
+        """Export the KV-transfer counters of disaggregated prefill; one call where the server makes them."""
+        self._live.transfer = counters
 
     def observing(self, deliver: DeliverFn) -> DeliverFn:
         """`deliver`, preceded by observing each step's deltas; give it to the engine loop."""

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from engine.engine import Engine
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash
@@ -24,6 +25,7 @@ from prefill_service.config import ConfigError, PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.event_log import EventLog
 from prefill_service.kv_sender import KVSender
+from prefill_service.metrics import PrefillMetrics
 from prefill_service.registry import JobRegistry
 from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.servicer import PrefillServicer
@@ -66,7 +68,15 @@ class PrefillServer:
     (its block pool) and `registry`; none of it is exposed over the API.
     """
 
-    def __init__(self, engine: Engine, model_fingerprint: str, config: PrefillServiceConfig) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_fingerprint: str,
+        config: PrefillServiceConfig,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
+        max_concurrent_streams: int | None = None,
+    ) -> None:
         config.validate()
         self.engine = engine
         self.config = config
@@ -89,15 +99,19 @@ class PrefillServer:
         )
         self.engine_loop = PrefillEngineLoop(engine, scheduler, self.registry.deliver_threadsafe, self.events)
         self.sender = KVSender(engine.kv_cache, self.layout, engine.device)
+        self.metrics = PrefillMetrics(scheduler, engine, metrics_registry)
         self.health = HealthServicer()
-        self._server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
-            ]
-        )
+        options = [
+            ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ]
+        if max_concurrent_streams:
+            # A hard cap on concurrent streams per connection, so one caller cannot open unbounded calls.
+            options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
+        self._server = grpc.aio.server(options=options)
         prefill_pb2_grpc.add_PrefillServicer_to_server(
-            PrefillServicer(engine, self.engine_loop, self.registry, self.sender, self.info), self._server
+            PrefillServicer(engine, self.engine_loop, self.registry, self.sender, self.info, self.metrics),
+            self._server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -174,9 +188,19 @@ class PrefillServer:
         await self._stopped.wait()
 
 
-async def serve(engine: Engine, model_fingerprint: str, config: PrefillServiceConfig) -> int:
+async def serve(
+    engine: Engine,
+    model_fingerprint: str,
+    config: PrefillServiceConfig,
+    *,
+    metrics_registry: CollectorRegistry | None = None,
+    max_concurrent_streams: int | None = None,
+) -> int:
     """Run a prefill server until SIGTERM or SIGINT, then drain; returns the process exit status."""
-    server = PrefillServer(engine, model_fingerprint, config)
+    server = PrefillServer(
+        engine, model_fingerprint, config, metrics_registry=metrics_registry,
+        max_concurrent_streams=max_concurrent_streams,
+    )
     await server.start()
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()

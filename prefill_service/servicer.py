@@ -18,12 +18,13 @@ from engine.engine import Engine
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.job import KVReady, PrefillFailed, PrefillFinished, PrefillJob
 from prefill_service.kv_sender import KVSender
-from prefill_service.logs import log_event
+from prefill_service.metrics import PrefillMetrics
 from prefill_service.registry import JobRegistry
 from prefill_service.status import status_for
 from prefill_service.validation import build_job
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
+from tandem.logs import bind_request_id, log_event, prompt_fields
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         registry: JobRegistry,
         sender: KVSender,
         info: prefill_pb2.PrefillInfo,
+        metrics: PrefillMetrics,
     ) -> None:
         self._engine = engine
         self._engine_loop = engine_loop
         self._registry = registry
         self._sender = sender
         self._info = info
+        self._metrics = metrics
 
     async def GetInfo(
         self, request: prefill_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -85,11 +88,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         arrival = time.monotonic()
+        bind_request_id(request.request_id or "-")
         try:
             self._registry.check_accepting()
             job = build_job(request, self._engine, self._info.compatibility_hash, arrival)
             self._registry.open(job)
         except Exception as exc:
+            self._metrics.call_refused()
             await self._refuse(context, request, exc)
         log_event(
             logger,
@@ -98,6 +103,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             request_id=job.request_id,
             prompt_tokens=job.num_prompt_tokens,
             queued=self._registry.num_queued,
+            **prompt_fields(prompt_token_ids=list(request.prompt_token_ids)),
         )
         stats = _StreamStats()
         try:
@@ -121,11 +127,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 prefill_s=stats.prefill_seconds,
                 total_s=time.monotonic() - arrival,
             )
+            self._metrics.call_finished(
+                job.num_prompt_tokens, stats.kv_bytes, stats.queue_seconds, stats.prefill_seconds,
+                time.monotonic() - arrival,
+            )
         finally:
             self._registry.close(job)
             # Only now may the blocks go back: the stream has sent them, or never will.
             self._engine_loop.release(job)
             if not stats.over:
+                self._metrics.call_cancelled(stats.kv_bytes)
                 log_event(
                     logger,
                     logging.INFO,
@@ -158,6 +169,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, context: grpc.aio.ServicerContext, job: PrefillJob, stats: _StreamStats, error: Exception
     ) -> None:
         code, message = status_for(error)
+        self._metrics.call_failed(stats.kv_bytes)
         log_event(
             logger,
             logging.WARNING,
