@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Per connection: generous for a real client's concurrency, a wall against one client opening thousands.
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve decode`."""
@@ -61,13 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-tokens-cap", type=int, default=4096,
-        help="max_tokens of requests that leave it unset, at most (default: 4096)",
+        help="largest max_tokens a request may ask for: above it the request gets INVALID_ARGUMENT, never "
+        "a silently shorter answer; also the max_tokens of requests that leave it unset (default: 4096)",
     )
     parser.add_argument(
         "--drain-grace-seconds", type=float, default=30.0,
         help="on SIGTERM, how long running requests may take to finish (default: 30)",
     )
-    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"],
+        help="text for people, json for log pipelines: one object per line (default: text)",
+    )
+    parser.add_argument(
+        "--log-prompts", action="store_true",
+        help="also log prompts and generated text (default: only request ids, counts and timings)",
+    )
+    parser.add_argument(
+        "--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help="concurrent calls one client connection may have open, at most (default: "
+        f"{DEFAULT_MAX_CONCURRENT_STREAMS})",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
@@ -123,21 +139,30 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     import torch
+    from prometheus_client import CollectorRegistry, start_http_server
 
-    from decode_service.log_format import use_log_format
+    from decode_service.config import ConfigError
     from decode_service.server import serve
     from engine.engine import Engine
     from engine.model_store import resolve_model
+    from tandem.logs import set_log_prompts, use_log_format
 
     use_log_format(args.log_format)
+    set_log_prompts(args.log_prompts)
+    if args.max_concurrent_streams < 1:
+        raise ConfigError(f"--max-concurrent-streams must be >= 1, got {args.max_concurrent_streams}")
     engine_config = engine_config_from_args(args)
     config = service_config_from_args(args)
     model_dir = resolve_model(args.model)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    metrics_registry = CollectorRegistry()
     if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
     engine = Engine.from_pretrained(model_dir, engine_config)
-    return asyncio.run(serve(engine, config))
+    return asyncio.run(
+        serve(
+            engine, config, metrics_registry=metrics_registry,
+            max_concurrent_streams=args.max_concurrent_streams,
+        )
+    )
