@@ -12,6 +12,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# Per connection: decode replicas multiplex all their Prefill calls over one connection each, so the
+# cap must sit above a decode replica's batch; it stops a runaway caller, not normal load.
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve prefill`."""
@@ -63,7 +67,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, how long in-flight prefills may take to finish (default: 30)",
     )
-    parser.add_argument("--log-format", default="text", choices=["text", "json"])
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text for people, json for log pipelines: one object per line (default: text)",
+    )
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="also log prompt token ids (default: only request ids, counts and timings)",
+    )
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help=f"concurrent calls one connection may have open, at most (default: {DEFAULT_MAX_CONCURRENT_STREAMS})",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
@@ -80,15 +100,19 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     import torch
+    from prometheus_client import CollectorRegistry, start_http_server
 
     from engine.config import CacheConfig, EngineConfig, parse_dtype
     from engine.engine import Engine
     from engine.model_store import model_fingerprint, resolve_model
     from prefill_service.config import ConfigError, PrefillServiceConfig, TLSConfig, parse_memory_size
-    from prefill_service.logs import use_log_format
     from prefill_service.server import serve
+    from tandem.logs import set_log_prompts, use_log_format
 
     use_log_format(args.log_format)
+    set_log_prompts(args.log_prompts)
+    if args.max_concurrent_streams < 1:
+        raise ConfigError(f"--max-concurrent-streams must be >= 1, got {args.max_concurrent_streams}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     tls = None
@@ -118,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
     )
     config.validate()
     model_dir = resolve_model(args.model)
+    metrics_registry = CollectorRegistry()
     if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
     engine = Engine.from_pretrained(model_dir, engine_config)
-    return asyncio.run(serve(engine, model_fingerprint(model_dir), config))
+    return asyncio.run(
+        serve(
+            engine,
+            model_fingerprint(model_dir),
+            config,
+            metrics_registry=metrics_registry,
+            max_concurrent_streams=args.max_concurrent_streams,
+        )
+    )
