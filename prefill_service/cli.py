@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-streams",
         type=int,
         default=DEFAULT_MAX_CONCURRENT_STREAMS,
-        help=f"concurrent calls one connection may have open, at most (default: {DEFAULT_MAX_CONCURRENT_STREAMS})",
+        help="concurrent calls one connection may have open, at most "
+        f"(default: {DEFAULT_MAX_CONCURRENT_STREAMS})",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
