@@ -91,6 +91,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--auth-token-file", type=Path, default=None,
         help="file holding the bearer token every call must carry (default: $TANDEM_AUTH_TOKEN; unset: off)",
     )
+    _add_prefill_arguments(parser)
+
+
+def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of disaggregated prefill; without --prefill the server prefills everything itself."""
+    group = parser.add_argument_group("disaggregated prefill")
+    group.add_argument(
+        "--prefill", default="", metavar="TARGETS",
+        help="prefill replicas: host:port[,host:port], or dns:///name:port for every address the name "
+        "resolves to (a headless Service; re-resolved periodically). Default: none, prefill locally",
+    )
+    group.add_argument(
+        "--local-prefill-threshold", type=int, default=0, metavar="N",
+        help="prompts shorter than N tokens are prefilled on this replica (default: 0, none)",
+    )
+    group.add_argument(
+        "--fallback-local", action="store_true",
+        help="prefill on this replica when no prefill replica can (default: fail with UNAVAILABLE)",
+    )
+    group.add_argument(
+        "--prefill-timeout", type=float, default=60.0, metavar="S",
+        help="deadline of one Prefill call in seconds; past it the prompt is retried on another replica "
+        "(default: 60)",
+    )
+    group.add_argument(
+        "--prefill-tls-ca", type=Path, default=None,
+        help="CA (PEM) that signed the prefill servers' certificates; enables TLS toward prefill",
+    )
+    group.add_argument(
+        "--prefill-tls-cert", type=Path, default=None, help="client certificate (PEM) for mutual TLS"
+    )
+    group.add_argument("--prefill-tls-key", type=Path, default=None, help="client private key (PEM)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -129,6 +161,13 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=load_auth_token(args.auth_token_file),
+        prefill=args.prefill,
+        local_prefill_threshold=args.local_prefill_threshold,
+        fallback_local=args.fallback_local,
+        prefill_timeout_s=args.prefill_timeout,
+        prefill_tls_ca=args.prefill_tls_ca,
+        prefill_tls_cert=args.prefill_tls_cert,
+        prefill_tls_key=args.prefill_tls_key,
     )
     config.validate()
     return config
@@ -144,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     from decode_service.config import ConfigError
     from decode_service.server import serve
     from engine.engine import Engine
-    from engine.model_store import resolve_model
+    from engine.model_store import model_fingerprint, resolve_model
     from tandem.logs import set_log_prompts, use_log_format
 
     use_log_format(args.log_format)
@@ -160,9 +199,10 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
     engine = Engine.from_pretrained(model_dir, engine_config)
+    fingerprint = model_fingerprint(model_dir) if config.disaggregated else None
     return asyncio.run(
         serve(
-            engine, config, metrics_registry=metrics_registry,
+            engine, config, model_fingerprint=fingerprint, metrics_registry=metrics_registry,
             max_concurrent_streams=args.max_concurrent_streams,
         )
     )

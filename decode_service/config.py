@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from decode_service.prefill_targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
 from engine.errors import TandemError
 
 BATCHING_MODES = ("continuous", "static")
@@ -31,6 +32,13 @@ class DecodeServiceConfig:
     request that was not, so it is never the victim again while others are (bounded thrash).
     `tls_cert`/`tls_key` switch the public port to TLS; `auth_token` requires `authorization: Bearer`
     on every call but health checks and reflection.
+
+    Disaggregated prefill: `prefill` lists the prefill tier's targets (`host:port` or
+    `dns:///name:port`, see `prefill_targets`); empty means aggregated. Prompts shorter than
+    `local_prefill_threshold` tokens are prefilled here; with `fallback_local`, so is any prompt when
+    no prefill replica can take it. `prefill_timeout_s` is the deadline of one `Prefill` call, which
+    is tried on up to `prefill_max_attempts` replicas. `prefill_tls_ca` (and for mTLS `prefill_tls_cert`
+    and `prefill_tls_key`) switch the calls to prefill to TLS.
     """
 
     host: str = "0.0.0.0"
@@ -50,6 +58,27 @@ class DecodeServiceConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     auth_token: str | None = field(default=None, repr=False)
+    prefill: str = ""
+    local_prefill_threshold: int = 0
+    fallback_local: bool = False
+    prefill_timeout_s: float = 60.0
+    prefill_max_attempts: int = 3
+    prefill_resolve_interval_s: float = 30.0
+    prefill_tls_ca: Path | None = None
+    prefill_tls_cert: Path | None = None
+    prefill_tls_key: Path | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_targets)
+
+    @property
+    def prefill_targets(self) -> tuple[PrefillTarget, ...]:
+        return parse_prefill_targets(self.prefill)
+
+    @property
+    def prefill_tls(self) -> bool:
+        return any(p is not None for p in (self.prefill_tls_ca, self.prefill_tls_cert, self.prefill_tls_key))
 
     def validate(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -70,6 +99,22 @@ class DecodeServiceConfig:
             raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("the TLS certificate and private key go together")
+        self._validate_prefill()
+
+    def _validate_prefill(self) -> None:
+        try:
+            parse_prefill_targets(self.prefill)
+        except PrefillTargetError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.local_prefill_threshold < 0:
+            raise ConfigError(f"local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        for name in ("prefill_timeout_s", "prefill_resolve_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_max_attempts < 1:
+            raise ConfigError(f"prefill_max_attempts must be >= 1, got {self.prefill_max_attempts}")
+        if (self.prefill_tls_cert is None) != (self.prefill_tls_key is None):
+            raise ConfigError("the prefill client certificate and private key go together")
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:

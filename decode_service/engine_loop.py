@@ -1,7 +1,8 @@
 """The engine loop: one thread that owns the engine and runs schedule → forward → deliver, step after step.
 
 Model work never runs on the gRPC event loop. Handlers talk to this thread only through `submit` and
-`abort` (a locked inbox the thread drains before each step), and it talks back through one `deliver`
+`abort` (a locked inbox the thread drains before each step), a remote prefill stage through `wake`
+(its results wait in the stage until the step collects them), and the thread talks back through one `deliver`
 call per step carrying every request's delta, so the per-token cost on the event loop side is one
 wake-up per step, not one per token.
 """
@@ -44,11 +45,14 @@ class EngineLoop:
         # A ServedRequest is a submission, a str the request_id of an abort.
         self._inbox: deque[ServedRequest | str] = deque()
         self._wakeup = threading.Condition()
+        # Set by `wake`: the prefill stage has news (a remote prefill finished) for the next step.
+        self._woken = False
         self._stopping = False
         self._ready = threading.Event()
         self._warm_up_error: Exception | None = None
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        scheduler.prefill_stage.set_wakeup(self.wake)
 
     @property
     def num_preemptions(self) -> int:
@@ -63,6 +67,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Remove a request at the next step and free its blocks; its stream gets a final ABORT delta."""
         self._post(request_id)
+
+    def wake(self) -> None:
+        """Run a step soon even if no request arrives (thread-safe): the prefill stage has results."""
+        with self._wakeup:
+            self._woken = True
+            self._wakeup.notify()
 
     def _post(self, command: ServedRequest | str) -> None:
         with self._wakeup:
@@ -120,7 +130,7 @@ class EngineLoop:
 
     def _wait_for_input(self, timeout: float | None) -> None:
         with self._wakeup:
-            if not self._inbox and not self._stopping:
+            if not self._inbox and not self._woken and not self._stopping:
                 self._wakeup.wait(timeout)
 
     def warm_up(self) -> None:
@@ -138,8 +148,10 @@ class EngineLoop:
     # -- one iteration -------------------------------------------------------------------------------
 
     def step_once(self) -> bool:
-        """Apply queued submissions and aborts, then run one step; False when there was nothing to run."""
+        """Apply queued submissions and aborts, admit finished remote prefills, then run one step;
+        False when there was nothing to run."""
         deltas = self._drain_inbox()
+        deltas.extend(self.scheduler.complete_prefills())
         plan = self.scheduler.schedule()
         if plan.chunks:
             try:
@@ -169,6 +181,7 @@ class EngineLoop:
         with self._wakeup:
             commands = list(self._inbox)
             self._inbox.clear()
+            self._woken = False
         for command in commands:
             if isinstance(command, ServedRequest):
                 try:

@@ -3,16 +3,21 @@
 Admission reserves the prompt's blocks and hands the request to a stage; when the stage has computed
 the whole history (prompt, plus tokens generated before a preemption) and the next token is sampled,
 the request joins the decode batch. In aggregated mode the stage is local chunked prefill mixed into
-the decode iterations; a remote stage (a `Prefill` stream writing KV into the same reserved blocks)
-plugs in here without the scheduler changing.
+the decode iterations. A remote stage (`remote_prefill.RemotePrefillStage`: a `Prefill` stream writing
+KV into the same reserved blocks) computes outside the step: it reports each finished prompt through
+`collect`, and wakes the engine thread when it has news.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 
 from decode_service.request import ServedRequest
+from engine.engine import TokenOutput
 from engine.model_runner import ScheduledChunk
+
+StageFailure = tuple[ServedRequest, Exception]
 
 
 class PrefillStage(ABC):
@@ -40,6 +45,27 @@ class PrefillStage(ABC):
     def plan_chunks(self, token_budget: int) -> list[ScheduledChunk]:
         """Chunks to run in this step's forward, using at most `token_budget` tokens."""
 
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """How a stage that computes outside the step wakes an idle engine thread (thread-safe callable)."""
+        return
+
+    def collect(self) -> tuple[list[TokenOutput], list[StageFailure]]:
+        """Prompts finished outside the step since the last call: their first tokens (already appended,
+        `num_computed_tokens` at the full history), and the requests that cannot be prefilled."""
+        return [], []
+
+
+def plan_local_chunks(requests: Iterable[ServedRequest], token_budget: int) -> list[ScheduledChunk]:
+    """Chunks of local prefill, oldest admitted first, until the budget is spent."""
+    chunks = []
+    for request in requests:
+        if token_budget <= 0:
+            break
+        take = min(request.seq.num_uncomputed_tokens, token_budget)
+        chunks.append(ScheduledChunk(request.seq, take))
+        token_budget -= take
+    return chunks
+
 
 class LocalPrefillStage(PrefillStage):
     """Chunked prefill on this replica: prompt chunks share each step's token budget with decodes.
@@ -50,11 +76,4 @@ class LocalPrefillStage(PrefillStage):
     """
 
     def plan_chunks(self, token_budget: int) -> list[ScheduledChunk]:
-        chunks = []
-        for request in self._requests:
-            if token_budget <= 0:
-                break
-            take = min(request.seq.num_uncomputed_tokens, token_budget)
-            chunks.append(ScheduledChunk(request.seq, take))
-            token_budget -= take
-        return chunks
+        return plan_local_chunks(self._requests, token_budget)

@@ -74,7 +74,8 @@ class ContinuousScheduler:
         self.engine = engine
         self.policy = policy
         self.config = config
-        self.prefill_stage = prefill_stage or LocalPrefillStage()
+        # Not `or`: a stage is falsy while it holds no request.
+        self.prefill_stage = prefill_stage if prefill_stage is not None else LocalPrefillStage()
         self.clock = clock
         self.max_num_seqs = engine.config.max_num_seqs
         self.token_budget = engine.config.max_num_batched_tokens
@@ -243,6 +244,17 @@ class ContinuousScheduler:
             deltas.append(StreamDelta(request, [out.token_id], out.text, logprobs, out.finish_reason))
             if out.finish_reason is not None:
                 self._finish(request)
+        return deltas
+
+    def complete_prefills(self) -> list[StreamDelta]:
+        """Prompts the prefill stage finished outside the step (remote prefill) join the batch now;
+        those it could not prefill end with their error, freeing their blocks."""
+        outputs, failures = self.prefill_stage.collect()
+        deltas = self.complete_step(StepPlan(), outputs) if outputs else []
+        for request, error in failures:
+            request.seq.abort()
+            self._finish(request)
+            deltas.append(StreamDelta(request, error=error))
         return deltas
 
     def fail_step(self, plan: StepPlan, error: Exception) -> list[StreamDelta]:

@@ -20,11 +20,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from decode_service.config import DecodeServiceConfig
+from decode_service.config import ConfigError, DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.event_log import EventLog
 from decode_service.metrics import DecodeMetrics
 from decode_service.policies import make_policy
+from decode_service.remote_prefill import RemotePrefill
 from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
 from decode_service.streams import StreamHub
@@ -46,7 +47,9 @@ def server_version() -> str:
 
 
 class DecodeServer:
-    """One decode replica in aggregated mode. Create and use it inside a running asyncio loop.
+    """One decode replica: aggregated, or with a prefill tier when `config.prefill` names one (then
+    `model_fingerprint` is required, for the compatibility handshake). Create and use it inside a
+    running asyncio loop.
 
     In-process observers (tests, benchmarks) read `events` (per-step batch composition),
     `scheduler` and `engine_loop`; none of it is exposed over the public API.
@@ -59,17 +62,27 @@ class DecodeServer:
         *,
         metrics_registry: CollectorRegistry | None = None,
         max_concurrent_streams: int | None = None,
+        model_fingerprint: str | None = None,
     ) -> None:
         config.validate()
         self.engine = engine
         self.config = config
         policy = make_policy(config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second)
         scheduler_type = StaticScheduler if config.batching == "static" else ContinuousScheduler
-        self.scheduler = scheduler_type(engine, policy, config)
+        # Disaggregated: the prefill tier's KV must match ours, and the model fingerprint is half of that.
+        self.remote_prefill: RemotePrefill | None = None
+        if config.disaggregated:
+            if model_fingerprint is None:
+                raise ConfigError("disaggregated prefill needs the model fingerprint to check replicas")
+            self.remote_prefill = RemotePrefill(engine, config, model_fingerprint)
+        stage = self.remote_prefill.stage if self.remote_prefill is not None else None
+        self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
         self.events = EventLog(config.event_log_size)
         capacity = engine.config.max_num_seqs + config.max_queue
         self.hub = StreamHub(asyncio.get_running_loop(), capacity)
         self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
+        if self.remote_prefill is not None:
+            self.metrics.watch_prefill_transfer(self.remote_prefill.stats)
         deliver = self.metrics.observing(self.hub.deliver_threadsafe)
         self.engine_loop = EngineLoop(engine, self.scheduler, deliver, self.events)
         self._validation_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
@@ -103,13 +116,19 @@ class DecodeServer:
         else:
             self.port = self._server.add_insecure_port(address)
         await self._server.start()
+        if self.remote_prefill is not None:
+            await self.remote_prefill.start()
         self.engine_loop.start(warm_up=self.config.warm_up)
         await asyncio.to_thread(self.engine_loop.wait_ready)
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        mode = "aggregated"
+        if self.remote_prefill is not None:
+            mode = f"disaggregated: prefill on {self.config.prefill}"
         logger.info(
-            "decode server serving %s on %s:%d (%s batching, %s policy%s%s)",
-            self.engine.model_name, self.config.host, self.port, self.config.batching, self.config.policy,
+            "decode server serving %s on %s:%d (%s; %s batching, %s policy%s%s)",
+            self.engine.model_name, self.config.host, self.port, mode, self.config.batching,
+            self.config.policy,
             ", TLS" if self.config.tls_cert else "", ", bearer-token auth" if self.config.auth_token else "",
         )
         return self.port
@@ -136,6 +155,8 @@ class DecodeServer:
         self._stopped.set()
         self.hub.begin_drain()
         await asyncio.to_thread(self.engine_loop.stop)
+        if self.remote_prefill is not None:
+            await self.remote_prefill.close()
         # Let the ABORT messages of still-live streams reach their clients before the port closes.
         await self.hub.wait_empty(1.0)
         await self._server.stop(grace=1.0)
@@ -152,10 +173,12 @@ async def serve(
     *,
     metrics_registry: CollectorRegistry | None = None,
     max_concurrent_streams: int | None = None,
+    model_fingerprint: str | None = None,
 ) -> int:
     """Run a decode server until SIGTERM or SIGINT, then drain; returns the process exit status."""
     server = DecodeServer(
-        engine, config, metrics_registry=metrics_registry, max_concurrent_streams=max_concurrent_streams
+        engine, config, metrics_registry=metrics_registry, max_concurrent_streams=max_concurrent_streams,
+        model_fingerprint=model_fingerprint,
     )
     await server.start()
     drained = asyncio.Event()

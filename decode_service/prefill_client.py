@@ -1,0 +1,190 @@
+"""Running one remote prefill on the event loop: a `Prefill` stream per attempt, retried on another replica.
+
+An attempt picks the least loaded ready replica, streams the prompt's KV into the reserved blocks as it
+arrives, and ends with the first token. When a replica fails mid-stream (connection lost, deadline,
+corrupt chunk, draining), the partial KV is simply overwritten by the next attempt, which goes to a
+replica not tried yet. When none is left, the request falls back to local prefill or fails with
+UNAVAILABLE, a message naming each replica tried and what went wrong.
+
+KV writes run on a one-thread executor, so validating (CRC32C) and copying a megabyte-sized chunk
+never stalls the event loop that streams every client's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+
+import grpc
+
+from decode_service.prefill_pool import PrefillPool, PrefillReplica
+from decode_service.prefill_transfer import (
+    KVTransfer,
+    PrefillCompleted,
+    PrefillGaveUp,
+    PrefillOutcome,
+    PrefillTransferStats,
+    PrefillUnavailableError,
+    TransferCancelledError,
+)
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams
+from kv_transfer import KVTransferError
+from protos.tandem.internal.v1 import prefill_pb2
+from protos.tandem.v1 import generation_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class AttemptFailedError(Exception):
+    """One Prefill call did not deliver; `request_refused` when the prompt itself was refused."""
+
+    def __init__(self, reason: str, request_refused: bool = False) -> None:
+        super().__init__(reason)
+        self.request_refused = request_refused
+
+
+def sampling_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    """The request's sampling as the internal API carries it (every field set, so no default applies)."""
+    proto = generation_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        logprobs=params.logprobs,
+    )
+    if params.seed is not None:
+        proto.seed = params.seed
+    return proto
+
+
+class PrefillClient:
+    """Runs remote prefills against a pool of replicas (event loop only, except the KV writes)."""
+
+    def __init__(
+        self,
+        pool: PrefillPool,
+        stats: PrefillTransferStats,
+        writer: Executor,
+        vocab_size: int,
+        timeout_s: float,
+        max_attempts: int,
+        fallback_local: bool,
+    ) -> None:
+        self.pool = pool
+        self.stats = stats
+        self._writer = writer
+        self._vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.fallback_local = fallback_local
+
+    async def run(self, transfer: KVTransfer) -> PrefillOutcome | None:
+        """Prefill on up to `max_attempts` distinct replicas; None when the transfer was cancelled."""
+        tried: list[PrefillReplica] = []
+        reasons: list[str] = []
+        refused = False
+        while len(tried) < self.max_attempts:
+            replica = self.pool.acquire(exclude=tried)
+            if replica is None:
+                break
+            if tried:
+                self.stats.retries += 1
+            tried.append(replica)
+            try:
+                return await self._attempt(replica, transfer)
+            except TransferCancelledError:
+                return None
+            except AttemptFailedError as failure:
+                self.stats.attempt_failures += 1
+                reasons.append(f"{replica.address}: {failure}")
+                logger.warning(
+                    "prefill of %s on %s failed: %s", transfer.request_id, replica.address, failure
+                )
+                if failure.request_refused:
+                    refused = True
+                    break
+            finally:
+                self.pool.release(replica)
+        return self._give_up(transfer, reasons, refused)
+
+    def _give_up(self, transfer: KVTransfer, reasons: list[str], refused: bool) -> PrefillGaveUp:
+        self.stats.remote_prefills_failed += 1
+        if refused:
+            error: Exception = InvalidRequestError(f"the prefill tier refused the prompt: {reasons[-1]}")
+        elif reasons:
+            error = PrefillUnavailableError(
+                f"prefill failed on every replica tried ({'; '.join(reasons)}); retry later"
+            )
+        else:
+            error = PrefillUnavailableError(f"no prefill replica is available: {self.pool.describe()}")
+        return PrefillGaveUp(transfer, error, self.fallback_local)
+
+    async def _attempt(self, replica: PrefillReplica, transfer: KVTransfer) -> PrefillCompleted:
+        transfer.restart()
+        request = prefill_pb2.PrefillRequest(
+            request_id=transfer.request_id,
+            prompt_token_ids=transfer.token_ids,
+            sampling=sampling_proto(transfer.sampling),
+            compatibility_hash=self.pool.compatibility_hash,
+        )
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        call = replica.stub.Prefill(request, timeout=self.timeout_s)
+        done: prefill_pb2.PrefillDone | None = None
+        try:
+            async for response in call:
+                if done is not None:
+                    raise AttemptFailedError(self._penalize(replica, "sent a message after PrefillDone"))
+                if response.WhichOneof("kind") == "kv":
+                    written = await loop.run_in_executor(self._writer, transfer.write, response.kv)
+                    self.stats.kv_messages_received += 1
+                    self.stats.kv_bytes_received += written
+                    replica.kv_bytes_received += written
+                else:
+                    done = response.done
+                    transfer.check_complete(done, self._vocab_size)
+        except grpc.aio.AioRpcError as exc:
+            if done is None:
+                raise self._classify(replica, exc) from exc
+            # Every block and the first token arrived, checked; a status lost after that changes nothing.
+            logger.debug("prefill %s ended with %s after PrefillDone", transfer.request_id, exc.code().name)
+        except KVTransferError as exc:
+            reason = f"sent unusable KV ({type(exc).__name__}: {exc})"
+            raise AttemptFailedError(self._penalize(replica, reason)) from exc
+        finally:
+            call.cancel()
+        if done is None:
+            raise AttemptFailedError(self._penalize(replica, "the stream ended without PrefillDone"))
+        self.pool.report_success(replica)
+        replica.prefills_completed += 1
+        self.stats.remote_prefills_completed += 1
+        self.stats.transfer_seconds += time.monotonic() - started
+        return PrefillCompleted(
+            transfer,
+            done.first_token_id,
+            done.first_token_logprob,
+            tuple((t.token_id, t.logprob) for t in done.top_logprobs),
+        )
+
+    def _penalize(self, replica: PrefillReplica, reason: str) -> str:
+        self.pool.report_failure(replica, reason)
+        return reason
+
+    def _classify(self, replica: PrefillReplica, error: grpc.aio.AioRpcError) -> AttemptFailedError:
+        """Turn a failed call into the pool's view of the replica and a reason for the logs and the client."""
+        code = error.code()
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            reason = f"no PrefillDone within the {self.timeout_s:g} s prefill timeout"
+        else:
+            reason = f"{code.name}: {error.details()}"
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            return AttemptFailedError(reason, request_refused=True)
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            self.pool.report_incompatible(replica, error.details() or "compatibility hash refused")
+        elif code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # A full queue is a busy replica, not a broken one: try another without backing off.
+            self._penalize(replica, reason)
+        return AttemptFailedError(reason)

@@ -1,0 +1,169 @@
+"""One request's remote prefill as both decode threads see it, what it reports back, and counters.
+
+Why KV can be written off the engine thread. The engine thread reserves the request's blocks at
+admission and, while the request is being prefilled remotely, never puts it in a step, never grows its
+block table and never reads or writes those blocks; the cache tensors are allocated once and never
+resized or moved. A forward running meanwhile touches only the blocks of the sequences in its step,
+so the writer and the forward never touch the same bytes. (On CUDA both enqueue on the device's
+default stream, so they are ordered anyway.) The one dangerous moment is when the engine thread gives
+the blocks back (abort, preemption, or fallback to local prefill), since they may go to another
+request at once: `cancel` takes the lock every write holds, so it waits for a write in progress and
+no write starts after it. The engine thread calls `cancel` before it frees the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from decode_service.request import ServedRequest
+from engine.errors import DrainingError, TandemError
+from engine.params import SamplingParams
+from kv_transfer import KVLayout, KVRangeError, write_chunk
+from protos.tandem.internal.v1 import prefill_pb2
+
+
+class PrefillUnavailableError(DrainingError):
+    """No prefill replica could prefill the prompt (down, refused, too slow); maps to UNAVAILABLE.
+
+    A DrainingError because the edge maps that to UNAVAILABLE: like a draining server, the request may
+    succeed if retried later or on another decode replica.
+    """
+
+
+class TransferCancelledError(TandemError):
+    """The engine thread gave the request's blocks back; this transfer must not write anymore."""
+
+
+@dataclass
+class PrefillTransferStats:
+    """Counters of the decode side of disaggregated prefill, for the metrics exporter to read.
+
+    Each field has exactly one writer thread: the engine thread for the routing counters
+    (`local_prefills`, `remote_prefills_started`, `fallbacks_local`), the event loop for the rest.
+    """
+
+    local_prefills: int = 0
+    remote_prefills_started: int = 0
+    remote_prefills_completed: int = 0
+    remote_prefills_failed: int = 0
+    fallbacks_local: int = 0
+    attempt_failures: int = 0
+    retries: int = 0
+    kv_messages_received: int = 0
+    kv_bytes_received: int = 0
+    transfer_seconds: float = 0.0
+
+
+class KVTransfer:
+    """The KV of one request's prompt arriving from a prefill replica into the blocks decode reserved.
+
+    Created on the engine thread with snapshots of everything the other threads need (token ids,
+    sampling, block table), so they never read the engine's `Sequence`.
+    """
+
+    def __init__(
+        self,
+        request: ServedRequest,
+        layout: KVLayout,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+    ) -> None:
+        seq = request.seq
+        # Identity only: the request is engine-thread state.
+        self.request = request
+        self.request_id = seq.request_id
+        self.token_ids = tuple(seq.token_ids)
+        self.sampling: SamplingParams = seq.sampling
+        self.layout = layout
+        self.num_blocks = -(-len(self.token_ids) // layout.block_size)
+        self._block_table = tuple(seq.block_table[: self.num_blocks])
+        if len(self._block_table) != self.num_blocks:
+            raise ValueError(
+                f"{self.request_id}: {len(seq.block_table)} blocks reserved, its {len(self.token_ids)} "
+                f"tokens need {self.num_blocks}"
+            )
+        self._k_caches = k_caches
+        self._v_caches = v_caches
+        self._lock = threading.Lock()
+        self._cancelled = False
+        # One flag per (block, layer) written by the current attempt.
+        self._written = bytearray(self.num_blocks * layout.num_layers)
+        self.future: Future[None] | None = None
+
+    def write(self, chunk: prefill_pb2.KVChunk) -> int:
+        """Validate and write one received chunk (writer thread); returns its payload bytes.
+
+        Raises TransferCancelledError once the blocks were given back, or the chunk's KVTransferError.
+        """
+        with self._lock:
+            if self._cancelled:
+                raise TransferCancelledError(f"{self.request_id}: transfer cancelled")
+            written = write_chunk(
+                chunk, self.layout, self._block_table, self.num_blocks, self._k_caches, self._v_caches
+            )
+            num_layers = self.layout.num_layers
+            for block in range(chunk.block_start, chunk.block_start + chunk.num_blocks):
+                start = block * num_layers + chunk.layer_start
+                self._written[start : start + chunk.num_layers] = b"\x01" * chunk.num_layers
+        return written
+
+    def restart(self) -> None:
+        """A new attempt re-sends every block: forget what the failed one wrote (it will be overwritten)."""
+        with self._lock:
+            self._written = bytearray(len(self._written))
+
+    def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
+        """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError).
+
+        A peer that skipped a block would otherwise leave stale KV from the block's previous owner
+        under a sequence that then decodes without any error: a wrong answer.
+        """
+        if done.num_prompt_tokens != len(self.token_ids):
+            raise KVRangeError(
+                f"PrefillDone reports {done.num_prompt_tokens} prompt tokens; "
+                f"the request has {len(self.token_ids)}"
+            )
+        if not 0 <= done.first_token_id < vocab_size:
+            raise KVRangeError(
+                f"first token id {done.first_token_id} is outside the vocabulary [0, {vocab_size})"
+            )
+        with self._lock:
+            missing = self._written.count(0)
+        if missing:
+            raise KVRangeError(
+                f"PrefillDone arrived with {missing} of {len(self._written)} (block, layer) pairs never sent"
+            )
+
+    def cancel(self) -> None:
+        """Engine thread, before it frees the blocks: wait for a write in progress, refuse later ones."""
+        with self._lock:
+            self._cancelled = True
+        if self.future is not None:
+            self.future.cancel()
+
+
+@dataclass(frozen=True)
+class PrefillCompleted:
+    """Every block arrived and the prefill replica sampled the first token."""
+
+    transfer: KVTransfer
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class PrefillGaveUp:
+    """No replica could prefill the prompt: prefill it locally (`fallback_local`) or fail with `error`."""
+
+    transfer: KVTransfer
+    error: Exception
+    fallback_local: bool
+
+
+PrefillOutcome = PrefillCompleted | PrefillGaveUp

@@ -1,0 +1,231 @@
+"""Disaggregated prefill as a prefill stage: long prompts on the prefill tier, short ones here.
+
+The scheduler admits a request exactly as in aggregated mode (its prompt blocks reserved) and hands it
+to this stage, which routes it:
+
+- locally, with chunked prefill in the decode steps, when the prompt is shorter than
+  `--local-prefill-threshold` (moving its KV would cost more than computing it), when its first token
+  must suppress EOS or stop tokens (`min_tokens`; the internal API cannot ask prefill to), or when no
+  prefill replica is ready and `--fallback-local` is set;
+- otherwise remotely: a `KVTransfer` runs on the event loop (`PrefillClient`), writing arriving KV into
+  the reserved blocks, and its outcome comes back to the engine thread through `collect`.
+
+On the engine thread, a completed transfer becomes exactly what a local prefill produces: the sequence
+with every history token computed and the first token appended by `Sequence.append_token` (so stop
+rules, detokenization and finishing apply; the first token may end the request). A transfer whose
+request is aborted or preempted is cancelled: the `Prefill` call is cancelled, so the prefill replica
+frees its blocks, and no write reaches the reserved blocks once they are given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from decode_service.config import DecodeServiceConfig
+from decode_service.prefill_client import PrefillClient
+from decode_service.prefill_pool import PrefillPool
+from decode_service.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
+from decode_service.prefill_transfer import (
+    KVTransfer,
+    PrefillCompleted,
+    PrefillGaveUp,
+    PrefillOutcome,
+    PrefillTransferStats,
+)
+from decode_service.request import ServedRequest
+from engine.engine import Engine, TokenOutput
+from engine.model_runner import ScheduledChunk
+from kv_transfer import KVLayout
+from tandem.security import channel_credentials
+
+logger = logging.getLogger(__name__)
+
+
+def engine_kv_layout(engine: Engine) -> KVLayout:
+    """The layout of this engine's KV cache: what the prefill tier must produce for us."""
+    model = engine.model_config
+    return KVLayout(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=engine.block_size,
+        dtype=engine.dtype,
+    )
+
+
+class RemotePrefillStage(PrefillStage):
+    """Routes each admitted request to local chunked prefill or to the prefill tier.
+
+    Engine thread: `start`, `remove`, `plan_chunks`, `collect`. Event loop: the transfers' coroutines,
+    which hand their outcomes over through a locked queue and `wakeup`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        client: PrefillClient,
+        pool: PrefillPool,
+        loop: asyncio.AbstractEventLoop,
+        stats: PrefillTransferStats,
+        local_prefill_threshold: int,
+        fallback_local: bool,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        self.layout = engine_kv_layout(engine)
+        self.local_prefill_threshold = local_prefill_threshold
+        self.fallback_local = fallback_local
+        self.stats = stats
+        self._client = client
+        self._pool = pool
+        self._loop = loop
+        self._remote: dict[ServedRequest, KVTransfer] = {}
+        self._outcomes: deque[PrefillOutcome] = deque()
+        self._outcomes_lock = threading.Lock()
+        self._wakeup: Callable[[], None] = lambda: None
+
+    @property
+    def remote_requests(self) -> list[ServedRequest]:
+        """Admitted requests whose prompt the prefill tier is computing."""
+        return list(self._remote)
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wakeup = wakeup
+
+    # -- engine thread -------------------------------------------------------------------------------
+
+    def start(self, request: ServedRequest) -> None:
+        super().start(request)
+        reason = self._local_reason(request)
+        if reason is not None:
+            self.stats.local_prefills += 1
+            logger.debug("prefilling %s locally: %s", request.request_id, reason)
+            return
+        transfer = KVTransfer(request, self.layout, self.engine.kv_cache.k, self.engine.kv_cache.v)
+        self._remote[request] = transfer
+        self.stats.remote_prefills_started += 1
+        try:
+            transfer.future = asyncio.run_coroutine_threadsafe(self._run(transfer), self._loop)
+        except RuntimeError as exc:  # the event loop is gone: the server is stopping
+            self._post(PrefillGaveUp(transfer, exc, fallback_local=False))
+
+    def _local_reason(self, request: ServedRequest) -> str | None:
+        seq = request.seq
+        if seq.num_tokens < self.local_prefill_threshold:
+            return f"{seq.num_tokens} tokens, under the local prefill threshold"
+        if seq.suppressed_token_ids(self.engine.eos_token_ids):
+            return "its first token must not be EOS or a stop token (min_tokens)"
+        if self.fallback_local and not self._pool.has_ready:
+            return "no prefill replica is ready"
+        return None
+
+    def remove(self, request: ServedRequest) -> None:
+        super().remove(request)
+        transfer = self._remote.pop(request, None)
+        if transfer is not None:
+            transfer.cancel()
+
+    def plan_chunks(self, token_budget: int) -> list[ScheduledChunk]:
+        return plan_local_chunks((r for r in self._requests if r not in self._remote), token_budget)
+
+    def collect(self) -> tuple[list[TokenOutput], list[StageFailure]]:
+        with self._outcomes_lock:
+            outcomes = list(self._outcomes)
+            self._outcomes.clear()
+        outputs: list[TokenOutput] = []
+        failures: list[StageFailure] = []
+        for outcome in outcomes:
+            transfer = outcome.transfer
+            request = transfer.request
+            if self._remote.get(request) is not transfer:
+                continue  # aborted or preempted since; its blocks are already back
+            del self._remote[request]
+            if isinstance(outcome, PrefillCompleted):
+                outputs.append(self._first_token(request, outcome))
+                continue
+            transfer.cancel()
+            if outcome.fallback_local:
+                self.stats.fallbacks_local += 1
+                logger.warning("prefilling %s locally instead: %s", request.request_id, outcome.error)
+            else:
+                failures.append((request, outcome.error))
+        return outputs, failures
+
+    def _first_token(self, request: ServedRequest, outcome: PrefillCompleted) -> TokenOutput:
+        seq = request.seq
+        seq.num_computed_tokens = seq.num_tokens
+        engine = self.engine
+        text = seq.append_token(outcome.token_id, engine.eos_token_ids, engine.max_model_len)
+        top = list(outcome.top_logprobs[: seq.sampling.logprobs])
+        return TokenOutput(seq, outcome.token_id, outcome.logprob, top, text, seq.finish_reason)
+
+    # -- event loop ----------------------------------------------------------------------------------
+
+    async def _run(self, transfer: KVTransfer) -> None:
+        try:
+            outcome = await self._client.run(transfer)
+        except Exception as exc:
+            logger.exception("remote prefill of %s failed", transfer.request_id)
+            outcome = PrefillGaveUp(transfer, exc, fallback_local=self.fallback_local)
+        if outcome is not None:
+            self._post(outcome)
+
+    def _post(self, outcome: PrefillOutcome) -> None:
+        with self._outcomes_lock:
+            self._outcomes.append(outcome)
+        self._wakeup()
+
+
+class RemotePrefill:
+    """Disaggregated prefill on one decode replica, built from its config: the replica pool, the client
+    that streams KV, the prefill stage the scheduler drives, and the transfer counters.
+
+    Create inside the server's running event loop; `start` before the engine thread runs (so the first
+    requests already see which replicas are ready), `close` after it stopped (so no transfer is live).
+    """
+
+    def __init__(self, engine: Engine, config: DecodeServiceConfig, model_fingerprint: str) -> None:
+        credentials = None
+        if config.prefill_tls:
+            credentials = channel_credentials(
+                config.prefill_tls_ca, config.prefill_tls_cert, config.prefill_tls_key
+            )
+        self.stats = PrefillTransferStats()
+        self.pool = PrefillPool(
+            config.prefill_targets,
+            model_fingerprint,
+            engine_kv_layout(engine),
+            credentials,
+            resolve_interval_s=config.prefill_resolve_interval_s,
+        )
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write")
+        self.client = PrefillClient(
+            self.pool,
+            self.stats,
+            self._writer,
+            engine.vocab_size,
+            timeout_s=config.prefill_timeout_s,
+            max_attempts=config.prefill_max_attempts,
+            fallback_local=config.fallback_local,
+        )
+        self.stage = RemotePrefillStage(
+            engine,
+            self.client,
+            self.pool,
+            asyncio.get_running_loop(),
+            self.stats,
+            local_prefill_threshold=config.local_prefill_threshold,
+            fallback_local=config.fallback_local,
+        )
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        self._writer.shutdown(wait=False, cancel_futures=True)
