@@ -142,9 +142,32 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_arguments(parser)
 
 
+def _add_up(subparsers: argparse._SubParsersAction) -> None:
+    # tandem.up declares its flags without importing torch or gRPC.
+    from tandem.up import EXIT_STATUSES, add_arguments
+
+    parser = subparsers.add_parser(
+        "up",
+        help="run both tiers on this machine (one prefill, one decode) until Ctrl-C",
+        description="Start one prefill and one decode server as child processes on this machine with the "
+        "default model (fetched first if needed), wait until both serve, show how to call them and a live "
+        "status line, and stop both cleanly on Ctrl-C or SIGTERM.",
+        epilog="exit status: " + "; ".join(f"{code}: {text}" for code, text in EXIT_STATUSES.items()),
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from tandem.up import run
+
+    return run(args)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_fetch_model,
     _add_serve,
+    _add_up,
     _add_generate,
     _add_bench,
 )

