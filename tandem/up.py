@@ -28,7 +28,6 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from tandem.logs import log_event, use_log_format
 
@@ -230,12 +229,18 @@ class LogForwarder:
     """Copies the children's log lines to our stderr, one line at a time, prefixed by tier in text mode.
 
     JSON lines pass through untouched so that a log pipeline reading `up`'s stderr still parses them.
+    While the status line is shown, `write_line` is the status line's, which prints above it.
     """
 
-    def __init__(self, json_lines: bool, out: Callable[[], IO[str]] = lambda: sys.stderr) -> None:
+    def __init__(self, json_lines: bool) -> None:
         self._json = json_lines
-        self._out = out
         self._lock = threading.Lock()
+        self.write_line: Callable[[str], None] = self.write_stderr
+
+    @staticmethod
+    def write_stderr(line: str) -> None:
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
     def start(self, tier: Tier) -> None:
         tier.pump = threading.Thread(target=self._pump, args=(tier,), name=f"logs-{tier.name}", daemon=True)
@@ -247,9 +252,7 @@ class LogForwarder:
         prefix = "" if self._json else f"[{tier.name}] "
         for line in tier.process.stdout:
             with self._lock:
-                stream = self._out()
-                stream.write(prefix + line)
-                stream.flush()
+                self.write_line(prefix + line)
 
 
 def start_tier(spec: TierSpec, threads: int) -> Tier:
@@ -339,8 +342,13 @@ class StatusLine:
         from rich.live import Live
 
         self._urls = (metrics_url, prefill_metrics_url)
-        self._live = Live("starting…", console=Console(stderr=True), refresh_per_second=4, transient=True)
+        self._console = Console(stderr=True)
+        self._live = Live("starting…", console=self._console, refresh_per_second=4, transient=True)
         self._last: tuple[float, float] | None = None
+
+    def print_line(self, line: str) -> None:
+        """Print a log line above the status line, unwrapped and uncoloured, as it came."""
+        self._console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
 
     def __enter__(self) -> StatusLine:
         self._live.__enter__()
@@ -462,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_STARTUP_FAILED
         if died is None and not stop.event.is_set():
             print(how_to_call(args.host, args.port), flush=True)
-            died = _serve(args, tiers, stop.event)
+            died = _serve(args, tiers, stop.event, forwarder)
         if died is not None:
             returncode = died.process.returncode
             log_event(logger, logging.ERROR, "tier exited", tier=died.name, returncode=returncode)
@@ -477,7 +485,9 @@ def run(args: argparse.Namespace) -> int:
                 tier.process.wait()
 
 
-def _serve(args: argparse.Namespace, tiers: Sequence[Tier], stop: threading.Event) -> Tier | None:
+def _serve(
+    args: argparse.Namespace, tiers: Sequence[Tier], stop: threading.Event, forwarder: LogForwarder
+) -> Tier | None:
     """Watch the serving tiers, with the live status line when stderr is a terminal."""
     show_status = not args.no_status and args.metrics_port and sys.stderr.isatty()
     if not show_status:
@@ -485,4 +495,8 @@ def _serve(args: argparse.Namespace, tiers: Sequence[Tier], stop: threading.Even
     host = connect_host(args.host)
     prefill_url = f"http://{host}:{args.prefill_metrics_port}/metrics" if args.prefill_metrics_port else None
     with StatusLine(f"http://{host}:{args.metrics_port}/metrics", prefill_url) as status:
-        return _watch(tiers, stop, status)
+        forwarder.write_line = status.print_line
+        try:
+            return _watch(tiers, stop, status)
+        finally:
+            forwarder.write_line = forwarder.write_stderr
