@@ -13,6 +13,12 @@ import importlib
 # (subcommand, module with add_arguments(parser) and run(args) -> int, help)
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "bench.serve", "load-test one running server (tandem or llama-server), like vllm bench serve"),
+    ("compare", "bench.compare", "every peer on the same workload back to back, ratios printed, plots drawn"),
+    ("occupancy", "bench.occupancy", "batch-occupancy timeline, static vs continuous, from the event log"),
+    ("chunked-prefill", "bench.chunked_prefill", "ITL of running streams while a long prompt is prefilled"),
+    ("probe", "bench.roofline", "memory bandwidth and matmul FLOP/s; the workload's tokens/s upper bound"),
+    ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
+    ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),
 )
 
 

@@ -62,8 +62,10 @@ def metrics_table(runs: Sequence[dict], title: str, baseline: str | None = None)
     for run in runs:
         m = run["metrics"]
         goodput = m.get("goodput")
+        rate = run["arrivals"]["request_rate"]
+        label = run["system"]["name"] + ("" if rate == "inf" else f" @ {rate:g} req/s")
         row = [
-            run["system"]["name"], f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
+            label, f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
             f"{m['total_token_throughput']:.1f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
             _ms(m["tpot_ms"]["p50"]), _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
             _ms(m["e2el_ms"]["p99"]),
@@ -76,4 +78,8 @@ def metrics_table(runs: Sequence[dict], title: str, baseline: str | None = None)
 
 
 def print_table(table: Table) -> None:
-    Console().print(table)
+    """Print to stdout; wide enough for every column even when stdout is a file or a pipe."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(table)

@@ -132,22 +132,23 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 async def measure(
     backend: StreamingBackend, args: argparse.Namespace, arrivals: ArrivalProcess, show_progress: bool,
-    system_extra: dict | None = None, workload: Workload | None = None,
+    system_extra: dict | None = None, workload: Workload | None = None, max_concurrency: int | None = None,
 ) -> dict:
-    """Open `backend`, run the workload at `arrivals`, close; returns one run's result object."""
+    """Open `backend`, run the workload (`args`' unless given) at `arrivals`, close; returns one run's
+    result object."""
     server_info = await backend.open()
     try:
         if workload is None:
             workload = build_workload(args, server_info.get("vocab_size") or DEFAULT_MIN_TOKEN_ID + 1)
         load = await run_load(
-            backend, workload.requests, arrivals, args.max_concurrency, workload.warmups, show_progress,
+            backend, workload.requests, arrivals, max_concurrency, workload.warmups, show_progress,
         )
     finally:
         await backend.close()
     slos = parse_goodput(args.goodput)
     system = {"name": backend.name, **server_info, **(system_extra or {})}
     arrival_info = {
-        **arrivals.describe(), "max_concurrency": args.max_concurrency, "warmups": len(workload.warmups),
+        **arrivals.describe(), "max_concurrency": max_concurrency, "warmups": len(workload.warmups),
     }
     return run_result(
         system, workload.description, arrival_info, compute_metrics(load.records, load.duration_s, slos),
@@ -163,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     arrivals = ArrivalProcess(args.request_rate, args.burstiness, args.seed)
     extra = {"server_threads": args.server_threads} if args.server_threads else {}
     machine = machine_info()
-    result = asyncio.run(measure(backend, args, arrivals, not args.no_progress, extra))
+    result = asyncio.run(
+        measure(backend, args, arrivals, not args.no_progress, extra, max_concurrency=args.max_concurrency)
+    )
     print_table(metrics_table([result], title=f"tandem bench serve: {backend.name}"))
     path = write_json(args.result_file, {"benchmark": "serve", "machine": machine, "command": command_line(),
                                          **result})

@@ -1,0 +1,264 @@
+"""`tandem bench compare`: tandem and its peers on the same workload, same machine, back to back.
+
+Systems (each measured alone, one after another; servers as their own processes with explicit thread
+counts):
+
+- `hf-static`      transformers `generate`, static batches of --hf-batch-size (the baseline);
+- `hf-continuous`  transformers' continuous-batching manager (when the installed version has it);
+- `tandem-static`  `tandem serve decode --batching static`;
+- `tandem-aggregated`  one decode server, chunked prefill mixed into decode steps;
+- `tandem-disaggregated`  a prefill server and a decode server (when decode has `--prefill`);
+- `llama-server`   llama.cpp, `-np 16 -cb`, on the F32 GGUF of the same Q4_1 weights (needs
+                   `python -m bench.llama_cpp_build` once).
+
+The headline workload (all requests at once) runs on every system; then a rate sweep runs on the
+server systems. A system that cannot run is skipped with its reason printed and recorded. Writes
+`<out-dir>/compare.json`, prints the table with ratios to hf-static, then draws the plots.
+
+    tandem bench compare --out-dir bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
+from bench.workload import ArrivalProcess
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = (
+    "hf-static", "hf-continuous", "tandem-static", "tandem-aggregated", "tandem-disaggregated",
+    "llama-server",
+)
+SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "llama-server")
+BASELINE = "hf-static"
+
+
+class SystemSkipped(RuntimeError):
+    """A system cannot run on this machine now (not built, not wired up); the message says why."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: all: {SYSTEMS})")
+    parser.add_argument(
+        "--sweep-systems", default=",".join(SWEEP_SYSTEMS), help="systems of the rate sweep (server systems)"
+    )
+    parser.add_argument(
+        "--rates", default="1,2,4", help="request rates of the sweep, req/s ('' for none; default: 1,2,4)"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=32, help="tandem and HF-continuous batch size cap (default: 32)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tandem and HF-continuous tokens per step"
+    )
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="tandem's KV pool (default: 2GiB)")
+    parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default: 16)")
+    parser.add_argument("--llama-context", type=int, default=16384, help="llama-server total context")
+    add_workload_arguments(parser)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)})")
+    return names
+
+
+@dataclass
+class Comparison:
+    """Everything a compare run gathers, in the shape written to compare.json."""
+
+    config: dict
+    workload: dict = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    physical_limit: dict | None = None
+
+
+def _tandem_server_args(args: argparse.Namespace, batching: str) -> list[str]:
+    return [
+        "--batching", batching, "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--kv-cache-memory", args.kv_cache_memory,
+    ]
+
+
+@contextlib.contextmanager
+def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[str, str, dict]]:
+    """Start system `name`; yields (backend kind, target, system description)."""
+    from bench import servers
+
+    if name in ("tandem-static", "tandem-aggregated"):
+        batching = "static" if name == "tandem-static" else "continuous"
+        server_args = _tandem_server_args(args, batching)
+        decode, target = servers.tandem_decode_server(name, model, args.threads, server_args)
+        with decode:
+            yield "tandem", target, {"threads": {"decode": args.threads}, "server_args": server_args}
+    elif name == "tandem-disaggregated":
+        if not servers.decode_supports_prefill_tier():
+            raise SystemSkipped("`tandem serve decode --help` has no --prefill flag yet (not wired up)")
+        # Two processes share the cores: split the threads between them.
+        prefill_threads = max(1, args.threads // 2)
+        decode_threads = max(1, args.threads - prefill_threads)
+        prefill, prefill_target = servers.tandem_prefill_server(
+            f"{name}-prefill", model, prefill_threads,
+            ["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        )
+        server_args = _tandem_server_args(args, "continuous")
+        decode, target = servers.tandem_decode_server(
+            f"{name}-decode", model, decode_threads, server_args, prefill_target
+        )
+        with servers.running(prefill, decode):
+            threads = {"prefill": prefill_threads, "decode": decode_threads}
+            yield "tandem", target, {"threads": threads, "server_args": server_args}
+    elif name == "llama-server":
+        from bench.llama_cpp_build import default_tools
+
+        tools = default_tools()
+        if not tools.is_ready():
+            raise SystemSkipped(f"llama.cpp not built in {tools.root}: run `python -m bench.llama_cpp_build`")
+        server, url = servers.llama_server(
+            name, tools.server, tools.f32_model, args.threads, args.llama_parallel, args.llama_context
+        )
+        with server:
+            manifest = json.loads(tools.manifest.read_text()) if tools.manifest.is_file() else {}
+            yield "llama-server", url, {
+                "threads": {"server": args.threads}, "parallel": args.llama_parallel,
+                "context": args.llama_context, "gguf": tools.f32_model.name, "build": manifest.get("sdist"),
+            }
+    else:
+        raise ValueError(name)
+
+
+def _hf_run(name: str, args: argparse.Namespace, model_dir: Path, workload: Workload, hf_cache: dict) -> dict:
+    """Run an in-process HF peer on the headline workload; returns a run result like `measure`'s."""
+    import torch
+
+    from bench import hf_peers
+    from bench.metrics import compute_metrics, distributions, parse_goodput
+    from bench.report import run_result
+
+    torch.set_num_threads(args.threads)
+    if "model" not in hf_cache:
+        hf_cache["model"] = hf_peers.load_hf_model(model_dir)
+    model = hf_cache["model"]
+    if name == "hf-static":
+        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        peer = hf_peers.run_hf_static(model, workload.requests, args.hf_batch_size, pad)
+    else:
+        if not hf_peers.continuous_batching_available(model):
+            raise SystemSkipped("this transformers has no continuous-batching manager")
+        peer = hf_peers.run_hf_continuous(
+            model, workload.requests, args.max_num_seqs, args.max_num_batched_tokens
+        )
+    import transformers
+
+    system = {
+        "name": name, **peer.info, "threads": {"process": args.threads},
+        "transformers": transformers.__version__, "model_name": model_dir.name,
+    }
+    arrivals = {**ArrivalProcess().describe(), "max_concurrency": None, "warmups": 1}
+    metrics = compute_metrics(peer.records, peer.duration_s, parse_goodput(args.goodput))
+    return run_result(system, workload.description, arrivals, metrics, distributions(peer.records))
+
+
+def _measure_server(
+    kind: str, target: str, name: str, args: argparse.Namespace, rate: float, workload: Workload, extra: dict
+) -> dict:
+    backend = make_backend(kind, target, name)
+    arrivals = ArrivalProcess(rate, 1.0, args.seed)
+    result = asyncio.run(measure(backend, args, arrivals, not args.no_progress, extra, workload))
+    logger.info(
+        "%s @ %s req/s: %.1f output tok/s", name, result["arrivals"]["request_rate"],
+        result["metrics"]["output_throughput"],
+    )
+    return result
+
+
+def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison], None]) -> Comparison:
+    from bench.roofline import ModelShape, WorkloadCost, probe_machine, throughput_bound
+    from engine.model_store import resolve_model
+
+    model_dir = resolve_model(args.model)
+    shape = ModelShape.from_config_file(model_dir / "config.json")
+    workload = build_workload(args, shape.vocab)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    comparison = Comparison(config={
+        "model": model_dir.name, "dtype": "float32", "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "llama_parallel": args.llama_parallel, "rates": rates, "baseline": BASELINE,
+    }, workload=workload.description)
+    cost = WorkloadCost([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
+    comparison.physical_limit = throughput_bound(
+        shape, probe_machine(args.threads, shape), cost, args.max_num_seqs
+    )
+    hf_cache: dict = {}
+    sweep_systems = set(_names(args.sweep_systems))
+    for name in _names(args.systems):
+        try:
+            if name.startswith("hf-"):
+                comparison.runs.append(_hf_run(name, args, model_dir, workload, hf_cache))
+            else:
+                with serving(name, args, str(model_dir)) as (kind, target, extra):
+                    point = (kind, target, name, args)
+                    comparison.runs.append(_measure_server(*point, math.inf, workload, extra))
+                    on_progress(comparison)
+                    for rate in rates if name in sweep_systems else []:
+                        comparison.sweep.append(_measure_server(*point, rate, workload, extra))
+                        on_progress(comparison)
+        except SystemSkipped as exc:
+            logger.warning("skipping %s: %s", name, exc)
+            comparison.skipped[name] = str(exc)
+        on_progress(comparison)
+    return comparison
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.machine import load_average, machine_info
+    from bench.report import command_line, metrics_table, print_table, write_json
+
+    machine = machine_info()
+    path = args.out_dir / "compare.json"
+
+    def save(comparison: Comparison) -> None:
+        # Written after every system, so a long run interrupted late still leaves its numbers; the load
+        # average at each write shows how busy the shared machine was along the way.
+        write_json(path, {
+            "benchmark": "compare", "machine": machine, "load_average_at_write": load_average(),
+            "command": command_line(), "config": comparison.config, "workload": comparison.workload,
+            "physical_limit": comparison.physical_limit, "skipped": comparison.skipped,
+            "runs": comparison.runs, "sweep": comparison.sweep,
+        })
+
+    comparison = run_comparison(args, save)
+    print_table(metrics_table(comparison.runs, "tandem bench compare (all requests at once)", BASELINE))
+    if comparison.sweep:
+        print_table(metrics_table(comparison.sweep, "rate sweep"))
+    for name, reason in comparison.skipped.items():
+        print(f"skipped {name}: {reason}")
+    if not args.no_plots:
+        from bench.plots import draw_comparison
+
+        for written in draw_comparison(path, args.out_dir):
+            logger.info("wrote %s", written)
+    logger.info("wrote %s", path)
+    return 0

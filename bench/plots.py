@@ -1,0 +1,260 @@
+"""Pictures and the README table, drawn from the JSON results only (so they can be redrawn any time).
+
+- `throughput_vs_rate.png`: output tokens/s and p99 TTFT against request rate for every system of the
+  sweep, the all-at-once headline as the rightmost point, and the machine's physical limit;
+- `cdf_ttft_itl.png`: CDFs of TTFT and ITL of every system on the headline workload;
+- `occupancy_timeline.png`: batch slots x iterations, a colour per request, static vs continuous;
+- `chunked_prefill_itl.png`: ITL of running streams over time while a long prompt is prefilled, with
+  and without chunked prefill;
+- `README_table.md`: the headline table, machine, date and command, for the project README.
+
+    tandem bench plots [--results-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+INF_LABEL = "all at once"
+TANDEM_HEADLINE = "tandem-aggregated"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rate(run: dict) -> float:
+    rate = run["arrivals"]["request_rate"]
+    return math.inf if rate == "inf" else float(rate)
+
+
+def _series(compare: dict) -> dict[str, list[tuple[float, dict]]]:
+    """Per system: (rate, run) points of the sweep plus its headline run, sorted by rate."""
+    by_system: dict[str, list[tuple[float, dict]]] = {}
+    sweep_names = {run["system"]["name"] for run in compare["sweep"]}
+    for run in compare["sweep"] + [r for r in compare["runs"] if r["system"]["name"] in sweep_names]:
+        by_system.setdefault(run["system"]["name"], []).append((_rate(run), run))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in by_system.items()}
+
+
+def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
+    from bench.roofline import rate_bound
+
+    series = _series(compare)
+    if not series:
+        return None
+    finite = sorted({rate for points in series.values() for rate, _ in points if math.isfinite(rate)})
+    inf_x = (finite[-1] * 2) if finite else 1.0
+    plt = _pyplot()
+    fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, points in series.items():
+        xs = [inf_x if math.isinf(rate) else rate for rate, _ in points]
+        ax_tput.plot(xs, [run["metrics"]["output_throughput"] for _, run in points], marker="o", label=name)
+        ax_ttft.plot(xs, [run["metrics"]["ttft_ms"]["p99"] or math.nan for _, run in points], marker="o",
+                     label=name)
+    limit = compare.get("physical_limit")
+    if limit:
+        xs = [*finite, inf_x]
+        ys = [rate_bound(limit, x) for x in finite] + [limit["output_tok_s_bound"]]
+        ax_tput.plot(xs, ys, "k--", label=f"physical limit ({limit['limited_by']}-bound)")
+    for ax in (ax_tput, ax_ttft):
+        ax.set_xscale("log")
+        ax.set_xticks([*finite, inf_x], [*(f"{r:g}" for r in finite), INF_LABEL])
+        ax.set_xticks([], minor=True)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    ax_tput.set_ylabel("output tokens/s")
+    ax_tput.set_title("throughput vs request rate")
+    ax_ttft.set_ylabel("p99 TTFT (ms)")
+    ax_ttft.set_yscale("log")
+    ax_ttft.set_title("p99 time to first token vs request rate")
+    ax_tput.legend(fontsize=8)
+    fig.suptitle(_subtitle(compare), fontsize=9)
+    fig.tight_layout()
+    path = out / "throughput_vs_rate.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_cdfs(compare: dict, out: Path) -> Path | None:
+    if not compare["runs"]:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "ttft_ms_quantiles", "TTFT"), (axes[1], "itl_ms_quantiles", "ITL")):
+        for run in compare["runs"]:
+            quantiles = run["distributions"][key]
+            if quantiles:
+                ax.plot(quantiles, [i / (len(quantiles) - 1) for i in range(len(quantiles))],
+                        label=run["system"]["name"])
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("fraction of " + ("requests" if title == "TTFT" else "token gaps"))
+        ax.set_title(f"CDF of {title}, all requests at once")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(_subtitle(compare), fontsize=9)
+    fig.tight_layout()
+    path = out / "cdf_ttft_itl.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _subtitle(compare: dict) -> str:
+    workload = compare["workload"]
+    machine = compare["machine"]
+    return (
+        f"{compare['config']['model']} fp32, {workload['num_requests']} requests, prompts "
+        f"{workload['prompt_len_min']}-{workload['prompt_len_max']} tok, outputs "
+        f"{workload['output_len_min']}-{workload['output_len_max']} tok exact; {machine['cpu']}, "
+        f"{compare['config']['threads']} threads per system; {machine['date'][:10]}"
+    )
+
+
+def readme_table(compare: dict) -> str:
+    """The headline table in markdown: system, output tok/s, ratio vs HF static, p99 TTFT, p99 ITL."""
+    runs = compare["runs"]
+    base = next((r for r in runs if r["system"]["name"] == compare["config"]["baseline"]), None)
+    limit = compare.get("physical_limit")
+    lines = [
+        "| system | output tok/s | vs HF static | p99 TTFT (ms) | p99 ITL (ms) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        m = run["metrics"]
+        ratio = f"{m['output_throughput'] / base['metrics']['output_throughput']:.2f}x" if base else "-"
+        ttft, itl = m["ttft_ms"]["p99"], m["itl_ms"]["p99"]
+        lines.append(
+            f"| {run['system']['name']} | {m['output_throughput']:.1f} | {ratio} | "
+            f"{'-' if ttft is None else f'{ttft:,.0f}'} | {'-' if itl is None else f'{itl:,.0f}'} |"
+        )
+    if limit:
+        bound = limit["output_tok_s_bound"]
+        lines.append(f"| physical limit ({limit['limited_by']}-bound) | {bound:.1f} | | | |")
+    machine = compare["machine"]
+    workload = compare["workload"]
+    notes = [
+        "",
+        f"Workload: {compare['config']['model']} fp32, {workload['num_requests']} requests all at once, "
+        f"prompts {workload['prompt_len']} tokens, outputs {workload['output_len']} tokens exact (EOS "
+        f"ignored), greedy; seed {workload['seed']}.",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; "
+        f"{compare['config']['threads']} threads per system (split 1+1 across the two disaggregated tiers); "
+        f"load average at start {machine['load_average_1_5_15']}; {machine['date']}; commit "
+        f"{machine['git_commit']}.",
+    ]
+    tandem = next((r for r in runs if r["system"]["name"] == TANDEM_HEADLINE), None)
+    if limit and tandem:
+        fraction = tandem["metrics"]["output_throughput"] / limit["output_tok_s_bound"]
+        probe = limit["probe"]
+        notes.append(
+            f"Physical limit: {limit['matmul_tflop']} TFLOP of matmuls at {probe['matmul_gflops']} GFLOP/s "
+            f"and {limit['memory_read_gb']} GB of reads at {probe['read_bandwidth_gbs']} GB/s (probed); "
+            f"{TANDEM_HEADLINE} reaches {fraction:.0%} of it."
+        )
+    for name, reason in compare.get("skipped", {}).items():
+        notes.append(f"Skipped {name}: {reason}")
+    notes.append(f"Command: `{compare['command']}`")
+    return "\n".join(lines + notes) + "\n"
+
+
+def draw_occupancy(occupancy: dict, out: Path) -> Path:
+    """Rows = batch slots, x = engine iteration, one colour per request; static above continuous."""
+    from matplotlib.colors import hsv_to_rgb
+
+    plt = _pyplot()
+    modes = occupancy["modes"]
+    size = (12, 2.2 + 1.6 * len(modes))
+    fig, axes = plt.subplots(len(modes), 1, figsize=size, sharex=True, squeeze=False)
+    num_requests = occupancy["num_requests"]
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        for slot, step, length, request, kind in mode["segments"]:
+            hue = (request * 0.618034) % 1.0
+            colour = hsv_to_rgb((hue, 0.65 if kind == "decode" else 0.35, 0.9 if kind == "decode" else 1.0))
+            ax.broken_barh([(step, length)], (slot - 0.4, 0.8), facecolors=colour, edgecolors="none")
+        ax.set_ylim(-0.6, mode["num_slots"] - 0.4)
+        ax.set_xlim(0, max(m["num_steps"] for m in modes))
+        ax.set_ylabel("batch slot")
+        ax.set_title(
+            f"{mode['batching']} batching: {mode['num_steps']} iterations, mean occupancy "
+            f"{mode['mean_occupancy']:.0%} of {mode['num_slots']} slots", fontsize=10,
+        )
+    axes[-1, 0].set_xlabel("engine iteration (pale: prefill chunk, strong: decode)")
+    fig.suptitle(
+        f"batch occupancy from the engine event log: the same {num_requests} requests, "
+        f"outputs {occupancy['output_len']} tokens ({occupancy['model']})", fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / "occupancy_timeline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_chunked_prefill(itl: dict, out: Path) -> Path:
+    """ITL of the decode streams against time, one panel per setting, the long prompt's arrival marked."""
+    plt = _pyplot()
+    settings = itl["settings"]
+    size = (11, 2.5 + 2 * len(settings))
+    fig, axes = plt.subplots(len(settings), 1, figsize=size, sharex=True, squeeze=False)
+    for ax, setting in zip(axes[:, 0], settings, strict=True):
+        times, gaps = setting["itl_times_s"], setting["itl_ms"]
+        ax.scatter(times, gaps, s=6)
+        ax.axvline(setting["long_prompt_sent_s"], color="red", linestyle="--", label="4k-token prompt sent")
+        if setting.get("long_prompt_first_token_s") is not None:
+            ax.axvline(setting["long_prompt_first_token_s"], color="green", linestyle=":",
+                       label="its first token")
+        ax.set_yscale("log")
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(
+            f"{setting['label']} (max-num-batched-tokens {setting['max_num_batched_tokens']}): "
+            f"max ITL {max(gaps, default=0):,.0f} ms, p99 {setting['itl_p99_ms']:,.0f} ms", fontsize=10,
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("time since the decode streams started (s)")
+    fig.suptitle(
+        f"ITL of {itl['num_streams']} running streams while a {itl['long_prompt_len']}-token prompt is "
+        f"prefilled ({itl['model']}, {itl['threads']} threads)", fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / "chunked_prefill_itl.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_comparison(compare_path: Path, out: Path) -> list[Path]:
+    compare = json.loads(compare_path.read_text())
+    written = [p for p in (draw_throughput_vs_rate(compare, out), draw_cdfs(compare, out)) if p]
+    table = out / "README_table.md"
+    table.write_text(readme_table(compare))
+    return [*written, table]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Path = args.results_dir
+    written: list[Path] = []
+    if (out / "compare.json").is_file():
+        written += draw_comparison(out / "compare.json", out)
+    if (out / "occupancy.json").is_file():
+        written.append(draw_occupancy(json.loads((out / "occupancy.json").read_text()), out))
+    if (out / "chunked_prefill.json").is_file():
+        written.append(draw_chunked_prefill(json.loads((out / "chunked_prefill.json").read_text()), out))
+    for path in written:
+        print(path)
+    return 0 if written else 1

@@ -1,0 +1,200 @@
+"""Where a decode step's time goes, on the headline workload, without and with gRPC in the way.
+
+Three measurements of the same requests, all in this process with the server's thread count:
+
+1. engine loop only: the decode tier's real scheduler and engine loop (`EngineLoop.step_once`, which
+   schedules, runs the forward, samples, detokenizes, checks stops and records the event log), driven
+   synchronously with no gRPC and no streaming — its throughput is what the server could give if the
+   network edge cost nothing;
+2. the same under cProfile: wall time per part of a step (schedule, forward, attention, sampler,
+   detokenizer, bookkeeping) and the functions with the most own time;
+3. a torch profiler window over steady-state decode steps: which aten ops the time goes to (matmuls vs
+   the attention's per-sequence gather and small ops).
+
+The gRPC cost is then the gap between (1) and the served throughput of the same workload in
+`compare.json` (when present). Writes `profile_decode.json` and prints a summary.
+
+    tandem bench profile [--threads 2 --num-prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import logging
+import pstats
+import time
+from pathlib import Path
+
+from bench.workload import WorkloadRequest
+
+logger = logging.getLogger(__name__)
+
+# Step parts, by (file suffix, function name) of the function whose cumulative time is the part.
+STEP_PARTS = {
+    "schedule": ("decode_service/scheduler.py", "schedule"),
+    "forward (model_runner.execute)": ("engine/model_runner.py", "execute"),
+    "  input prep (model_runner.prepare)": ("engine/model_runner.py", "prepare"),
+    "  attention (backend.attention)": ("kernels/backend.py", "attention"),
+    "  kv cache write": ("kernels/backend.py", "write_kv_cache"),
+    "sampler": ("engine/sampler.py", "__call__"),
+    "append token + detokenize + stops": ("engine/sequence.py", "append_token"),
+    "  detokenizer": ("engine/detokenizer.py", "add"),
+    "complete_step (outputs to deltas)": ("decode_service/scheduler.py", "complete_step"),
+    "event log record": ("decode_service/engine_loop.py", "_record"),
+}
+
+
+def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
+    import torch
+
+    from decode_service.config import DecodeServiceConfig
+    from decode_service.engine_loop import EngineLoop
+    from decode_service.event_log import EventLog
+    from decode_service.policies import make_policy
+    from decode_service.scheduler import ContinuousScheduler
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+
+    engine = Engine.from_pretrained(model_dir, EngineConfig(
+        dtype=torch.float32, cache=CacheConfig(block_size=16, memory_bytes=2 << 30),
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    ))
+    config = DecodeServiceConfig()
+    scheduler = ContinuousScheduler(engine, make_policy("fifo", {}, 100.0), config)
+    return EngineLoop(engine, scheduler, lambda deltas: None, EventLog(100_000))
+
+
+def _submit(loop, requests: list[WorkloadRequest], tag: str) -> None:
+    from decode_service.request import ServedRequest
+    from engine.params import SamplingParams, StoppingParams
+
+    for request in requests:
+        seq = loop.engine.make_sequence(
+            list(request.prompt_token_ids), SamplingParams(temperature=0.0),
+            StoppingParams(max_tokens=request.output_len, ignore_eos=True), f"{tag}-{request.index}",
+        )
+        loop.submit(ServedRequest(seq))
+
+
+def _timed_run(loop, requests: list[WorkloadRequest], tag: str) -> tuple[float, int]:
+    _submit(loop, requests, tag)
+    start = time.perf_counter()
+    steps = loop.run_until_idle()
+    return time.perf_counter() - start, steps
+
+
+def _parts(stats: pstats.Stats) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for (filename, _, function), (_, _, _, cumulative, _) in stats.stats.items():
+        for part, (suffix, name) in STEP_PARTS.items():
+            if function == name and filename.endswith(suffix):
+                found[part] = found.get(part, 0.0) + cumulative
+    return found
+
+
+def _top_functions(stats: pstats.Stats, count: int) -> list[dict]:
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
+    return [
+        {"function": f"{Path(filename).name}:{line}({function})", "calls": calls, "own_s": round(own, 3),
+         "cumulative_s": round(cumulative, 3)}
+        for (filename, line, function), (_, calls, own, cumulative, _) in rows
+    ]
+
+
+def _torch_ops(loop, requests: list[WorkloadRequest], warm_steps: int, steps: int, count: int) -> list[dict]:
+    """Profile `steps` engine steps after `warm_steps` (so the batch is decoding), by aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _submit(loop, requests, "torchprof")
+    for _ in range(warm_steps):
+        loop.step_once()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            loop.step_once()
+    loop.run_until_idle()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [
+        {"op": e.key, "calls": e.count, "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+         "self_share": round(e.self_cpu_time_total / total, 3)}
+        for e in events[:count]
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.serve import add_workload_arguments
+
+    parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size cap (default: 32)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    parser.add_argument("--torch-profile-steps", type=int, default=20, help="steps under torch.profiler")
+    add_workload_arguments(parser)
+    parser.add_argument("--compare-json", type=Path, default=Path("bench/results/compare.json"))
+    parser.add_argument("--result-file", type=Path, default=Path("bench/results/profile_decode.json"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.machine import machine_info
+    from bench.report import command_line, write_json
+    from bench.serve import build_workload
+    from engine.model_store import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    workload = build_workload(args, vocab)
+    requests = workload.requests
+    output_tokens = sum(r.output_len for r in requests)
+    machine = machine_info()
+    loop = _build_loop(model_dir, args.max_num_seqs, args.max_num_batched_tokens)
+    _timed_run(loop, workload.warmups, "warmup")
+
+    plain_s, steps = _timed_run(loop, requests, "plain")
+    logger.info("engine loop only: %d steps, %.1f s, %.1f tok/s", steps, plain_s, output_tokens / plain_s)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    profiled_s, profiled_steps = _timed_run(loop, requests, "cprofile")
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    parts = {name: round(seconds, 3) for name, seconds in _parts(stats).items()}
+
+    torch_ops = _torch_ops(loop, requests, warm_steps=12, steps=args.torch_profile_steps, count=20)
+
+    served = None
+    if args.compare_json.is_file():
+        runs = json.loads(args.compare_json.read_text()).get("runs", [])
+        served = next((
+            r["metrics"]["output_throughput"] for r in runs if r["system"]["name"] == "tandem-aggregated"
+        ), None)
+    engine_tok_s = output_tokens / plain_s
+    result = {
+        "benchmark": "profile_decode", "machine": machine, "command": command_line(), "model": model_dir.name,
+        "threads": args.threads, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "workload": workload.description,
+        "engine_loop_only": {
+            "seconds": round(plain_s, 2), "steps": steps, "ms_per_step": round(1000 * plain_s / steps, 2),
+            "output_tok_s": round(engine_tok_s, 1),
+        },
+        "served_over_grpc_output_tok_s": served,
+        "grpc_and_streaming_overhead_share": round(1 - served / engine_tok_s, 3) if served else None,
+        "cprofile": {
+            "seconds": round(profiled_s, 2), "steps": profiled_steps,
+            "parts_s": parts,
+            "parts_ms_per_step": {k: round(1000 * v / profiled_steps, 2) for k, v in parts.items()},
+            "top_own_time": _top_functions(stats, 25),
+        },
+        "torch_ops_decode_steps": torch_ops,
+    }
+    write_json(args.result_file, result)
+    print(json.dumps({k: result[k] for k in ("engine_loop_only", "served_over_grpc_output_tok_s",
+                                             "grpc_and_streaming_overhead_share")}, indent=2))
+    print(json.dumps(result["cprofile"]["parts_ms_per_step"], indent=2))
+    for row in torch_ops[:12]:
+        print(f"{row['op']:<40} {row['self_ms_per_step']:>9.2f} ms/step  {row['self_share']:.1%}")
+    return 0
