@@ -2,10 +2,10 @@
 
 Both tiers run as child processes of `up` (the same `tandem serve ...` commands a cluster runs), so what
 works here works in Kubernetes. `up` fetches the default model if needed, splits the CPU threads
-between the tiers (`split_threads`), waits until both report SERVING on grpc.health.v1, prints how to
-call the public API, shows a live status line read from the decode tier's /metrics (on a terminal
-only), and on Ctrl-C or SIGTERM stops decode first (it drains its streams while prefill still serves
-their prompts), then prefill.
+between the tiers (`split_threads`), starts prefill and then, once it reports SERVING on
+grpc.health.v1, decode (pointed at it with `--prefill`), prints how to call the public API, shows a
+live status line read from the decode tier's /metrics (on a terminal only), and on Ctrl-C or SIGTERM
+stops decode first (it drains its streams while prefill still serves their prompts), then prefill.
 
 No orphans: the children run in their own sessions (a terminal's Ctrl-C reaches only `up`, which
 stops them in order), they get SIGTERM if `up` itself dies (Linux parent-death signal), and a child
@@ -198,15 +198,27 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
     ]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when `up` dies, however it dies (Linux only)."""
+PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A function for the child to run before exec: get SIGTERM when `up` dies, however it dies.
+
+    prctl is looked up here, in the parent: between fork and exec the child may only do simple calls,
+    and loading a library there could deadlock on a lock another of our threads held at the fork.
+    None where there is no prctl (not Linux): children then rely on `up` stopping them.
+    """
     try:
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+    def set_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return set_death_signal
 
 
 @dataclass
@@ -259,7 +271,7 @@ def start_tier(spec: TierSpec, threads: int) -> Tier:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors="replace", env=env, start_new_session=True, preexec_fn=_die_with_parent,
+        errors="replace", env=env, start_new_session=True, preexec_fn=_parent_death_signal(),
     )
     log_event(logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port,
               threads=threads)
@@ -281,23 +293,46 @@ def is_serving(address: str, timeout: float = 1.0) -> bool:
 
 
 def wait_until_serving(
-    tiers: Sequence[Tier], host: str, deadline: float, stop: threading.Event
+    tier: Tier, started: Sequence[Tier], host: str, deadline: float, stop: threading.Event
 ) -> Tier | None:
-    """Poll each tier's health until all serve; returns a tier that exited first (None: all serving).
+    """Poll `tier`'s health until it serves; returns whichever of `started` exited first (None: serving).
 
     Raises TimeoutError past `deadline`; returns early (None) when a stop was requested.
     """
-    pending = list(tiers)
-    while pending and not stop.is_set():
-        for tier in list(pending):
-            if tier.exited():
-                return tier
-            if is_serving(f"{connect_host(host)}:{tier.spec.port}"):
-                log_event(logger, logging.INFO, "tier serving", tier=tier.name, port=tier.spec.port)
-                pending.remove(tier)
-        if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"{', '.join(t.name for t in pending)} did not report SERVING in time")
+    while not stop.is_set():
+        for other in started:
+            if other.exited():
+                return other
+        if is_serving(f"{connect_host(host)}:{tier.spec.port}"):
+            log_event(logger, logging.INFO, "tier serving", tier=tier.name, port=tier.spec.port)
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {tier.name} tier did not report SERVING in time")
         stop.wait(0.25)
+    return None
+
+
+def start_in_order(
+    specs: Sequence[TierSpec],
+    tiers: list[Tier],
+    forwarder: LogForwarder,
+    host: str,
+    deadline: float,
+    stop: threading.Event,
+) -> Tier | None:
+    """Start the tiers one after the other, each once the previous serves; returns one that died first.
+
+    Started tiers are appended to `tiers` as they start, so the caller can stop them whatever happens.
+    Prefill goes first: a decode tier that comes up before its prefill tier marks it failed and backs
+    off, so its first requests would be refused although both tiers report SERVING.
+    """
+    for spec in specs:
+        tier = start_tier(spec, spec.threads)
+        tiers.append(tier)
+        forwarder.start(tier)
+        died = wait_until_serving(tier, tiers, host, deadline, stop)
+        if died is not None or stop.is_set():
+            return died
     return None
 
 
@@ -459,11 +494,9 @@ def run(args: argparse.Namespace) -> int:
     tiers: list[Tier] = []
     forwarder = LogForwarder(json_lines=args.log_format == "json")
     try:
-        tiers = [start_tier(spec, spec.threads) for spec in specs]
-        for tier in tiers:
-            forwarder.start(tier)
+        deadline = time.monotonic() + args.startup_timeout
         try:
-            died = wait_until_serving(tiers, args.host, time.monotonic() + args.startup_timeout, stop.event)
+            died = start_in_order(specs, tiers, forwarder, args.host, deadline, stop.event)
         except TimeoutError as exc:
             logger.error("%s", exc)
             _stop_all(tiers, args.stop_timeout)

@@ -1,0 +1,232 @@
+"""`tandem up`: the thread split, the children's command lines, the how-to-call lines, and the real
+thing as a subprocess on a tiny model (serves, `tandem generate` streams, SIGINT stops everything, a
+dead tier takes the other down with a telling exit status)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import tiny_hf_model
+from google.protobuf import json_format
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+
+from protos.tandem.v1 import generation_pb2 as pb
+from tandem.cli import build_parser
+from tandem.up import (
+    EXIT_OK,
+    EXIT_PREFILL_EXITED,
+    StatusLine,
+    how_to_call,
+    split_threads,
+    tier_specs,
+)
+
+START_TIMEOUT_S = 180
+
+
+@pytest.mark.parametrize(
+    ("total", "expected"), [(1, (1, 1)), (2, (1, 1)), (3, (1, 2)), (4, (2, 2)), (16, (8, 8)), (48, (8, 40))]
+)
+def test_threads_split_decode_half_capped_prefill_the_rest(total, expected):
+    decode, prefill = split_threads(total)
+    assert (decode, prefill) == expected
+    assert decode + prefill == max(total, 2)
+
+
+def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
+    args = build_parser().parse_args([
+        "up", "--model", "/models/m", "--threads", "4", "--block-size", "8", "--port", "7001",
+        "--prefill-port", "7002", "--metrics-port", "0", "--log-format", "json", "--log-prompts",
+        "--decode-args", "--max-num-seqs 4 --threads 3",
+    ])
+    prefill, decode = tier_specs(args, Path("/models/m"), disaggregated=True)
+    assert (prefill.name, prefill.port, prefill.threads) == ("prefill", 7002, 2)
+    assert (decode.name, decode.port, decode.threads) == ("decode", 7001, 2)
+    assert prefill.argv[prefill.argv.index("serve") + 1] == "prefill"
+    assert decode.argv[decode.argv.index("serve") + 1] == "decode"
+    for spec in (prefill, decode):
+        flags = spec.argv
+        assert flags[flags.index("--block-size") + 1] == "8"
+        assert flags[flags.index("--log-format") + 1] == "json" and "--log-prompts" in flags
+        assert "--dtype" not in flags and "--kv-cache-memory" not in flags
+    assert decode.argv[decode.argv.index("--prefill") + 1] == "127.0.0.1:7002"
+    assert decode.argv[decode.argv.index("--metrics-port") + 1] == "0"
+    assert decode.argv[-4:] == ["--max-num-seqs", "4", "--threads", "3"]
+    _, aggregated = tier_specs(args, Path("/models/m"), disaggregated=False)
+    assert "--prefill" not in aggregated.argv
+
+
+def test_how_to_call_lines_are_a_tandem_generate_and_a_valid_grpcurl_request():
+    text = how_to_call("0.0.0.0", 7001)
+    assert "tandem generate --target 127.0.0.1:7001" in text
+    body = re.search(r"grpcurl -plaintext -d '(.+?)' 127\.0\.0\.1:7001 tandem\.v1\.Generation/Generate", text)
+    assert body is not None
+    request = json_format.Parse(body.group(1), pb.GenerateRequest())
+    assert request.messages[0].content and request.stopping.max_tokens > 0
+
+
+def test_status_line_reads_requests_kv_usage_and_prefill_queue():
+    status = StatusLine("http://127.0.0.1:1/metrics", None)
+    line = status.render(
+        {
+            "tandem:num_requests_running": 3, "tandem:num_requests_waiting": 1,
+            "tandem:kv_cache_usage_perc": 0.25, "tandem:generation_tokens_total": 10,
+        },
+        {"tandem:prefill_queue_depth": 2},
+    )
+    assert line.startswith("running 3 | waiting 1 | KV 25.0% | ")
+    assert line.endswith("tok/s | prefill queue 2")
+    assert status.render({}, {}) == "decode metrics unavailable"
+
+
+# -- the real thing, as a subprocess -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-up-model")
+    tiny_hf_model(9, vocab_size=TINY_VOCAB_SIZE).save_pretrained(directory)
+    build_tiny_tokenizer(directory)
+    return directory
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def tandem_command() -> list[str]:
+    return [sys.executable, "-m", "tandem.cli"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class UpProcess:
+    """`tandem up --log-format json` on free ports, its stdout and stderr collected line by line."""
+
+    def __init__(self, extra_flags: list[str]) -> None:
+        self.port, prefill_port, self.metrics_port, prefill_metrics_port = free_ports(4)
+        command = [
+            *tandem_command(), "up", "--port", str(self.port), "--prefill-port", str(prefill_port),
+            "--metrics-port", str(self.metrics_port), "--prefill-metrics-port", str(prefill_metrics_port),
+            "--threads", "2", "--log-format", "json", "--startup-timeout", str(START_TIMEOUT_S),
+            "--stop-timeout", "30", *extra_flags,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.ready = threading.Event()
+        self.pids: dict[str, int] = {}
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.stdout.append(line)
+            if "tandem is up" in line:
+                self.ready.set()
+
+    def _read_stderr(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line)
+            entry = json.loads(line) if line.startswith("{") else {}
+            if entry.get("event") == "tier started":
+                self.pids[entry["tier"]] = entry["pid"]
+
+    def log(self) -> str:
+        return "".join(self.stdout + self.stderr)
+
+    def wait_ready(self) -> None:
+        assert self.ready.wait(START_TIMEOUT_S), "tandem up did not come up:\n" + self.log()
+        assert set(self.pids) == {"prefill", "decode"}
+
+    def generate(self, *flags: str) -> subprocess.CompletedProcess[str]:
+        command = [*tandem_command(), "generate", "--target", f"127.0.0.1:{self.port}", *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        return samples[name]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        for pid in self.pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(model_dir) -> Iterator[UpProcess]:
+    sizing = ["--block-size", "8", "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    process = UpProcess(["--model", str(model_dir), *sizing])
+    yield process
+    process.close()
+
+
+@pytest.mark.slow
+def test_up_serves_streams_and_stops_everything_on_sigint(up):
+    up.wait_ready()
+    assert all(alive(pid) for pid in up.pids.values())
+    result = up.generate("--max-tokens", "8", "--temperature", "0", "hello there")
+    assert result.returncode == 0, result.stderr + up.log()
+    assert "finish: length" in result.stderr and "+ 8 completion tokens" in result.stderr
+    assert up.metric("tandem:generation_tokens_total") == 8
+    up.process.send_signal(signal.SIGINT)
+    assert up.process.wait(90) == EXIT_OK, up.log()
+    survivors = [tier for tier, pid in up.pids.items() if alive(pid)]
+    assert survivors == [], up.log()
+
+
+@pytest.mark.slow
+def test_a_dead_tier_stops_the_other_and_up_says_which(up):
+    up.wait_ready()
+    os.kill(up.pids["prefill"], signal.SIGKILL)
+    assert up.process.wait(90) == EXIT_PREFILL_EXITED, up.log()
+    assert not alive(up.pids["decode"]), up.log()
+    events = [json.loads(line) for line in up.stderr if line.startswith("{")]
+    assert any(e.get("event") == "tier exited" and e.get("tier") == "prefill" for e in events)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_up_with_the_default_model_streams_a_real_answer(real_model_dir):
+    process = UpProcess(["--kv-cache-memory", "256MiB", "--max-model-len", "1024"])
+    try:
+        process.wait_ready()
+        result = process.generate("--chat", "--max-tokens", "24", "--temperature", "0",
+                                  "What is the capital of France?")
+        assert result.returncode == 0, result.stderr + process.log()
+        assert re.search(r"[A-Za-z]{3,}", result.stdout), result.stdout
+        process.process.send_signal(signal.SIGTERM)
+        assert process.process.wait(90) == EXIT_OK, process.log()
+    finally:
+        process.close()
