@@ -8,6 +8,7 @@ request (finished, cancelled, retried, failed), no KV block stays behind.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import random
 import re
@@ -24,6 +25,10 @@ import grpc
 import pytest
 import torch
 from conftest import hf_greedy, tiny_hf_model
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from decode_service.config import DecodeServiceConfig
@@ -32,7 +37,7 @@ from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_store import model_fingerprint
-from prefill_service.config import PrefillServiceConfig
+from prefill_service.config import PrefillServiceConfig, TLSConfig
 from prefill_service.server import PrefillServer
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
@@ -114,6 +119,7 @@ class RunningPrefill:
         dtype: torch.dtype = torch.float32,
         token_budget: int = 64,
         num_blocks: int = 512,
+        tls: TLSConfig | None = None,
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
@@ -124,12 +130,12 @@ class RunningPrefill:
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
-        self.server: PrefillServer = self.runner.call(self._create(model_dir))
+        self.server: PrefillServer = self.runner.call(self._create(model_dir, tls))
         self.port = self.runner.call(self.server.start())
         self.gate = StepGate(self.engine)
 
-    async def _create(self, model_dir: Path) -> PrefillServer:
-        config = PrefillServiceConfig(host="127.0.0.1", port=0)
+    async def _create(self, model_dir: Path, tls: TLSConfig | None) -> PrefillServer:
+        config = PrefillServiceConfig(host="127.0.0.1", port=0, tls=tls)
         return PrefillServer(self.engine, model_fingerprint(model_dir), config)
 
     @property
@@ -152,9 +158,9 @@ class RunningPrefill:
 class RunningDecode:
     """A DecodeServer in this process, with a blocking client to it."""
 
-    def __init__(self, model_dir: Path, **config_kwargs) -> None:
+    def __init__(self, model_dir: Path, num_blocks: int = 1024, **config_kwargs) -> None:
         engine_config = EngineConfig(
-            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=1024),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=16,
             max_num_batched_tokens=64,
@@ -338,6 +344,16 @@ def test_short_prompts_prefill_locally_long_ones_remotely(model, two_prefills):
         assert {"long-32", "long-200"} <= two_prefills[0].prefilled_request_ids()
         assert not {"short-1", "short-31"} & two_prefills[0].prefilled_request_ids()
         assert (decode.stats.local_prefills, decode.stats.remote_prefills_completed) == (2, 2)
+
+        # A first token that must not be EOS (min_tokens) is sampled here: Prefill cannot suppress it.
+        suppressed = pb.GenerateRequest(
+            request_id="min-tokens",
+            token_ids=prompts["long-200"],
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingParams(max_tokens=3, min_tokens=2),
+        )
+        assert list(decode.stub.Generate(suppressed, timeout=60))[-1].usage.completion_tokens >= 2
+        assert "min-tokens" in decode.locally_prefilled_request_ids()
         assert wait_until(decode.pool_is_full) and wait_until(two_prefills[0].pool_is_full)
     finally:
         decode.close()
@@ -437,6 +453,103 @@ def test_hung_prefill_hits_the_deadline_then_retries_or_fails(model):
         healthy.close()
 
 
+def test_preempted_requests_are_prefilled_again_remotely_with_their_history(model, two_prefills):
+    """A decode pool too small for four growing sequences preempts some; each comes back through the
+    prefill tier with its prompt plus what it generated, and still ends exactly as HF greedy does."""
+    model_dir, hf = model
+    decode = RunningDecode(model_dir, num_blocks=40, prefill=two_prefills[0].address)
+    try:
+        prompts = prompts_of([150, 140, 130, 120], seed=11)
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            results = list(pool.map(lambda i: decode.generate(prompts[i], 100, f"pre-{i}"), range(4)))
+        for prompt, responses in zip(prompts, results, strict=True):
+            assert tokens_of(responses) == hf_greedy(hf, prompt, 100)
+        assert decode.server.scheduler.num_preemptions > 0
+        assert decode.stats.remote_prefills_completed > len(prompts), "no preempted request came back"
+        assert not decode.locally_prefilled_request_ids()
+        assert wait_until(decode.pool_is_full) and wait_until(two_prefills[0].pool_is_full)
+    finally:
+        decode.close()
+
+
+def _issue(ca_key, ca_name, subject: str, directory: Path, server_name: str | None) -> tuple[Path, Path]:
+    """A P-256 certificate signed by the CA: for a server with `server_name` as its only DNS name."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
+    usage = ExtendedKeyUsageOID.CLIENT_AUTH if server_name is None else ExtendedKeyUsageOID.SERVER_AUTH
+    builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if server_name is not None:
+        names = x509.SubjectAlternativeName([x509.DNSName(server_name)])
+        builder = builder.add_extension(names, critical=False)
+    cert_path, key_path = directory / f"{subject}.pem", directory / f"{subject}-key.pem"
+    cert_path.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+def test_mutual_tls_toward_prefill_through_a_dns_target(model, tmp_path):
+    """Decode resolves dns:///localhost:PORT itself and dials the address it gets, checking the prefill
+    certificate against the name (it names only `localhost`, no IP) and presenting its own certificate.
+    A decode replica without a client certificate is refused at the handshake."""
+    model_dir, hf = model
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem-test-ca")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path = tmp_path / "ca.pem"
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    server_cert, server_key = _issue(ca_key, ca_name, "prefill", tmp_path, server_name="localhost")
+    client_cert, client_key = _issue(ca_key, ca_name, "decode", tmp_path, server_name=None)
+
+    prefill = RunningPrefill(model_dir, tls=TLSConfig(server_cert, server_key, client_ca=ca_path))
+    target = f"dns:///localhost:{prefill.port}"
+    trusted = RunningDecode(
+        model_dir, prefill=target, prefill_tls_ca=ca_path, prefill_tls_cert=client_cert,
+        prefill_tls_key=client_key,
+    )
+    anonymous = RunningDecode(model_dir, prefill=target, prefill_tls_ca=ca_path)
+    try:
+        ready = [r.address for r in trusted.pool.replicas if r.state is ReplicaState.READY]
+        assert ready == [prefill.address]
+        prompt = prompts_of([80], seed=12)[0]
+        assert tokens_of(trusted.generate(prompt, 4, "mtls")) == hf_greedy(hf, prompt, 4)
+        assert trusted.stats.remote_prefills_completed == 1
+
+        assert not anonymous.pool.has_ready
+        with pytest.raises(grpc.RpcError) as refused:
+            anonymous.generate(prompt, 4, "anonymous")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert prefill.prefilled_request_ids() == {"mtls"}
+        assert wait_until(trusted.pool_is_full) and wait_until(prefill.pool_is_full)
+    finally:
+        trusted.close()
+        anonymous.close()
+        prefill.close()
+
+
 def _tandem_command() -> list[str]:
     script = Path(sys.executable).with_name("tandem")
     return [str(script)] if script.exists() else [sys.executable, "-m", "tandem.cli"]
@@ -497,6 +610,7 @@ def test_sigkill_mid_stream_retries_on_the_second_replica(model):
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             futures = _start_generating(decode, pool, prompts, "kill")
             victim = decode.replica(doomed.address)
+            assert wait_until(lambda: decode.stats.remote_prefills_started == len(prompts))
             assert wait_until(lambda: victim.kv_bytes_received > 0)
             assert victim.in_flight >= 1 and victim.prefills_completed == 0, "nothing was mid-stream"
             doomed.kill()
@@ -531,6 +645,8 @@ def test_sigkill_of_the_only_replica_fails_unavailable_or_falls_back(model):
         with ThreadPoolExecutor(max_workers=2 * len(prompts)) as pool:
             strict_futures = _start_generating(strict, pool, prompts, "strict")
             lenient_futures = _start_generating(lenient, pool, prompts, "lenient")
+            replicas = [decode.replica(doomed.address) for decode in (strict, lenient)]
+            assert wait_until(lambda: all(r.in_flight == len(prompts) for r in replicas))
             assert wait_until(lambda: strict.stats.kv_bytes_received + lenient.stats.kv_bytes_received > 0)
             assert strict.stats.remote_prefills_completed + lenient.stats.remote_prefills_completed == 0
             doomed.kill()
