@@ -20,16 +20,15 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.logs import log_event, use_log_format
+from tandem.up_status import StatusLine
+from tandem.up_tiers import LogForwarder, Tier, TierSpec, connect_host, start_in_order, stop_tier
 
 logger = logging.getLogger(__name__)
 
@@ -145,21 +144,6 @@ def decode_supports_prefill() -> bool:
     return not unknown
 
 
-def connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server listening on `host`."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """One child: its name, its `tandem serve` command line, and the gRPC port it will serve on."""
-
-    name: str
-    argv: list[str]
-    port: int
-    threads: int
-
-
 def _common_flags(
     args: argparse.Namespace, model_dir: Path, port: int, metrics_port: int, threads: int
 ) -> list[str]:
@@ -198,161 +182,6 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
     ]
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A function for the child to run before exec: get SIGTERM when `up` dies, however it dies.
-
-    prctl is looked up here, in the parent: between fork and exec the child may only do simple calls,
-    and loading a library there could deadlock on a lock another of our threads held at the fork.
-    None where there is no prctl (not Linux): children then rely on `up` stopping them.
-    """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_death_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return set_death_signal
-
-
-@dataclass
-class Tier:
-    """A running child process and the thread that forwards its log lines."""
-
-    spec: TierSpec
-    process: subprocess.Popen[str]
-    pump: threading.Thread | None = field(default=None)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def exited(self) -> bool:
-        return self.process.poll() is not None
-
-
-class LogForwarder:
-    """Copies the children's log lines to our stderr, one line at a time, prefixed by tier in text mode.
-
-    JSON lines pass through untouched so that a log pipeline reading `up`'s stderr still parses them.
-    While the status line is shown, `write_line` is the status line's, which prints above it.
-    """
-
-    def __init__(self, json_lines: bool) -> None:
-        self._json = json_lines
-        self._lock = threading.Lock()
-        self.write_line: Callable[[str], None] = self.write_stderr
-
-    @staticmethod
-    def write_stderr(line: str) -> None:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-
-    def start(self, tier: Tier) -> None:
-        tier.pump = threading.Thread(target=self._pump, args=(tier,), name=f"logs-{tier.name}", daemon=True)
-        tier.pump.start()
-
-    def _pump(self, tier: Tier) -> None:
-        if tier.process.stdout is None:
-            return
-        prefix = "" if self._json else f"[{tier.name}] "
-        for line in tier.process.stdout:
-            with self._lock:
-                self.write_line(prefix + line)
-
-
-def start_tier(spec: TierSpec, threads: int) -> Tier:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors="replace", env=env, start_new_session=True, preexec_fn=_parent_death_signal(),
-    )
-    log_event(logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port,
-              threads=threads)
-    return Tier(spec, process)
-
-
-def is_serving(address: str, timeout: float = 1.0) -> bool:
-    """One grpc.health.v1 check of the whole server; False on any error (not up yet, refused...)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            stub = health_pb2_grpc.HealthStub(channel)
-            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def wait_until_serving(
-    tier: Tier, started: Sequence[Tier], host: str, deadline: float, stop: threading.Event
-) -> Tier | None:
-    """Poll `tier`'s health until it serves; returns whichever of `started` exited first (None: serving).
-
-    Raises TimeoutError past `deadline`; returns early (None) when a stop was requested.
-    """
-    while not stop.is_set():
-        for other in started:
-            if other.exited():
-                return other
-        if is_serving(f"{connect_host(host)}:{tier.spec.port}"):
-            log_event(logger, logging.INFO, "tier serving", tier=tier.name, port=tier.spec.port)
-            return None
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the {tier.name} tier did not report SERVING in time")
-        stop.wait(0.25)
-    return None
-
-
-def start_in_order(
-    specs: Sequence[TierSpec],
-    tiers: list[Tier],
-    forwarder: LogForwarder,
-    host: str,
-    deadline: float,
-    stop: threading.Event,
-) -> Tier | None:
-    """Start the tiers one after the other, each once the previous serves; returns one that died first.
-
-    Started tiers are appended to `tiers` as they start, so the caller can stop them whatever happens.
-    Prefill goes first: a decode tier that comes up before its prefill tier marks it failed and backs
-    off, so its first requests would be refused although both tiers report SERVING.
-    """
-    for spec in specs:
-        tier = start_tier(spec, spec.threads)
-        tiers.append(tier)
-        forwarder.start(tier)
-        died = wait_until_serving(tier, tiers, host, deadline, stop)
-        if died is not None or stop.is_set():
-            return died
-    return None
-
-
-def stop_tier(tier: Tier, timeout: float) -> bool:
-    """SIGTERM (the tier drains), then SIGKILL past `timeout`; True when it exited cleanly by itself."""
-    if tier.exited():
-        return tier.process.returncode in (0, -signal.SIGTERM)
-    log_event(logger, logging.INFO, "stopping tier", tier=tier.name, pid=tier.process.pid)
-    tier.process.send_signal(signal.SIGTERM)
-    try:
-        returncode = tier.process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        logger.warning("%s did not stop within %.0f s; killing it", tier.name, timeout)
-        tier.process.kill()
-        tier.process.wait()
-        return False
-    # A tier stopped before it installed its handlers (still loading) dies of the SIGTERM itself.
-    return returncode in (0, -signal.SIGTERM)
-
-
 def how_to_call(host: str, port: int) -> str:
     """The lines printed once both tiers serve: a `tandem generate` and a `grpcurl` call."""
     target = f"{connect_host(host)}:{port}"
@@ -364,71 +193,6 @@ def how_to_call(host: str, port: int) -> str:
         f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
         "Ctrl-C stops both tiers.",
     ))
-
-
-class StatusLine:
-    """A live one-line status (requests, KV usage, tok/s) read from the decode tier's /metrics each tick.
-
-    tok/s is the growth of `tandem:generation_tokens_total` between two scrapes over the time between them.
-    """
-
-    def __init__(self, metrics_url: str, prefill_metrics_url: str | None) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
-        self._urls = (metrics_url, prefill_metrics_url)
-        self._console = Console(stderr=True)
-        self._live = Live("starting…", console=self._console, refresh_per_second=4, transient=True)
-        self._last: tuple[float, float] | None = None
-
-    def print_line(self, line: str) -> None:
-        """Print a log line above the status line, unwrapped and uncoloured, as it came."""
-        self._console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
-
-    def __enter__(self) -> StatusLine:
-        self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._live.__exit__(None, None, None)
-
-    def refresh(self) -> None:
-        self._live.update(self.render(scrape(self._urls[0]), scrape(self._urls[1]) if self._urls[1] else {}))
-
-    def render(self, decode: dict[str, float], prefill: dict[str, float]) -> str:
-        if not decode:
-            return "decode metrics unavailable"
-        now, tokens = time.monotonic(), decode.get("tandem:generation_tokens_total", 0.0)
-        rate = 0.0
-        if self._last is not None and now > self._last[0]:
-            rate = max(0.0, tokens - self._last[1]) / (now - self._last[0])
-        self._last = (now, tokens)
-        parts = [
-            f"running {decode.get('tandem:num_requests_running', 0):.0f}",
-            f"waiting {decode.get('tandem:num_requests_waiting', 0):.0f}",
-            f"KV {100 * decode.get('tandem:kv_cache_usage_perc', 0):.1f}%",
-            f"{rate:.1f} tok/s",
-        ]
-        if "tandem:prefill_queue_depth" in prefill:
-            parts.append(f"prefill queue {prefill['tandem:prefill_queue_depth']:.0f}")
-        return " | ".join(parts)
-
-
-def scrape(url: str, timeout: float = 0.5) -> dict[str, float]:
-    """Unlabelled samples of a /metrics page by name; {} when it cannot be read right now."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            text = response.read().decode()
-    except OSError:
-        return {}
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.labels
-    }
 
 
 class StopRequest:

@@ -1,6 +1,6 @@
-"""`tandem up`: the thread split, the children's command lines, the how-to-call lines, and the real
-thing as a subprocess on a tiny model (serves, `tandem generate` streams, SIGINT stops everything, a
-dead tier takes the other down with a telling exit status)."""
+"""`tandem up`: the thread split, the children's command lines, the how-to-call lines, the status
+line, and the real thing as a subprocess on a tiny model (serves, `tandem generate` streams, SIGINT
+stops everything, a dead tier takes the other down with a telling exit status)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,8 @@ from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
-from tandem.up import (
-    EXIT_OK,
-    EXIT_PREFILL_EXITED,
-    StatusLine,
-    how_to_call,
-    split_threads,
-    tier_specs,
-)
+from tandem.up import EXIT_OK, EXIT_PREFILL_EXITED, how_to_call, split_threads, tier_specs
+from tandem.up_status import StatusLine
 
 START_TIMEOUT_S = 180
 
