@@ -118,6 +118,10 @@ class _LiveStateCollector(Collector):
             f"{PREFIX}prefill_retries", "Prefill calls retried on another replica.",
             value=stats.retries if stats else 0,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}prefill_local_fallbacks", "Prompts prefilled here because no prefill replica could.",
+            value=stats.fallbacks_local if stats else 0,
+        )
 
 
 class DecodeMetrics:

@@ -197,6 +197,9 @@ def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
     assert value(samples, "tandem:kv_transfer_seconds_sum") == 0.75
     assert value(samples, "tandem:prefills_total", outcome="remote") == 5
     assert value(samples, "tandem:prefills_total", outcome="local") == 2
+    assert value(samples, "tandem:prefills_total", outcome="remote_failed") == 1
+    assert value(samples, "tandem:prefill_retries_total") == 2
+    assert value(samples, "tandem:prefill_local_fallbacks_total") == 1
     counters.kv_bytes_received += 1000
     assert value(decode.scrape(), "tandem:kv_transfer_bytes_total") == 124456
 
