@@ -134,17 +134,22 @@ class PrefillClient:
         started = time.monotonic()
         call = replica.stub.Prefill(request, timeout=self.timeout_s)
         done: prefill_pb2.PrefillDone | None = None
+        first_kv: float | None = None
+        done_at = started
         try:
             async for response in call:
                 if done is not None:
                     raise AttemptFailedError(self._penalize(replica, "sent a message after PrefillDone"))
                 if response.WhichOneof("kind") == "kv":
+                    if first_kv is None:
+                        first_kv = time.monotonic()
                     written = await loop.run_in_executor(self._writer, transfer.write, response.kv)
                     self.stats.kv_messages_received += 1
                     self.stats.kv_bytes_received += written
                     replica.kv_bytes_received += written
                 else:
                     done = response.done
+                    done_at = time.monotonic()
                     transfer.check_complete(done, self._vocab_size)
         except grpc.aio.AioRpcError as exc:
             if done is None:
@@ -161,7 +166,8 @@ class PrefillClient:
         self.pool.report_success(replica)
         replica.prefills_completed += 1
         self.stats.remote_prefills_completed += 1
-        self.stats.transfer_seconds += time.monotonic() - started
+        self.stats.transfer_seconds += done_at - started
+        self.stats.kv_stream_seconds += done_at - (first_kv if first_kv is not None else done_at)
         return PrefillCompleted(
             transfer,
             done.first_token_id,

@@ -45,6 +45,9 @@ class PrefillTransferStats:
 
     Each field has exactly one writer thread: the engine thread for the routing counters
     (`local_prefills`, `remote_prefills_started`, `fallbacks_local`), the event loop for the rest.
+    Over completed remote prefills, `transfer_seconds` sums the time from the `Prefill` call to its
+    `PrefillDone`, `kv_stream_seconds` from the first KV message to `PrefillDone` (pure transfer when
+    the prompt was computed in one prefill step; otherwise it includes the later chunks' compute).
     """
 
     local_prefills: int = 0
@@ -57,6 +60,7 @@ class PrefillTransferStats:
     kv_messages_received: int = 0
     kv_bytes_received: int = 0
     transfer_seconds: float = 0.0
+    kv_stream_seconds: float = 0.0
 
 
 class KVTransfer:
