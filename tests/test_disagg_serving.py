@@ -411,6 +411,50 @@ def test_client_cancel_during_transfer_frees_both_pools(model):
         prefill.close()
 
 
+VANISHING_CALLER = """
+import sys, time
+import grpc
+from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.v1 import generation_pb2
+address, compatibility_hash, prompt = sys.argv[1], sys.argv[2], [int(t) for t in sys.argv[3].split(",")]
+stub = prefill_pb2_grpc.PrefillStub(grpc.insecure_channel(address))
+request = prefill_pb2.PrefillRequest(
+    request_id="vanishing", prompt_token_ids=prompt, compatibility_hash=compatibility_hash,
+    sampling=generation_pb2.SamplingParams(temperature=0.0),
+)
+for response in stub.Prefill(request, timeout=120):
+    print(response.WhichOneof("kind"), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_prefill_frees_everything_when_its_caller_process_dies(model):
+    """A decode process killed mid-transfer never cancels its call; the broken connection alone makes
+    the prefill replica drop the prompt and free its blocks."""
+    model_dir, _ = model
+    prefill = RunningPrefill(model_dir, token_budget=32)
+    prefill.gate.delay_s = 0.05
+    prompt = prompts_of([600], seed=13)[0]
+    caller = subprocess.Popen(
+        [sys.executable, "-c", VANISHING_CALLER, prefill.address, prefill.server.compatibility_hash,
+         ",".join(map(str, prompt))],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        assert caller.stdout.readline().strip() == "kv"
+        assert not prefill.pool_is_full()
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(10)
+        assert wait_until(prefill.pool_is_full, timeout=10)
+        steps = prefill.server.events.snapshot()
+        assert sum(n for step in steps for rid, n in step.chunks if rid == "vanishing") < len(prompt)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait(10)
+        prefill.close()
+
+
 def test_hung_prefill_hits_the_deadline_then_retries_or_fails(model):
     """A prefill replica that never answers: past --prefill-timeout its call is cancelled and the
     prompt goes to the other replica; with no other, the request fails with UNAVAILABLE. Nothing stays
