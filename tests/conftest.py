@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import random
+import os
+
+# Triton decides at import time whether kernels are interpreted, and any test module may import it
+# first (transformers and torch do, lazily). Turning the interpreter on before anything is imported
+# makes the kernel tests independent of test order; set TRITON_INTERPRET=0 on a GPU to compile.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
 from pathlib import Path
 
 import pytest
