@@ -342,6 +342,8 @@ def test_resources_and_replicas_follow_values(helm: Path, tmp_path: Path) -> Non
     assert arg_value(prefill["args"], "--threads") == "6"
     assert "nvidia.com/gpu" not in prefill["resources"]["limits"]
     assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert arg_value(decode["args"], "--device") == "cuda"
+    assert "--device" not in prefill["args"], "a CPU tier runs on the CPU default"
     assert arg_value(decode["args"], "--kv-cache-memory") == "3GiB"
     assert arg_value(decode["args"], "--max-num-seqs") == "96"
     decode_pod = pod_spec(manifests, "decode")
@@ -357,6 +359,7 @@ def test_gpu_limits_and_placement_in_all_features(rendered: dict[str, list[dict]
     for component in ("prefill", "decode"):
         pod = pod_spec(manifests, component)
         assert container(manifests, component)["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert arg_value(container(manifests, component)["args"], "--device") == "cuda"
         assert pod["nodeSelector"] == values[component]["nodeSelector"]
     assert pod_spec(manifests, "prefill")["affinity"] == values["prefill"]["affinity"]
 

@@ -35,6 +35,10 @@
 - {{ .Values.drain.drainGraceSeconds | quote }}
 - --log-format
 - {{ .Values.logFormat }}
+{{- if $d.gpu.enabled }}
+- --device
+- cuda
+{{- end }}
 {{- if .Values.prefill.enabled }}
 - --prefill
 - {{ include "tandem.prefillTarget" . }}

@@ -27,6 +27,10 @@
 - {{ .Values.drain.drainGraceSeconds | quote }}
 - --log-format
 - {{ .Values.logFormat }}
+{{- if $p.gpu.enabled }}
+- --device
+- cuda
+{{- end }}
 {{- if .Values.tls.interTier.enabled }}
 - --tls-cert
 - /etc/tandem/tls/server/tls.crt
