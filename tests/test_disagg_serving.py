@@ -273,6 +273,8 @@ def test_disaggregated_equals_aggregated_equals_hf_greedy(model, two_prefills):
         assert stats.kv_bytes_received == sum(kv_bytes_of(disaggregated.engine, n) for n in lengths)
         assert stats.kv_messages_received >= len(prompts)
         assert stats.attempt_failures == 0
+        registry = disaggregated.server.metrics.registry
+        assert registry.get_sample_value("tandem:kv_transfer_bytes_total") == stats.kv_bytes_received
         assert not disaggregated.locally_prefilled_request_ids(), "a prompt was prefilled on decode"
         # Both replicas took a share, and each computed its prompts in several chunks.
         for replica in two_prefills:
