@@ -210,11 +210,11 @@ def draw_chunked_prefill(itl: dict, out: Path) -> Path:
     for ax, setting in zip(axes[:, 0], settings, strict=True):
         times, gaps = setting["itl_times_s"], setting["itl_ms"]
         ax.scatter(times, gaps, s=6)
-        ax.axvline(setting["long_prompt_sent_s"], color="red", linestyle="--", label="4k-token prompt sent")
+        ax.axvline(setting["long_prompt_sent_s"], color="red", linestyle="--",
+                   label=f"{itl['long_prompt_len']}-token prompt sent")
         if setting.get("long_prompt_first_token_s") is not None:
             ax.axvline(setting["long_prompt_first_token_s"], color="green", linestyle=":",
                        label="its first token")
-        ax.set_yscale("log")
         ax.set_ylabel("ITL (ms)")
         ax.set_title(
             f"{setting['label']} (max-num-batched-tokens {setting['max_num_batched_tokens']}): "

@@ -103,24 +103,59 @@ def _top_functions(stats: pstats.Stats, count: int) -> list[dict]:
     ]
 
 
-def _torch_ops(loop, requests: list[WorkloadRequest], warm_steps: int, steps: int, count: int) -> list[dict]:
-    """Profile `steps` engine steps after `warm_steps` (so the batch is decoding), by aten op."""
+def _step_times(loop, first_step: int, started: float) -> dict:
+    """Mean wall time of decode-only steps and of steps carrying prefill chunks, from the event log
+    (each record is stamped when its step ends; `started` is the monotonic time the run began)."""
+    records = [r for r in loop.events.snapshot() if r.step >= first_step]
+    by_kind: dict[str, list[float]] = {"decode_only": [], "with_prefill": []}
+    previous = started
+    for record in records:
+        kind = "with_prefill" if record.prefill_ids else "decode_only"
+        by_kind[kind].append(record.time - previous)
+        previous = record.time
+    return {
+        f"{kind}_steps": {
+            "count": len(times), "mean_ms": round(1000 * sum(times) / len(times), 2) if times else None,
+        }
+        for kind, times in by_kind.items()
+    }
+
+
+def _torch_window(loop, requests: list[WorkloadRequest], warm_steps: int, steps: int, count: int) -> dict:
+    """Profile `steps` engine steps after `warm_steps` (prefill done: the batch is decoding), by aten op,
+    with allocations; the gap between wall time and the ops' own time is Python and framework overhead."""
     from torch.profiler import ProfilerActivity, profile
 
     _submit(loop, requests, "torchprof")
-    for _ in range(warm_steps):
+    while loop.scheduler.prefilling or loop.scheduler.waiting or warm_steps > 0:
         loop.step_once()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        warm_steps -= 1
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             loop.step_once()
+        wall_s = time.perf_counter() - start
+    batch = len(loop.scheduler.running)
     loop.run_until_idle()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    return [
-        {"op": e.key, "calls": e.count, "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-         "self_share": round(e.self_cpu_time_total / total, 3)}
-        for e in events[:count]
-    ]
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    ops_ms = sum(e.self_cpu_time_total for e in events) / 1000
+    allocated = sum(max(0, e.self_cpu_memory_usage) for e in events)
+    return {
+        "steps": steps,
+        "batch_at_end": batch,
+        "wall_ms_per_step": round(1000 * wall_s / steps, 2),
+        "aten_self_ms_per_step": round(ops_ms / steps, 2),
+        "outside_aten_ms_per_step": round((1000 * wall_s - ops_ms) / steps, 2),
+        "allocated_mb_per_step": round(allocated / steps / 2**20, 1),
+        "allocation_calls_per_step": round(sum(e.count for e in events if e.key == "aten::empty") / steps, 1),
+        "top_ops": [
+            {"op": e.key, "calls_per_step": round(e.count / steps, 1),
+             "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+             "self_share": round(e.self_cpu_time_total / 1000 / ops_ms, 3)}
+            for e in events[:count]
+        ],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
     loop = _build_loop(model_dir, args.max_num_seqs, args.max_num_batched_tokens)
     _timed_run(loop, workload.warmups, "warmup")
 
+    first_step, started = loop.num_steps, time.monotonic()
     plain_s, steps = _timed_run(loop, requests, "plain")
+    step_times = _step_times(loop, first_step, started)
     logger.info("engine loop only: %d steps, %.1f s, %.1f tok/s", steps, plain_s, output_tokens / plain_s)
 
     profiler = cProfile.Profile()
@@ -164,14 +201,18 @@ def run(args: argparse.Namespace) -> int:
     stats = pstats.Stats(profiler)
     parts = {name: round(seconds, 3) for name, seconds in _parts(stats).items()}
 
-    torch_ops = _torch_ops(loop, requests, warm_steps=12, steps=args.torch_profile_steps, count=20)
+    torch_window = _torch_window(loop, requests, warm_steps=4, steps=args.torch_profile_steps, count=20)
 
     served = None
     if args.compare_json.is_file():
-        runs = json.loads(args.compare_json.read_text()).get("runs", [])
-        served = next((
-            r["metrics"]["output_throughput"] for r in runs if r["system"]["name"] == "tandem-aggregated"
-        ), None)
+        compare = json.loads(args.compare_json.read_text())
+        if compare.get("workload") == workload.description:
+            served = next((
+                r["metrics"]["output_throughput"] for r in compare.get("runs", [])
+                if r["system"]["name"] == "tandem-aggregated"
+            ), None)
+        else:
+            logger.warning("%s measured another workload; no gRPC overhead estimate", args.compare_json)
     engine_tok_s = output_tokens / plain_s
     result = {
         "benchmark": "profile_decode", "machine": machine, "command": command_line(), "model": model_dir.name,
@@ -179,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens, "workload": workload.description,
         "engine_loop_only": {
             "seconds": round(plain_s, 2), "steps": steps, "ms_per_step": round(1000 * plain_s / steps, 2),
-            "output_tok_s": round(engine_tok_s, 1),
+            "output_tok_s": round(engine_tok_s, 1), **step_times,
         },
         "served_over_grpc_output_tok_s": served,
         "grpc_and_streaming_overhead_share": round(1 - served / engine_tok_s, 3) if served else None,
@@ -189,12 +230,13 @@ def run(args: argparse.Namespace) -> int:
             "parts_ms_per_step": {k: round(1000 * v / profiled_steps, 2) for k, v in parts.items()},
             "top_own_time": _top_functions(stats, 25),
         },
-        "torch_ops_decode_steps": torch_ops,
+        "torch_decode_window": torch_window,
     }
     write_json(args.result_file, result)
     print(json.dumps({k: result[k] for k in ("engine_loop_only", "served_over_grpc_output_tok_s",
                                              "grpc_and_streaming_overhead_share")}, indent=2))
     print(json.dumps(result["cprofile"]["parts_ms_per_step"], indent=2))
-    for row in torch_ops[:12]:
+    print(json.dumps({k: v for k, v in torch_window.items() if k != "top_ops"}, indent=2))
+    for row in torch_window["top_ops"][:12]:
         print(f"{row['op']:<40} {row['self_ms_per_step']:>9.2f} ms/step  {row['self_share']:.1%}")
     return 0
