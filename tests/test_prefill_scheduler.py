@@ -18,12 +18,12 @@ from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.errors import IncompatibleKVError
 from prefill_service.event_log import EventLog
 from prefill_service.job import Admitted, KVReady, PrefillFailed, PrefillFinished, PrefillJob
-from prefill_service.logs import JsonFormatter, log_event
 from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.status import status_for
 from prefill_service.validation import build_job, sampling_params
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
+from tandem.logs import JsonFormatter, log_event
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(temperature=0.0)
