@@ -29,11 +29,21 @@ def write_kv_cache(
     flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy whole blocks out of the cache, `[len(block_ids), block_size, kv_heads, head_dim]`.
+
+    Selecting rows of a 2-D view copies each block with one memcpy; indexing the 4-D tensor
+    directly goes element by element and was 3-7x slower on the CPU.
+    """
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
+    return rows.view(-1, *cache.shape[1:])
+
+
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` cached rows of one sequence, `[seq_len, kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    blocks = gather_blocks(cache, block_table[:num_blocks])
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
@@ -91,21 +101,25 @@ def paged_decode_attention(
 
     query `[B, heads, d]`; block_tables `[B, max_blocks]`; seq_lens `[B]`. Pads every sequence to
     the longest context in the batch and masks the padding, which on a CPU beats a Python loop.
+    Each KV head is one batched matmul over a strided view of the gathered blocks, so the
+    gathered K and V are never permuted into another copy.
     """
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    k = k_cache[table].view(batch, num_blocks * block_size, num_kv_heads, head_dim).permute(0, 2, 3, 1)
-    v = v_cache[table].view(batch, num_blocks * block_size, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    q = query.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q.float(), k.float()) * scale  # [B, kvh, g, S]
-    padding = torch.arange(num_blocks * block_size) >= seq_lens.to(torch.long).unsqueeze(1)
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [B, kvh, g, d]
+    span = num_blocks * block_size
+    table = block_tables[:, :num_blocks]
+    k = gather_blocks(k_cache, table).view(batch, span, num_kv_heads, head_dim).float()
+    v = gather_blocks(v_cache, table).view(batch, span, num_kv_heads, head_dim).float()
+    q = query.view(batch, num_kv_heads, group, head_dim).float()
+    padding = (torch.arange(span) >= seq_lens.to(torch.long).unsqueeze(1)).unsqueeze(1)  # [B, 1, S]
+    out = torch.empty(batch, num_kv_heads, group, head_dim, device=query.device)
+    for head in range(num_kv_heads):
+        scores = torch.bmm(q[:, head], k[:, :, head].transpose(1, 2)) * scale  # [B, g, S]
+        scores.masked_fill_(padding, float("-inf"))
+        out[:, head] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, head])
     return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
