@@ -12,7 +12,8 @@ counts):
                    `python -m bench.llama_cpp_build` once).
 
 The headline workload (all requests at once) runs on every system; then a rate sweep runs on the
-server systems. A system that cannot run is skipped with its reason printed and recorded. Writes
+server systems with the first --sweep-prompts requests of the same workload, Poisson arrivals. A
+system that cannot run is skipped with its reason printed and recorded. Writes
 `<out-dir>/compare.json`, prints the table with ratios to hf-static, then draws the plots.
 
     tandem bench compare --out-dir bench/results
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
-from bench.workload import ArrivalProcess
+from bench.workload import ArrivalProcess, workload_summary
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-systems", default=",".join(SWEEP_SYSTEMS), help="systems of the rate sweep (server systems)"
     )
     parser.add_argument(
-        "--rates", default="1,2,4", help="request rates of the sweep, req/s ('' for none; default: 1,2,4)"
+        "--rates", default="0.25,0.5,1", help="request rates of the sweep, req/s ('' for none; default: "
+        "0.25,0.5,1 — around where the default workload saturates a 2-core CPU)",
+    )
+    parser.add_argument(
+        "--sweep-prompts", type=int, default=32, help="requests per sweep point (default: 32)"
     )
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
@@ -88,6 +93,7 @@ class Comparison:
     config: dict
     workload: dict = field(default_factory=dict)
     runs: list[dict] = field(default_factory=list)
+    sweep_workload: dict = field(default_factory=dict)
     sweep: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     physical_limit: dict | None = None
@@ -201,12 +207,17 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
     shape = ModelShape.from_config_file(model_dir / "config.json")
     workload = build_workload(args, shape.vocab)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    sweep_requests = workload.requests[: args.sweep_prompts]
+    sweep_workload = Workload(
+        sweep_requests, workload.warmups,
+        {**workload.description, **workload_summary(sweep_requests), "first_of_headline_requests": True},
+    )
     comparison = Comparison(config={
         "model": model_dir.name, "dtype": "float32", "threads": args.threads,
         "hf_batch_size": args.hf_batch_size,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "llama_parallel": args.llama_parallel, "rates": rates, "baseline": BASELINE,
-    }, workload=workload.description)
+    }, workload=workload.description, sweep_workload=sweep_workload.description)
     cost = WorkloadCost([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
     comparison.physical_limit = throughput_bound(
         shape, probe_machine(args.threads, shape), cost, args.max_num_seqs
@@ -223,7 +234,7 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
                     comparison.runs.append(_measure_server(*point, math.inf, workload, extra))
                     on_progress(comparison)
                     for rate in rates if name in sweep_systems else []:
-                        comparison.sweep.append(_measure_server(*point, rate, workload, extra))
+                        comparison.sweep.append(_measure_server(*point, rate, sweep_workload, extra))
                         on_progress(comparison)
         except SystemSkipped as exc:
             logger.warning("skipping %s: %s", name, exc)
@@ -246,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             "benchmark": "compare", "machine": machine, "load_average_at_write": load_average(),
             "command": command_line(), "config": comparison.config, "workload": comparison.workload,
             "physical_limit": comparison.physical_limit, "skipped": comparison.skipped,
-            "runs": comparison.runs, "sweep": comparison.sweep,
+            "runs": comparison.runs, "sweep_workload": comparison.sweep_workload, "sweep": comparison.sweep,
         })
 
     comparison = run_comparison(args, save)

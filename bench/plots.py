@@ -62,8 +62,11 @@ def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
                      label=name)
     limit = compare.get("physical_limit")
     if limit:
+        # The sweep sends a prefix of the headline requests: its offered load uses its own mean output.
+        sweep = compare.get("sweep_workload") or compare["workload"]
+        sweep_limit = {**limit, "mean_output_len": sweep["output_tokens"] / sweep["num_requests"]}
         xs = [*finite, inf_x]
-        ys = [rate_bound(limit, x) for x in finite] + [limit["output_tok_s_bound"]]
+        ys = [rate_bound(sweep_limit, x) for x in finite] + [limit["output_tok_s_bound"]]
         ax_tput.plot(xs, ys, "k--", label=f"physical limit ({limit['limited_by']}-bound)")
     for ax in (ax_tput, ax_ttft):
         ax.set_xscale("log")

@@ -105,6 +105,7 @@ def compare_document() -> dict:
         "command": "tandem bench compare",
         "config": {"model": "Tiny", "threads": 2, "baseline": "hf-static"},
         "workload": {"num_requests": 4, "prompt_len": "fixed:8", "output_len": "fixed:4", "seed": 0,
+                     "output_tokens": 16,
                      "prompt_len_min": 8, "prompt_len_max": 8, "output_len_min": 4, "output_len_max": 4},
         "physical_limit": {"output_tok_s_bound": 200.0, "mean_output_len": 4.0, "limited_by": "compute",
                            "matmul_tflop": 1.0, "memory_read_gb": 2.0,
