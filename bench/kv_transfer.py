@@ -99,7 +99,8 @@ def start_decode(
 ) -> tuple[ServerThread, DecodeServer]:
     engine = Engine.from_pretrained(model_dir, engine_config(TTFT_TOKEN_BUDGET, max_model_len))
     thread = ServerThread()
-    config = DecodeServiceConfig(host="127.0.0.1", port=0, prefill=prefill)
+    # A 4k-token prompt in one CPU forward takes long on a loaded box; this measures, not guards.
+    config = DecodeServiceConfig(host="127.0.0.1", port=0, prefill=prefill, prefill_timeout_s=3600.0)
 
     async def create() -> DecodeServer:
         return DecodeServer(engine, config, model_fingerprint=model_fingerprint(model_dir))
