@@ -124,7 +124,8 @@ class DecodeServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         mode = "aggregated"
         if self.remote_prefill is not None:
-            mode = f"disaggregated: prefill on {self.config.prefill}"
+            # Not "on host:port": scripts read the serving port from the first "on host:port" of this line.
+            mode = f"disaggregated, prefill tier at {self.config.prefill}"
         logger.info(
             "decode server serving %s on %s:%d (%s; %s batching, %s policy%s%s)",
             self.engine.model_name, self.config.host, self.port, mode, self.config.batching,

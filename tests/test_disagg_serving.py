@@ -722,3 +722,52 @@ def test_sigkill_of_the_only_replica_fails_unavailable_or_falls_back(model):
         doomed.kill()
         strict.close()
         lenient.close()
+
+
+@pytest.mark.slow
+def test_tandem_serve_decode_with_prefill_flags(model, two_prefills):
+    """The command line end to end: `tandem serve decode --prefill ... --local-prefill-threshold N`
+    fingerprints its model, handshakes the prefill replica and serves long prompts through it."""
+    model_dir, hf = model
+    prefill = two_prefills[0]
+    command = [
+        *_tandem_command(), "serve", "decode", "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", "0", "--threads", "1", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "16MiB",
+        "--max-model-len", str(MAX_MODEL_LEN), "--prefill", prefill.address,
+        "--local-prefill-threshold", "20", "--prefill-timeout", "30",
+    ]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    port: list[int] = []
+    serving = threading.Event()
+
+    def read_log() -> None:
+        for line in process.stderr:
+            log.append(line)
+            match = re.search(r"decode server serving .* on [0-9.]+:([0-9]+)", line)
+            if match:
+                port.append(int(match.group(1)))
+                serving.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        assert serving.wait(120), "decode did not start:\n" + "".join(log)
+        assert any(f"disaggregated, prefill tier at {prefill.address}" in line for line in log)
+        short, long = prompts_of([10, 150], seed=14)
+        with grpc.insecure_channel(f"127.0.0.1:{port[0]}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            for request_id, prompt in (("cli-short", short), ("cli-long", long)):
+                request = pb.GenerateRequest(
+                    request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0),
+                    stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
+                )
+                assert tokens_of(stub.Generate(request, timeout=60)) == hf_greedy(hf, prompt, 4)
+        prefilled = prefill.prefilled_request_ids()
+        assert "cli-long" in prefilled and "cli-short" not in prefilled
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, "".join(log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert wait_until(prefill.pool_is_full)
