@@ -21,18 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from decode_service.request import ServedRequest
-from engine.errors import DrainingError, TandemError
+from engine.errors import TandemError, TierUnavailableError
 from engine.params import SamplingParams
 from kv_transfer import KVLayout, KVRangeError, write_chunk
 from protos.tandem.internal.v1 import prefill_pb2
 
 
-class PrefillUnavailableError(DrainingError):
-    """No prefill replica could prefill the prompt (down, refused, too slow); maps to UNAVAILABLE.
-
-    A DrainingError because the edge maps that to UNAVAILABLE: like a draining server, the request may
-    succeed if retried later or on another decode replica.
-    """
+class PrefillUnavailableError(TierUnavailableError):
+    """No prefill replica could prefill the prompt (down, refused, too slow); maps to UNAVAILABLE."""
 
 
 class TransferCancelledError(TandemError):

@@ -195,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=sorted(engine.eos_token_ids),
             dtype=dtype_name(engine.dtype),
             block_size=engine.block_size,
-            mode=pb.SERVING_MODE_AGGREGATED,
+            mode=pb.SERVING_MODE_DISAGGREGATED if self._config.disaggregated else pb.SERVING_MODE_AGGREGATED,
             server_version=self._server_version,
         )
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import DrainingError, InvalidRequestError, OutOfBlocksError, QueueFullError
+from engine.errors import (
+    DrainingError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    QueueFullError,
+    TierUnavailableError,
+)
 
 # First match wins, so more specific classes go first.
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -12,6 +18,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (TierUnavailableError, grpc.StatusCode.UNAVAILABLE),
 )
 
 

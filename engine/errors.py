@@ -31,3 +31,7 @@ class QueueFullError(TandemError):
 
 class DrainingError(TandemError):
     """The server is shutting down and takes no new work (maps to UNAVAILABLE)."""
+
+
+class TierUnavailableError(TandemError):
+    """A tier this one depends on cannot do the work right now (maps to UNAVAILABLE: retry later)."""

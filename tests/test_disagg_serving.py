@@ -247,6 +247,11 @@ def test_disaggregated_equals_aggregated_equals_hf_greedy(model, two_prefills):
     aggregated = RunningDecode(model_dir)
     try:
         assert [r.state for r in disaggregated.pool.replicas] == [ReplicaState.READY] * 2
+        info = disaggregated.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.mode == pb.SERVING_MODE_DISAGGREGATED
+        assert aggregated.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).mode == (
+            pb.SERVING_MODE_AGGREGATED
+        )
 
         def run(server: RunningDecode) -> list[list[pb.GenerateResponse]]:
             with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
