@@ -68,7 +68,7 @@ class ServerThread:
 
 
 def engine_config(token_budget: int, max_model_len: int) -> EngineConfig:
-    from decode_service.config import parse_memory_size
+    from engine.config import parse_memory_size
 
     return EngineConfig(
         dtype=torch.float32,

@@ -127,8 +127,8 @@ def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe (sizes checked here, where the flag names are known)."""
-    from decode_service.config import ConfigError, parse_memory_size
-    from engine.config import CacheConfig, EngineConfig, parse_dtype
+    from engine.config import CacheConfig, EngineConfig, parse_dtype, parse_memory_size
+    from engine.errors import ConfigError
 
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
@@ -180,9 +180,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from decode_service.config import ConfigError
     from decode_service.server import serve
     from engine.engine import Engine
+    from engine.errors import ConfigError
     from engine.model_store import model_fingerprint, resolve_model
     from tandem.logs import set_log_prompts, use_log_format
 

@@ -6,19 +6,14 @@ Engine sizing (max_num_seqs, max_num_batched_tokens, max_model_len, KV pool) liv
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from decode_service.prefill_targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
-from engine.errors import TandemError
+from engine.errors import ConfigError
 
 BATCHING_MODES = ("continuous", "static")
-
-
-class ConfigError(TandemError, ValueError):
-    """A server setting is out of range or malformed (the server refuses to start)."""
 
 
 @dataclass(frozen=True)
@@ -134,21 +129,3 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
     return weights
 
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-    "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
-}
-
-
-def parse_memory_size(text: str) -> int:
-    """Parse a byte size such as `2GiB`, `512MiB`, `1.5G` or `1048576` (Kubernetes-style Gi/Mi too)."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"cannot parse memory size {text!r}; use e.g. 2GiB, 512MiB or a byte count")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ConfigError(f"memory size must be > 0, got {text!r}")
-    return size

@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import ClassVar
 
-from decode_service.config import ConfigError
 from decode_service.request import ServedRequest
+from engine.errors import ConfigError
 
 Rank = tuple[float, ...]
 

@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from decode_service.config import ConfigError, DecodeServiceConfig
+from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.event_log import EventLog
 from decode_service.metrics import DecodeMetrics
@@ -30,6 +30,7 @@ from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
 from decode_service.streams import StreamHub
 from engine.engine import Engine
+from engine.errors import ConfigError
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from tandem.security import BearerTokenInterceptor, server_credentials
 

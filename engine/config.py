@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -22,6 +23,44 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, not {name!r}") from None
+
+
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in a size such as `2GiB`, `512MiB`, `2G`, `1.5Gi` or `1048576`.
+
+    Decimal units (K, M, G, T, and with a B) are powers of 1000 and binary ones (Ki, KiB, ...) powers
+    of 1024, as Kubernetes quantities are, so the Helm chart's values mean the same here.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS:
+        raise ConfigError(f"cannot parse memory size {text!r}; use e.g. 2GiB, 512MiB, 2G or a byte count")
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"memory size must be > 0, got {text!r}")
+    return size
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,6 +9,10 @@ class TandemError(Exception):
     """Base class for every error tandem raises on purpose."""
 
 
+class ConfigError(TandemError, ValueError):
+    """A server setting is out of range or malformed (the server refuses to start)."""
+
+
 class InvalidRequestError(TandemError, ValueError):
     """The caller sent something that can never succeed (maps to INVALID_ARGUMENT)."""
 

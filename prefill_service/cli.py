@@ -103,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from engine.config import CacheConfig, EngineConfig, parse_dtype
+    from engine.config import CacheConfig, EngineConfig, parse_dtype, parse_memory_size
     from engine.engine import Engine
+    from engine.errors import ConfigError
     from engine.model_store import model_fingerprint, resolve_model
-    from prefill_service.config import ConfigError, PrefillServiceConfig, TLSConfig, parse_memory_size
+    from prefill_service.config import PrefillServiceConfig, TLSConfig
     from prefill_service.server import serve
     from tandem.logs import set_log_prompts, use_log_format
 

@@ -6,15 +6,10 @@ Engine sizing (token budget per step, sequences per step, KV pool, max_model_len
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import TandemError
-
-
-class ConfigError(TandemError, ValueError):
-    """A server setting is out of range or malformed (the server refuses to start)."""
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -55,39 +50,3 @@ class PrefillServiceConfig:
             raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes in a size such as `2GiB`, `512MiB`, `2G`, `1.5Gi` or `1048576`.
-
-    Decimal units (K, M, G, T, and with a B) are powers of 1000 and binary ones (Ki, KiB, ...) powers
-    of 1024, as Kubernetes quantities are, so the Helm chart's values mean the same here.
-    """
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"cannot parse memory size {text!r}; use e.g. 2GiB, 512MiB, 2G or a byte count")
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ConfigError(f"memory size must be > 0, got {text!r}")
-    return size

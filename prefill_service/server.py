@@ -20,8 +20,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from engine.engine import Engine
+from engine.errors import ConfigError
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash
-from prefill_service.config import ConfigError, PrefillServiceConfig
+from prefill_service.config import PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.event_log import EventLog
 from prefill_service.kv_sender import KVSender

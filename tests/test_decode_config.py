@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from decode_service.cli import engine_config_from_args, service_config_from_args
-from decode_service.config import ConfigError, DecodeServiceConfig, parse_memory_size, parse_tenant_weights
+from decode_service.config import DecodeServiceConfig, parse_tenant_weights
 from decode_service.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
 from decode_service.status import status_for
-from engine.errors import DrainingError, InvalidRequestError, QueueFullError
+from engine.config import parse_memory_size
+from engine.errors import ConfigError, DrainingError, InvalidRequestError, QueueFullError
 from tandem.cli import build_parser
 from tandem.logs import JsonFormatter
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode_service.cli import service_config_from_args
-from decode_service.config import ConfigError, DecodeServiceConfig
+from decode_service.config import DecodeServiceConfig
 from decode_service.prefill_pool import BackoffPolicy, PrefillPool, PrefillReplica, ReplicaState
 from decode_service.prefill_targets import (
     PrefillTarget,
@@ -20,6 +20,7 @@ from decode_service.prefill_targets import (
 )
 from decode_service.prefill_transfer import KVTransfer, TransferCancelledError
 from decode_service.request import ServedRequest
+from engine.errors import ConfigError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import KVLayout, KVRangeError, compatibility_hash, encode_blocks

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import engine_for, tiny_hf_model
 
-from engine.errors import DrainingError, InvalidRequestError, QueueFullError
+from engine.config import parse_memory_size
+from engine.errors import ConfigError, DrainingError, InvalidRequestError, QueueFullError
 from engine.params import SamplingParams, StoppingParams
-from prefill_service.config import ConfigError, PrefillServiceConfig, parse_memory_size
+from prefill_service.config import PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.errors import IncompatibleKVError
 from prefill_service.event_log import EventLog
