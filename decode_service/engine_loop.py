@@ -20,8 +20,6 @@ from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler, StepPlan
 from engine.engine import Engine
 from engine.errors import TandemError
-from engine.model_runner import ScheduledChunk
-from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -135,14 +133,7 @@ class EngineLoop:
 
     def warm_up(self) -> None:
         """One single-token forward and sample, so the first real request does not pay for lazy init."""
-        seq = self.engine.make_sequence(
-            [0], SamplingParams(temperature=0.0), StoppingParams(max_tokens=1, ignore_eos=True), "warm-up"
-        )
-        self.engine.block_manager.grow(seq.block_table, seq.num_tokens)
-        try:
-            self.engine.step([ScheduledChunk(seq, seq.num_tokens)])
-        finally:
-            self.engine.free(seq)
+        self.engine.warm_up()
         logger.info("warm-up forward done")
 
     # -- one iteration -------------------------------------------------------------------------------

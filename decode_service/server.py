@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 
@@ -33,6 +32,7 @@ from engine.engine import Engine
 from engine.errors import ConfigError
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from tandem.security import BearerTokenInterceptor, server_credentials
+from tandem.serving import serve_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -182,17 +182,4 @@ async def serve(
         engine, config, metrics_registry=metrics_registry, max_concurrent_streams=max_concurrent_streams,
         model_fingerprint=model_fingerprint,
     )
-    await server.start()
-    drained = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if not drained.is_set():
-            logger.info("received %s", signal.Signals(signum).name)
-            drained.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await drained.wait()
-    await server.drain()
-    return 0
+    return await serve_until_signalled(server)

@@ -170,6 +170,17 @@ class Engine:
             outputs.append(TokenOutput(seq, token_ids[row], logprobs[row], top, text, seq.finish_reason))
         return outputs
 
+    def warm_up(self) -> None:
+        """One single-token forward and sample, so the first real request does not pay for lazy init."""
+        seq = self.make_sequence(
+            [0], SamplingParams(temperature=0.0), StoppingParams(max_tokens=1, ignore_eos=True), "warm-up"
+        )
+        self.block_manager.grow(seq.block_table, seq.num_tokens)
+        try:
+            self.step([ScheduledChunk(seq, seq.num_tokens)])
+        finally:
+            self.free(seq)
+
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool (finish, abort or preemption)."""
         self.block_manager.release(seq.block_table)

@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 from engine.engine import Engine
 from engine.errors import DrainingError
-from engine.model_runner import ScheduledChunk
-from engine.params import SamplingParams, StoppingParams
 from prefill_service.event_log import EventLog, StepRecord
 from prefill_service.job import Admitted, PrefillJob
 from prefill_service.kv_sender import mark_step_done
@@ -104,14 +102,7 @@ class PrefillEngineLoop:
 
     def warm_up(self) -> None:
         """One single-token forward and sample, so the first real request does not pay for lazy init."""
-        seq = self.engine.make_sequence(
-            [0], SamplingParams(temperature=0.0), StoppingParams(max_tokens=1, ignore_eos=True), "warm-up"
-        )
-        self.engine.block_manager.grow(seq.block_table, seq.num_tokens)
-        try:
-            self.engine.step([ScheduledChunk(seq, seq.num_tokens)])
-        finally:
-            self.engine.free(seq)
+        self.engine.warm_up()
         logger.info("prefill warm-up forward done")
 
     # -- one iteration -------------------------------------------------------------------------------

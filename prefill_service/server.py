@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from importlib.metadata import PackageNotFoundError, version
 
 import grpc
@@ -32,6 +31,7 @@ from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.servicer import PrefillServicer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from tandem.security import server_credentials
+from tandem.serving import serve_until_signalled
 
 logger = logging.getLogger(__name__)
 
@@ -202,17 +202,4 @@ async def serve(
         engine, model_fingerprint, config, metrics_registry=metrics_registry,
         max_concurrent_streams=max_concurrent_streams,
     )
-    await server.start()
-    stop_requested = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        if not stop_requested.is_set():
-            logger.info("received %s", signal.Signals(signum).name)
-            stop_requested.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await stop_requested.wait()
-    await server.drain()
-    return 0
+    return await serve_until_signalled(server)
