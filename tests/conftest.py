@@ -10,7 +10,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
-from pathlib import Path
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest
 import torch
@@ -123,3 +125,23 @@ def real_model_dir() -> Path:
         return fetch_default_model()
     except ModelNotFoundError as exc:
         pytest.skip(f"the default model cannot be fetched (offline?): {exc}")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll `predicate` until true; the timeout is only a safety net for a broken server."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def save_tiny_model(directory: Path, seed: int, **config_kwargs) -> torch.nn.Module:
+    """A tiny random Llama saved with the tiny tokenizer, loadable like a real model; returns the HF model."""
+    from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+
+    hf = tiny_hf_model(seed, vocab_size=TINY_VOCAB_SIZE, **config_kwargs)
+    hf.save_pretrained(directory)
+    build_tiny_tokenizer(directory)
+    return hf

@@ -12,11 +12,10 @@ import io
 import json
 import socket
 import threading
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
+from conftest import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -173,16 +172,6 @@ def server():
 def client(server):
     with TandemClient(server.target, timeout=SAFETY_TIMEOUT) as tandem_client:
         yield tandem_client
-
-
-def wait_until(predicate: Callable[[], bool]) -> bool:
-    """Poll `predicate`; the timeout only guards against a broken fake."""
-    deadline = time.monotonic() + SAFETY_TIMEOUT
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def closed_port() -> int:

@@ -11,7 +11,6 @@ import json
 import threading
 
 import pytest
-import torch
 from conftest import hf_greedy, tiny_hf_model
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
@@ -24,15 +23,6 @@ from tandem.client import AsyncTandemClient, FinishReason, InvalidArgument, Serv
 
 SAFETY_TIMEOUT = 60.0
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import itertools
 from collections import defaultdict
 
 import pytest
-import torch
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 
 from decode_service.config import DecodeServiceConfig
@@ -21,15 +20,6 @@ from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

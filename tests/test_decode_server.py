@@ -11,22 +11,20 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from conftest import hf_greedy, random_prompts, tiny_hf_model
+from conftest import hf_greedy, random_prompts, save_tiny_model, wait_until
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
@@ -40,23 +38,11 @@ MAX_MODEL_LEN = 256
 NUM_BLOCKS = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny random Llama saved with the tiny tokenizer; returns (directory, the HF reference model)."""
     directory = tmp_path_factory.mktemp("tiny-model")
-    hf = tiny_hf_model(12, vocab_size=TINY_VOCAB_SIZE)
-    hf.save_pretrained(directory)
-    build_tiny_tokenizer(directory)
-    return directory, hf
+    return directory, save_tiny_model(directory, 12)
 
 
 class RunningServer:
@@ -108,16 +94,6 @@ def server(model):
     running = start_server(model[0])
     yield running
     running.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    """Poll `predicate` until true; the timeout is only a safety net for a broken server."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def greedy_request(token_ids=(), max_tokens=None, **kwargs) -> pb.GenerateRequest:

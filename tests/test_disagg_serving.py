@@ -17,19 +17,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from conftest import hf_greedy, tiny_hf_model
+from conftest import hf_greedy, save_tiny_model, wait_until
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.prefill_pool import ReplicaState
@@ -46,33 +45,11 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny random Llama saved with the tiny tokenizer; returns (directory, the HF reference model)."""
     directory = tmp_path_factory.mktemp("tiny-disagg-model")
-    hf = tiny_hf_model(33, vocab_size=TINY_VOCAB_SIZE)
-    hf.save_pretrained(directory)
-    build_tiny_tokenizer(directory)
-    return directory, hf
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    """Poll `predicate` until true; the timeout is only a safety net for a broken server."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+    return directory, save_tiny_model(directory, 33)
 
 
 class LoopThread:

@@ -12,9 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-import torch
-from conftest import tiny_hf_model
-from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from conftest import save_tiny_model
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
@@ -40,19 +38,10 @@ SECRET_PROMPT = "the zebra crossing opens at noon"
 TIER_LOGGERS = ("decode_service", "prefill_service")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-logs-model")
-    tiny_hf_model(7, vocab_size=TINY_VOCAB_SIZE).save_pretrained(directory)
-    build_tiny_tokenizer(directory)
+    save_tiny_model(directory, 7)
     return directory
 
 

@@ -15,11 +15,10 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-import torch
-from conftest import random_prompts, tiny_hf_model
+from conftest import random_prompts, save_tiny_model
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
@@ -35,19 +34,10 @@ from protos.tandem.v1 import generation_pb2_grpc
 MAX_TOKENS_CAP = 200
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-metrics-model")
-    tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE).save_pretrained(directory)
-    build_tiny_tokenizer(directory)
+    save_tiny_model(directory, 5)
     return directory
 
 

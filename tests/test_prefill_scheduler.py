@@ -8,7 +8,6 @@ import logging
 
 import grpc
 import pytest
-import torch
 from conftest import engine_for, tiny_hf_model
 
 from engine.config import parse_memory_size
@@ -28,14 +27,6 @@ from tandem.logs import JsonFormatter, log_event
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import tiny_hf_model
+from conftest import save_tiny_model
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
@@ -91,8 +90,7 @@ def test_status_line_reads_requests_kv_usage_and_prefill_queue():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-up-model")
-    tiny_hf_model(9, vocab_size=TINY_VOCAB_SIZE).save_pretrained(directory)
-    build_tiny_tokenizer(directory)
+    save_tiny_model(directory, 9)
     return directory
 
 
