@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.metadata import AttentionMetadata
 
@@ -61,24 +62,40 @@ class AttentionBackend(ABC):
 
 
 class TorchBackend(AttentionBackend):
-    """The CPU path: batched decode in one gather, prefill chunks one sequence at a time."""
+    """The CPU path: batched decode in one call, prefill chunks one sequence at a time.
+
+    Decode rows go to the C++ kernel (`kernels.cpu_extension`) when it is built and the cache is
+    fp32 on the CPU, else to the torch reference, which gathers blocks into a padded copy.
+    """
 
     name = "torch"
+
+    def __init__(self, use_cpu_extension: bool = True) -> None:
+        self._extension = cpu_extension.load() if use_cpu_extension else None
+
+    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+        if (
+            self._extension is not None
+            and k_cache.device.type == "cpu"
+            and k_cache.dtype == query.dtype == torch.float32
+        ):
+            return self._extension.paged_decode_attention(
+                query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale
+            )
+        return ref.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         if meta.is_decode_only:
-            tables, lens = meta.block_tables, meta.seq_lens
-            return ref.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         decode_seqs = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
         if len(decode_seqs) < 2:
             return ref.paged_attention(query, k_cache, v_cache, meta, scale)
         return self._mixed_attention(query, k_cache, v_cache, meta, scale, decode_seqs)
 
-    @staticmethod
-    def _mixed_attention(query, k_cache, v_cache, meta, scale, decode_seqs: list[int]) -> torch.Tensor:
+    def _mixed_attention(self, query, k_cache, v_cache, meta, scale, decode_seqs: list[int]) -> torch.Tensor:
         """Decode rows of a mixed batch in one batched gather, prefill chunks one by one."""
         out = torch.empty_like(query)
         starts = [0]
@@ -86,7 +103,7 @@ class TorchBackend(AttentionBackend):
             starts.append(starts[-1] + q_len)
         decode_rows = torch.tensor([starts[i] for i in decode_seqs])
         seq_index = torch.tensor(decode_seqs)
-        out[decode_rows] = ref.paged_decode_attention(
+        out[decode_rows] = self._decode(
             query[decode_rows],
             k_cache,
             v_cache,

@@ -1,0 +1,41 @@
+"""The C++ CPU kernel for paged decode attention, compiled on first use and cached.
+
+Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
+copy, once per layer per step; on a CPU that copy cost more than the attention itself. The C++
+kernel reads the blocks in place through the block table. It is built with the machine's C++
+compiler the first time a process needs it (torch caches the build under
+`$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`); where no compiler is found the
+torch path runs instead, with one warning. `TANDEM_CPU_EXTENSION=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_decode.cpp"
+DISABLE_ENV = "TANDEM_CPU_EXTENSION"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None when it is disabled or cannot be built here."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load as build
+
+    try:
+        return build(
+            name="tandem_cpu_paged_decode",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffast-math"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works
+        logger.warning("CPU attention extension unavailable, using the torch path: %s", exc)
+        return None
