@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
+from bench.servers import ServerStartError
 from bench.workload import ArrivalProcess, workload_summary
+from engine.errors import TandemError
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "
 BASELINE = "hf-static"
 
 
-class SystemSkipped(RuntimeError):
+class SystemSkipped(TandemError):
     """A system cannot run on this machine now (not built, not wired up); the message says why."""
 
 
@@ -157,6 +159,7 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
 def _hf_run(name: str, args: argparse.Namespace, model_dir: Path, workload: Workload, hf_cache: dict) -> dict:
     """Run an in-process HF peer on the headline workload; returns a run result like `measure`'s."""
     import torch
+    import transformers
 
     from bench import hf_peers
     from bench.metrics import compute_metrics, distributions, parse_goodput
@@ -175,8 +178,6 @@ def _hf_run(name: str, args: argparse.Namespace, model_dir: Path, workload: Work
         peer = hf_peers.run_hf_continuous(
             model, workload.requests, args.max_num_seqs, args.max_num_batched_tokens
         )
-    import transformers
-
     system = {
         "name": name, **peer.info, "threads": {"process": args.threads},
         "transformers": transformers.__version__, "model_name": model_dir.name,
@@ -236,7 +237,8 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
                     for rate in rates if name in sweep_systems else []:
                         comparison.sweep.append(_measure_server(*point, rate, sweep_workload, extra))
                         on_progress(comparison)
-        except SystemSkipped as exc:
+        except (SystemSkipped, ServerStartError) as exc:
+            # One system that cannot run must not cost the numbers of all the others.
             logger.warning("skipping %s: %s", name, exc)
             comparison.skipped[name] = str(exc)
         on_progress(comparison)

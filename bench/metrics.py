@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.errors import TandemError
+
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
 CDF_POINTS = 101
 
 
-class MetricsError(ValueError):
+class MetricsError(TandemError, ValueError):
     """A goodput SLO or a trace is malformed."""
 
 

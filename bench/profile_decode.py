@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.machine import machine_info
+    from bench.machine import load_average, machine_info
     from bench.report import command_line, write_json
     from bench.serve import build_workload
     from engine.model_store import resolve_model
@@ -233,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
             "top_own_time": _top_functions(stats, 25),
         },
         "torch_decode_window": torch_window,
+        "load_average_at_end": load_average(),
     }
     write_json(args.result_file, result)
     print(json.dumps({k: result[k] for k in ("engine_loop_only", "served_over_grpc_output_tok_s",

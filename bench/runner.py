@@ -29,11 +29,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a run produced: one record per measured request, the run's duration and its request-id tag."""
+    """What a run produced: one record per measured request, the run's duration, its request-id tag,
+    and the CPU seconds this load generator used meanwhile (on a small shared machine the client takes
+    CPU from the server it measures; this says how much)."""
 
     records: list[RequestRecord]
     duration_s: float
     run_tag: str
+    client_cpu_s: float
 
 
 async def _stream_one(
@@ -94,10 +97,11 @@ async def run_load(
 
     with progress:
         task_id = progress.add_task(description or backend.name, total=len(requests))
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         await asyncio.gather(*(one(r, o, task_id) for r, o in zip(requests, offsets, strict=True)))
         duration = time.perf_counter() - start
+        client_cpu = time.process_time() - cpu_start
     records.sort(key=lambda r: r.index)
     rate = "inf" if math.isinf(arrivals.rate) else f"{arrivals.rate:g}"
     logger.info("%s: %d requests at rate %s in %.1f s", backend.name, len(records), rate, duration)
-    return LoadResult(records, duration, run_tag)
+    return LoadResult(records, duration, run_tag, client_cpu)

@@ -21,10 +21,10 @@ from bench.metrics import compute_metrics, distributions, parse_goodput
 from bench.report import command_line, metrics_table, print_table, run_result, write_json
 from bench.runner import run_load
 from bench.workload import (
-    DEFAULT_MIN_TOKEN_ID,
     ArrivalProcess,
     LengthDistribution,
     SyntheticWorkload,
+    WorkloadError,
     WorkloadRequest,
     load_jsonl,
     workload_summary,
@@ -139,7 +139,10 @@ async def measure(
     server_info = await backend.open()
     try:
         if workload is None:
-            workload = build_workload(args, server_info.get("vocab_size") or DEFAULT_MIN_TOKEN_ID + 1)
+            vocab_size = server_info.get("vocab_size")
+            if not vocab_size and args.dataset_path is None:
+                raise WorkloadError(f"{backend.name} did not report its vocabulary size; use --dataset-path")
+            workload = build_workload(args, vocab_size or 0)
         load = await run_load(
             backend, workload.requests, arrivals, max_concurrency, workload.warmups, show_progress,
         )
@@ -150,10 +153,14 @@ async def measure(
     arrival_info = {
         **arrivals.describe(), "max_concurrency": max_concurrency, "warmups": len(workload.warmups),
     }
-    return run_result(
+    result = run_result(
         system, workload.description, arrival_info, compute_metrics(load.records, load.duration_s, slos),
         distributions(load.records),
     )
+    result["client"] = {
+        "cpu_s": round(load.client_cpu_s, 2), "cpu_share": round(load.client_cpu_s / load.duration_s, 3),
+    }
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

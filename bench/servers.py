@@ -23,13 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.errors import TandemError
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(TandemError):
     """A server process exited or never became healthy."""
 
 

@@ -21,13 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from engine.errors import TandemError
+
 # Skip the first ids of the vocabulary when drawing random prompts: BPE vocabularies keep their special
 # and control tokens there, and a prompt full of <|im_end|> is not a prompt any server sees.
 DEFAULT_MIN_TOKEN_ID = 100
 
 
-class WorkloadError(ValueError):
-    """A workload description (distribution, file, arrival process) is malformed."""
+class WorkloadError(TandemError, ValueError):
+    """A workload description (distribution, file, arrival process) is malformed; the CLI reports it
+    as a one-line error."""
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def test_bench_serve_writes_a_complete_result(target, tmp_path):
     assert metrics["goodput"]["good_requests"] == 6
     assert len(result["distributions"]["ttft_ms_quantiles"]) == 101
     assert result["machine"]["cores"] >= 1
+    assert result["client"]["cpu_s"] >= 0
 
 
 def test_bench_serve_counts_failures_and_exits_nonzero(target, tmp_path):
