@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-context", type=int, default=16384, help="llama-server total context")
     add_workload_arguments(parser)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--update", action="store_true",
+        help="re-measure only --systems and keep the other systems' runs from the existing compare.json "
+        "(same workload required); each measuring session is recorded",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -223,6 +228,7 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
     comparison.physical_limit = throughput_bound(
         shape, probe_machine(args.threads, shape), cost, args.max_num_seqs
     )
+    on_progress(comparison)  # a result file that cannot be written (or merged) fails before any run
     hf_cache: dict = {}
     sweep_systems = set(_names(args.sweep_systems))
     for name in _names(args.systems):
@@ -245,28 +251,63 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
     return comparison
 
 
+def _session(document: dict, systems: list[str]) -> dict:
+    return {"systems": systems, "machine": document["machine"], "command": document["command"]}
+
+
+def merge_documents(previous: dict, current: dict, measured: list[str]) -> dict:
+    """`current` with the runs of the systems it did not measure taken from `previous`.
+
+    Both must describe the same workload, or the ratios between their runs would mean nothing.
+    """
+    if previous.get("workload") != current["workload"]:
+        raise TandemError("--update needs the same workload as the existing compare.json (seed, lengths...)")
+    order = {name: index for index, name in enumerate(SYSTEMS)}
+
+    def rank(name: str) -> int:
+        return order.get(name, len(order))
+
+    def merged(key: str) -> list[dict]:
+        kept = [run for run in previous.get(key, []) if run["system"]["name"] not in measured]
+        return sorted(kept + current[key], key=lambda run: rank(run["system"]["name"]))
+
+    earlier_systems = sorted({run["system"]["name"] for run in previous.get("runs", [])}, key=rank)
+    sessions = previous.get("sessions") or [_session(previous, earlier_systems)]
+    skipped = {k: v for k, v in previous.get("skipped", {}).items() if k not in measured}
+    return {
+        **current, "runs": merged("runs"), "sweep": merged("sweep"),
+        "skipped": {**skipped, **current["skipped"]}, "sessions": [*sessions, _session(current, measured)],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.machine import load_average, machine_info
     from bench.report import command_line, metrics_table, print_table, write_json
 
     machine = machine_info()
     path = args.out_dir / "compare.json"
+    previous = json.loads(path.read_text()) if args.update and path.is_file() else None
+    document: dict = {}
 
     def save(comparison: Comparison) -> None:
         # Written after every system, so a long run interrupted late still leaves its numbers; the load
         # average at each write shows how busy the shared machine was along the way.
-        write_json(path, {
+        nonlocal document
+        document = {
             "benchmark": "compare", "machine": machine, "load_average_at_write": load_average(),
             "command": command_line(), "config": comparison.config, "workload": comparison.workload,
             "physical_limit": comparison.physical_limit, "skipped": comparison.skipped,
             "runs": comparison.runs, "sweep_workload": comparison.sweep_workload, "sweep": comparison.sweep,
-        })
+        }
+        if previous is not None:
+            document = merge_documents(previous, document, _names(args.systems))
+        write_json(path, document)
 
-    comparison = run_comparison(args, save)
-    print_table(metrics_table(comparison.runs, "tandem bench compare (all requests at once)", BASELINE))
-    if comparison.sweep:
-        print_table(metrics_table(comparison.sweep, "rate sweep"))
-    for name, reason in comparison.skipped.items():
+    run_comparison(args, save)
+    print_table(metrics_table(document["runs"], "tandem bench compare (all requests at once)", BASELINE))
+    if document["sweep"]:
+        print_table(metrics_table(document["sweep"], "rate sweep"))
+    for name, reason in document["skipped"].items():
         print(f"skipped {name}: {reason}")
     if not args.no_plots:
         from bench.plots import draw_comparison

@@ -146,16 +146,23 @@ def readme_table(compare: dict) -> str:
         lines.append(f"| physical limit ({limit['limited_by']}-bound) | {bound:.1f} | | | |")
     machine = compare["machine"]
     workload = compare["workload"]
+    sessions = compare.get("sessions") or [
+        {"systems": [r["system"]["name"] for r in runs], "machine": machine, "command": compare["command"]}
+    ]
     notes = [
         "",
         f"Workload: {compare['config']['model']} fp32, {workload['num_requests']} requests all at once, "
         f"prompts {workload['prompt_len']} tokens, outputs {workload['output_len']} tokens exact (EOS "
         f"ignored), greedy; seed {workload['seed']}.",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; "
-        f"{compare['config']['threads']} threads per system (split 1+1 across the two disaggregated tiers); "
-        f"load average at start {machine['load_average_1_5_15']}; {machine['date']}; commit "
-        f"{machine['git_commit']}.",
+        f"{compare['config']['threads']} threads per system (split 1+1 across the two disaggregated tiers).",
     ]
+    for session in sessions:
+        measured = session["machine"]
+        notes.append(
+            f"Measured {', '.join(session['systems'])}: {measured['date']}, commit {measured['git_commit']}, "
+            f"load average at start {measured['load_average_1_5_15']}; command: `{session['command']}`"
+        )
     tandem = next((r for r in runs if r["system"]["name"] == TANDEM_HEADLINE), None)
     if limit and tandem:
         fraction = tandem["metrics"]["output_throughput"] / limit["output_tok_s_bound"]
@@ -167,7 +174,6 @@ def readme_table(compare: dict) -> str:
         )
     for name, reason in compare.get("skipped", {}).items():
         notes.append(f"Skipped {name}: {reason}")
-    notes.append(f"Command: `{compare['command']}`")
     return "\n".join(lines + notes) + "\n"
 
 

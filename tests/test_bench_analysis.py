@@ -123,7 +123,8 @@ def test_readme_table(compare_document):
     assert "physical limit (compute-bound) | 200.0" in table
     assert "tandem-aggregated reaches 50% of it" in table
     assert "Skipped llama-server: not built" in table
-    assert "Command: `tandem bench compare`" in table
+    assert "Measured hf-static, tandem-aggregated: 2026-01-01T00:00:00+00:00, commit abc1234" in table
+    assert "command: `tandem bench compare`" in table
 
 
 def test_plots_are_written(tmp_path, compare_document):
@@ -209,3 +210,25 @@ def test_sse_client_raises_on_http_errors():
 
     with pytest.raises(HttpError, match="HTTP 400"):
         asyncio.run(scenario())
+
+
+def test_update_keeps_the_runs_of_systems_not_measured_again(compare_document):
+    from bench.compare import merge_documents
+    from engine.errors import TandemError
+
+    current = {
+        **compare_document, "machine": {**compare_document["machine"], "date": "2026-02-02T00:00:00+00:00"},
+        "command": "tandem bench compare --update --systems tandem-aggregated", "skipped": {},
+        "runs": [fake_run("tandem-aggregated", 120.0)], "sweep": [fake_run("tandem-aggregated", 40.0, 1.0)],
+    }
+    merged = merge_documents(compare_document, current, ["tandem-aggregated"])
+    assert [(r["system"]["name"], r["metrics"]["output_throughput"]) for r in merged["runs"]] == [
+        ("hf-static", 50.0), ("tandem-aggregated", 120.0),
+    ]
+    assert [r["metrics"]["output_throughput"] for r in merged["sweep"]] == [40.0]
+    assert merged["skipped"] == {"llama-server": "not built"}
+    sessions = [s["systems"] for s in merged["sessions"]]
+    assert sessions == [["hf-static", "tandem-aggregated"], ["tandem-aggregated"]]
+    assert "| tandem-aggregated | 120.0 | 2.40x |" in readme_table(merged)
+    with pytest.raises(TandemError):
+        merge_documents(compare_document, {**current, "workload": {"num_requests": 5}}, ["tandem-aggregated"])
