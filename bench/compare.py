@@ -255,6 +255,13 @@ def _session(document: dict, systems: list[str]) -> dict:
     return {"systems": systems, "machine": document["machine"], "command": document["command"]}
 
 
+def best_physical_limit(previous: dict, current: dict) -> dict | None:
+    """Of two sessions' probes, the one with the higher bound: other processes on a shared machine only
+    ever make the probe slower, so the faster one is closer to what the machine can do."""
+    limits = [d["physical_limit"] for d in (previous, current) if d.get("physical_limit")]
+    return max(limits, key=lambda limit: limit["output_tok_s_bound"], default=None)
+
+
 def merge_documents(previous: dict, current: dict, measured: list[str]) -> dict:
     """`current` with the runs of the systems it did not measure taken from `previous`.
 
@@ -275,7 +282,8 @@ def merge_documents(previous: dict, current: dict, measured: list[str]) -> dict:
     sessions = previous.get("sessions") or [_session(previous, earlier_systems)]
     skipped = {k: v for k, v in previous.get("skipped", {}).items() if k not in measured}
     return {
-        **current, "runs": merged("runs"), "sweep": merged("sweep"),
+        **current, "physical_limit": best_physical_limit(previous, current),
+        "runs": merged("runs"), "sweep": merged("sweep"),
         "skipped": {**skipped, **current["skipped"]}, "sessions": [*sessions, _session(current, measured)],
     }
 

@@ -157,10 +157,15 @@ def readme_table(compare: dict) -> str:
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; "
         f"{compare['config']['threads']} threads per system (split 1+1 across the two disaggregated tiers).",
     ]
-    for session in sessions:
+    for index, session in enumerate(sessions):
+        # A system's numbers come from the last session that measured it.
+        later = {name for other in sessions[index + 1:] for name in other["systems"]}
+        shown = [name for name in session["systems"] if name not in later]
+        if not shown:
+            continue
         measured = session["machine"]
         notes.append(
-            f"Measured {', '.join(session['systems'])}: {measured['date']}, commit {measured['git_commit']}, "
+            f"Measured {', '.join(shown)}: {measured['date']}, commit {measured['git_commit']}, "
             f"load average at start {measured['load_average_1_5_15']}; command: `{session['command']}`"
         )
     tandem = next((r for r in runs if r["system"]["name"] == TANDEM_HEADLINE), None)

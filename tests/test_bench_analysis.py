@@ -229,6 +229,12 @@ def test_update_keeps_the_runs_of_systems_not_measured_again(compare_document):
     assert merged["skipped"] == {"llama-server": "not built"}
     sessions = [s["systems"] for s in merged["sessions"]]
     assert sessions == [["hf-static", "tandem-aggregated"], ["tandem-aggregated"]]
-    assert "| tandem-aggregated | 120.0 | 2.40x |" in readme_table(merged)
+    table = readme_table(merged)
+    assert "| tandem-aggregated | 120.0 | 2.40x |" in table
+    assert "Measured hf-static: 2026-01-01" in table and "Measured tandem-aggregated: 2026-02-02" in table
+    slower_probe = {**compare_document["physical_limit"], "output_tok_s_bound": 100.0}
+    slower = {**current, "physical_limit": slower_probe}
+    remerged = merge_documents(compare_document, slower, ["tandem-aggregated"])
+    assert remerged["physical_limit"] == compare_document["physical_limit"]
     with pytest.raises(TandemError):
         merge_documents(compare_document, {**current, "workload": {"num_requests": 5}}, ["tandem-aggregated"])
