@@ -27,6 +27,7 @@ from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
+from kernels import cpu_linear
 from kernels.backend import get_backend
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class Engine:
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(state_dict)
+        if self.device.type == "cpu":
+            cpu_linear.use_onednn_linears(model)
         self.model = model.eval()
         self.block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)

@@ -62,64 +62,31 @@ class AttentionBackend(ABC):
 
 
 class TorchBackend(AttentionBackend):
-    """The CPU path: batched decode in one call, prefill chunks one sequence at a time.
-
-    Decode rows go to the C++ kernel (`kernels.cpu_extension`) when it is built and the cache is
-    fp32 on the CPU, else to the torch reference, which gathers blocks into a padded copy.
-    """
+    """The CPU path: the C++ paged attention kernel (`kernels.cpu_extension`) when it is built and
+    the cache is fp32 on the CPU, else the torch reference (batched gather for decode-only steps,
+    one sequence at a time otherwise)."""
 
     name = "torch"
 
     def __init__(self, use_cpu_extension: bool = True) -> None:
         self._extension = cpu_extension.load() if use_cpu_extension else None
 
-    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         if (
             self._extension is not None
             and k_cache.device.type == "cpu"
             and k_cache.dtype == query.dtype == torch.float32
         ):
-            return self._extension.paged_decode_attention(
-                query.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale
+            return self._extension.paged_attention(
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
             )
-        return ref.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
-
-    def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-
-    def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         if meta.is_decode_only:
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        decode_seqs = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
-        if len(decode_seqs) < 2:
-            return ref.paged_attention(query, k_cache, v_cache, meta, scale)
-        return self._mixed_attention(query, k_cache, v_cache, meta, scale, decode_seqs)
-
-    def _mixed_attention(self, query, k_cache, v_cache, meta, scale, decode_seqs: list[int]) -> torch.Tensor:
-        """Decode rows of a mixed batch in one batched gather, prefill chunks one by one."""
-        out = torch.empty_like(query)
-        starts = [0]
-        for q_len in meta.query_lens_host:
-            starts.append(starts[-1] + q_len)
-        decode_rows = torch.tensor([starts[i] for i in decode_seqs])
-        seq_index = torch.tensor(decode_seqs)
-        out[decode_rows] = self._decode(
-            query[decode_rows],
-            k_cache,
-            v_cache,
-            meta.block_tables[seq_index],
-            meta.seq_lens[seq_index],
-            scale,
-        )
-        is_decode = set(decode_seqs)
-        for i, seq_len in enumerate(meta.seq_lens_host):
-            if i in is_decode:
-                continue
-            rows = slice(starts[i], starts[i + 1])
-            key = ref.gather_context(k_cache, meta.block_tables[i], seq_len)
-            value = ref.gather_context(v_cache, meta.block_tables[i], seq_len)
-            out[rows] = ref.attend_one_sequence(query[rows], key, value, scale)
-        return out
+            tables, lens = meta.block_tables, meta.seq_lens
+            return ref.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+        return ref.paged_attention(query, k_cache, v_cache, meta, scale)
 
 
 def _make_triton_backend() -> AttentionBackend:

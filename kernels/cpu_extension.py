@@ -18,7 +18,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
 DISABLE_ENV = "TANDEM_CPU_EXTENSION"
 
 
@@ -31,9 +31,10 @@ def load() -> ModuleType | None:
 
     try:
         return build(
-            name="tandem_cpu_paged_decode",
+            name="tandem_cpu_paged_attention",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math"],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works

@@ -1,4 +1,4 @@
-"""The C++ CPU paged-decode kernel equals the torch reference, and the backend uses it."""
+"""The C++ CPU paged-attention kernel equals the torch reference on mixed batches, and the backend uses it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
+from kernels.metadata import AttentionMetadata
 
 
 @pytest.fixture(scope="module")
@@ -17,46 +18,92 @@ def extension():
     module = cpu_extension.load()
     if module is None:
         assert shutil.which("c++") is None, "a C++ compiler is installed but the extension did not build"
-        pytest.skip("no C++ compiler on this machine: the torch path serves decode attention")
+        pytest.skip("no C++ compiler on this machine: the torch path serves attention")
     return module
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1), (9, 3)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 12])
-def test_matches_reference_on_ragged_batches(extension, heads, kv_heads, head_dim, block_size):
-    gen = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
-    lens = [1, block_size, block_size + 1, 3 * block_size + 5, 97]
-    num_blocks = 64
-    width = max((n + block_size - 1) // block_size for n in lens) + 2
+def mixed_batch(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
+    """Random cache, shuffled block tables and metadata for sequences with these new/total lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).int()
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    query = torch.randn(len(lens), heads, head_dim, generator=gen)
-    expected = ref.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
-    got = extension.paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+    )
+    query = torch.randn(starts[-1], heads, head_dim, generator=gen)
+    return query, k_cache, v_cache, meta
+
+
+def run_extension(extension, query, k_cache, v_cache, meta, scale):
+    return extension.paged_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+    )
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1), (9, 3)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("block_size", [16, 12])
+def test_matches_reference_on_mixed_batches(extension, heads, kv_heads, head_dim, block_size):
+    # Decodes at block edges, a whole prompt, a chunk after a cached prefix, and a chunk longer than
+    # the kernel's row tile that starts mid-block.
+    query_lens = [1, 1, 7, 1, 40, 23]
+    seq_lens = [1, block_size, 7, 3 * block_size + 5, 97, block_size + 23]
+    query, k_cache, v_cache, meta = mixed_batch(
+        heads, kv_heads, head_dim, block_size, query_lens, seq_lens, heads * 1000 + head_dim + block_size
+    )
+    scale = head_dim**-0.5
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, scale)
+    got = run_extension(extension, query, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_routes_fp32_decode_through_the_extension(extension, monkeypatch):
+def test_matches_reference_on_a_decode_only_batch(extension):
+    query_lens, seq_lens = [1] * 5, [1, 16, 17, 53, 97]
+    query, k_cache, v_cache, meta = mixed_batch(9, 3, 64, 16, query_lens, seq_lens, seed=7)
+    expected = ref.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125)
+    got = run_extension(extension, query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_large_logits_stay_finite(extension):
+    """The online softmax rescales with a finite floor (the build assumes no infinities)."""
+    query, k_cache, v_cache, meta = mixed_batch(4, 2, 64, 16, [3, 1], [40, 33], seed=3)
+    query *= 40.0
+    expected = ref.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    got = run_extension(extension, query, k_cache, v_cache, meta, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
     calls = []
     backend = TorchBackend()
     original = backend._extension
 
     class Spy:
-        def paged_decode_attention(self, *args):
+        def paged_attention(self, *args):
             calls.append(args[0].shape)
-            return original.paged_decode_attention(*args)
+            return original.paged_attention(*args)
 
     monkeypatch.setattr(backend, "_extension", Spy())
-    k_cache = torch.randn(8, 16, 2, 64)
-    query = torch.randn(3, 4, 64)
-    tables = torch.arange(6, dtype=torch.int32).view(3, 2)
-    lens = torch.tensor([5, 17, 32], dtype=torch.int32)
-    backend._decode(query, k_cache, k_cache, tables, lens, 0.125)
-    assert calls == [torch.Size([3, 4, 64])]
-    backend._decode(query.bfloat16(), k_cache.bfloat16(), k_cache.bfloat16(), tables, lens, 0.125)
+    query, k_cache, v_cache, meta = mixed_batch(4, 2, 64, 16, [1, 5, 1], [5, 20, 32], seed=1)
+    backend.attention(query, k_cache, v_cache, meta, 0.125)
+    assert calls == [torch.Size([7, 4, 64])]
+    backend.attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
     assert len(calls) == 1, "bf16 must take the torch path"
 
 
