@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a silently shorter answer; also the max_tokens of requests that leave it unset (default: 4096)",
     )
     parser.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="tokens per stream message: a request's tokens are sent once this many are ready (the "
+        "first token and the end at once); larger values cut per-message CPU under load (default: 1)",
+    )
+    parser.add_argument(
         "--drain-grace-seconds", type=float, default=30.0,
         help="on SIGTERM, how long running requests may take to finish (default: 30)",
     )
@@ -157,6 +162,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         static_batch_timeout_s=args.static_batch_timeout,
         max_queue=args.max_queue,
         max_tokens_cap=args.max_tokens_cap,
+        stream_interval=args.stream_interval,
         drain_grace_seconds=args.drain_grace_seconds,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

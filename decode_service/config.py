@@ -23,7 +23,8 @@ class DecodeServiceConfig:
     `max_queue` bounds the requests waiting beyond a full batch: the server holds at most
     `max_num_seqs + max_queue` live requests and refuses more with RESOURCE_EXHAUSTED.
     `max_tokens_cap` is the default `max_tokens` when a request leaves it unset (further capped by
-    what the context has left). A request preempted `max_preemptions` times ranks ahead of every
+    what the context has left). `stream_interval` tokens go in one stream message (see
+    `stream_interval`). A request preempted `max_preemptions` times ranks ahead of every
     request that was not, so it is never the victim again while others are (bounded thrash).
     `tls_cert`/`tls_key` switch the public port to TLS; `auth_token` requires `authorization: Bearer`
     on every call but health checks and reflection.
@@ -45,6 +46,7 @@ class DecodeServiceConfig:
     static_batch_timeout_s: float = 0.1
     max_queue: int = 256
     max_tokens_cap: int = 4096
+    stream_interval: int = 1
     max_preemptions: int = 3
     admission_watermark: float = 0.01
     drain_grace_seconds: float = 30.0
@@ -83,8 +85,9 @@ class DecodeServiceConfig:
         for name in ("max_queue", "max_preemptions"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_tokens_cap < 1:
-            raise ConfigError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        for name in ("max_tokens_cap", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         for name in ("static_batch_timeout_s", "drain_grace_seconds"):

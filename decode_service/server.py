@@ -27,6 +27,7 @@ from decode_service.policies import make_policy
 from decode_service.remote_prefill import RemotePrefill
 from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
+from decode_service.stream_interval import StreamIntervalBuffer
 from decode_service.streams import StreamHub
 from engine.engine import Engine
 from engine.errors import ConfigError
@@ -84,7 +85,8 @@ class DecodeServer:
         self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
         if self.remote_prefill is not None:
             self.metrics.watch_prefill_transfer(self.remote_prefill.stats)
-        deliver = self.metrics.observing(self.hub.deliver_threadsafe)
+        batched = StreamIntervalBuffer(config.stream_interval, self.hub.deliver_threadsafe)
+        deliver = self.metrics.observing(batched)
         self.engine_loop = EngineLoop(engine, self.scheduler, deliver, self.events)
         self._validation_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
         self.health = HealthServicer()

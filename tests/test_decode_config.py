@@ -46,7 +46,8 @@ def test_memory_size_rejects_nonsense(text):
 @pytest.mark.parametrize(
     "change",
     [{"batching": "dynamic"}, {"port": 70000}, {"max_queue": -1}, {"max_tokens_cap": 0},
-     {"admission_watermark": 1.0}, {"drain_grace_seconds": -1}, {"event_log_size": 0}],
+     {"stream_interval": 0}, {"admission_watermark": 1.0}, {"drain_grace_seconds": -1},
+     {"event_log_size": 0}],
 )
 def test_config_rejects_out_of_range_settings(change):
     DecodeServiceConfig().validate()

@@ -455,3 +455,19 @@ def test_sigterm_drains_a_tandem_serve_decode_process(model):
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def test_stream_interval_groups_tokens_but_sends_the_first_and_last_at_once(model):
+    running = start_server(model[0], stream_interval=4)
+    try:
+        prompt = random_prompts(1, 41, min_len=5, max_len=20, vocab=TINY_VOCAB_SIZE)[0]
+        request = greedy_request(prompt, 11)
+        request.sampling.logprobs = 1
+        responses = list(running.stub.Generate(request, timeout=60))
+        assert [len(r.token_ids) for r in responses] == [1, 4, 4, 2]
+        assert [len(r.logprobs) for r in responses] == [1, 4, 4, 2]
+        assert output_tokens(responses) == hf_greedy(model[1], prompt, 11)
+        assert responses[-1].finish_reason == pb.LENGTH
+        assert responses[-1].usage.completion_tokens == 11
+    finally:
+        running.close()

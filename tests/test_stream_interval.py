@@ -1,0 +1,49 @@
+"""The stream-interval buffer: merges a request's deltas, never holds a first token or an ending."""
+
+from __future__ import annotations
+
+from decode_service.request import ServedRequest, StreamDelta
+from decode_service.stream_interval import StreamIntervalBuffer
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams, StoppingParams
+from engine.sequence import FinishReason, Sequence
+
+
+def request(request_id: str) -> ServedRequest:
+    return ServedRequest(Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=9), None))
+
+
+def token(req: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
+    return StreamDelta(req, token_ids=[token_id], text=f"<{token_id}>", **kwargs)
+
+
+def test_groups_per_request_and_flushes_endings():
+    sent: list[list[StreamDelta]] = []
+    buffer = StreamIntervalBuffer(3, sent.append)
+    a, b = request("a"), request("b")
+    buffer([token(a, 1), token(b, 1)])  # first tokens go out at once
+    buffer([token(a, 2), token(b, 2)])
+    buffer([token(a, 3), token(b, 3, finish_reason=FinishReason.STOP)])
+    buffer([token(a, 4)])
+    buffer([StreamDelta(a, error=InvalidRequestError("boom"))])
+    flat = [
+        (d.request.request_id, d.token_ids, d.text, d.finish_reason, d.error is not None)
+        for step in sent for d in step
+    ]
+    assert flat == [
+        ("a", [1], "<1>", None, False),
+        ("b", [1], "<1>", None, False),
+        ("b", [2, 3], "<2><3>", FinishReason.STOP, False),
+        ("a", [2, 3, 4], "<2><3><4>", None, False),
+        ("a", [], "", None, True),
+    ]
+
+
+def test_interval_one_passes_every_step_through():
+    sent: list[list[StreamDelta]] = []
+    buffer = StreamIntervalBuffer(1, sent.append)
+    a = request("a")
+    step = [token(a, 1)]
+    buffer(step)
+    buffer([token(a, 2)])
+    assert sent[0] is step and len(sent) == 2
