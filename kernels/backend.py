@@ -62,24 +62,25 @@ class AttentionBackend(ABC):
 
 
 class TorchBackend(AttentionBackend):
-    """The CPU path: the C++ paged attention kernel (`kernels.cpu_extension`) when it is built and
-    the cache is fp32 on the CPU, else the torch reference (batched gather for decode-only steps,
-    one sequence at a time otherwise)."""
+    """The CPU path: the C++ kernels (`kernels.cpu_extension`) when they are built and the tensors
+    are fp32 on the CPU, else the torch reference (batched gather for decode-only attention, one
+    sequence at a time otherwise)."""
 
     name = "torch"
 
     def __init__(self, use_cpu_extension: bool = True) -> None:
         self._extension = cpu_extension.load() if use_cpu_extension else None
 
+    def _native(self, *tensors: torch.Tensor) -> bool:
+        return self._extension is not None and all(
+            t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+        )
+
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        if (
-            self._extension is not None
-            and k_cache.device.type == "cpu"
-            and k_cache.dtype == query.dtype == torch.float32
-        ):
+        if self._native(query, k_cache, v_cache):
             return self._extension.paged_attention(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
             )
@@ -87,6 +88,21 @@ class TorchBackend(AttentionBackend):
             tables, lens = meta.block_tables, meta.seq_lens
             return ref.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
         return ref.paged_attention(query, k_cache, v_cache, meta, scale)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if self._native(x, weight) and (residual is None or self._native(residual)):
+            return self._extension.rms_norm(x, weight, eps, residual)
+        return ref.rms_norm(x, weight, eps, residual)
+
+    def apply_rope(self, query, key, cos, sin):
+        if self._native(query, key, cos):
+            return self._extension.apply_rope(query, key, cos, sin)
+        return ref.apply_rope(query, key, cos, sin)
+
+    def silu_and_mul(self, gate_up):
+        if self._native(gate_up):
+            return self._extension.silu_and_mul(gate_up)
+        return ref.silu_and_mul(gate_up)
 
 
 def _make_triton_backend() -> AttentionBackend:

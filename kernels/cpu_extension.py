@@ -1,11 +1,12 @@
-"""The C++ CPU kernel for paged decode attention, compiled on first use and cached.
+"""The C++ CPU kernels, compiled on first use and cached: paged attention and the fused small ops.
 
 Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
 copy, once per layer per step; on a CPU that copy cost more than the attention itself. The C++
-kernel reads the blocks in place through the block table. It is built with the machine's C++
-compiler the first time a process needs it (torch caches the build under
-`$TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`); where no compiler is found the
-torch path runs instead, with one warning. `TANDEM_CPU_EXTENSION=0` turns it off.
+kernel reads the blocks in place through the block table. RMSNorm, RoPE and SiLU-and-multiply are
+single passes instead of torch's chains of small ops. The module is built with the machine's C++
+compiler the first time a process needs it (torch caches the build under `$TORCH_EXTENSIONS_DIR`,
+by default `~/.cache/torch_extensions`); where no compiler is found the torch path runs instead,
+with one warning. `TANDEM_CPU_EXTENSION=0` turns it off.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+CPU_DIR = Path(__file__).parent / "cpu"
+SOURCES = [CPU_DIR / "paged_attention.cpp", CPU_DIR / "fused_ops.cpp", CPU_DIR / "bindings.cpp"]
 DISABLE_ENV = "TANDEM_CPU_EXTENSION"
 
 
@@ -31,8 +33,8 @@ def load() -> ModuleType | None:
 
     try:
         return build(
-            name="tandem_cpu_paged_attention",
-            sources=[str(SOURCE)],
+            name="tandem_cpu_kernels",
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -114,3 +114,44 @@ def test_disabled_by_environment(monkeypatch):
         assert cpu_extension.load() is None
     finally:
         cpu_extension.load.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(extension, rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 96, generator=gen), torch.randn(96, generator=gen)
+    residual = torch.randn(rows, 96, generator=gen) if with_residual else None
+    got = extension.rms_norm(x, weight, 1e-5, residual)
+    expected = ref.rms_norm(x, weight, 1e-5, residual)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_rope_matches_reference_on_strided_views_of_fused_qkv(extension, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    got = extension.apply_rope(q, k, cos, sin)
+    expected = ref.apply_rope(q, k, cos, sin)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_matches_reference(extension):
+    gate_up = torch.randn(9, 2 * 160, generator=torch.Generator().manual_seed(2)) * 6
+    expected = ref.silu_and_mul(gate_up)
+    torch.testing.assert_close(extension.silu_and_mul(gate_up), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_fused_ops_fall_back_for_bf16(extension):
+    backend = TorchBackend()
+    x = torch.randn(3, 64).bfloat16()
+    normed, _ = backend.rms_norm(x, torch.ones(64).bfloat16(), 1e-5)
+    assert normed.dtype == torch.bfloat16
+    assert backend.silu_and_mul(torch.randn(3, 128).bfloat16()).dtype == torch.bfloat16

@@ -167,7 +167,3 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a mixed batch (fp32, CPU)");
-}
