@@ -84,13 +84,23 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       }
       denom[i] = denom[i] * rescale + sum;
       float* a = acc + i * D;
-      if (rescale != 1.f) {
+      if constexpr (kD > 0) {
+        // A local accumulator the compiler keeps in registers across the block's rows.
+        float local[kD > 0 ? kD : 1];
+        for (int64_t d = 0; d < kD; ++d) local[d] = a[d] * rescale;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* __restrict__ v = v_block + j * p.row_stride;
+          const float w = s[j];
+          for (int64_t d = 0; d < kD; ++d) local[d] += w * v[d];
+        }
+        for (int64_t d = 0; d < kD; ++d) a[d] = local[d];
+      } else {
         for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = v_block + j * p.row_stride;
-        const float w = s[j];
-        for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = v_block + j * p.row_stride;
+          const float w = s[j];
+          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+        }
       }
     }
   }
