@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
     parser.add_argument(
-        "--max-num-seqs", type=int, default=32, help="tandem and HF-continuous batch size cap (default: 32)"
+        "--max-num-seqs", type=int, default=64,
+        help="tandem and HF-continuous batch size cap (default: 64, every request of the headline at once)"
     )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=512, help="tandem and HF-continuous tokens per step"

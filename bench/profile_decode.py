@@ -165,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size cap (default: 32)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="batch size cap (default: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     parser.add_argument("--torch-profile-steps", type=int, default=20, help="steps under torch.profiler")
     add_workload_arguments(parser)

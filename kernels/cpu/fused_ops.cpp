@@ -6,11 +6,15 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
 
 namespace {
+
+// Rows per thread: below ~64k elements a second thread costs more to wake than it saves.
+int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elements)); }
 
 void check_fp32_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be fp32");
@@ -28,7 +32,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
   if (residual.has_value()) check_fp32_rows(*residual, "residual");
   auto w = weight.contiguous();
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x.data_ptr<float>() + r * x.stride(0);
       float* sr = sum.data_ptr<float>() + r * sum.stride(0);
@@ -56,7 +60,7 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
   auto out = torch::empty({tokens, heads, d}, x.options());
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* ct = c + t * d;
       const float* st = s + t * d;
@@ -85,7 +89,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_fp32_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   auto out = torch::empty({rows, width}, gate_up.options());
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
       const float* u = g + width;
