@@ -77,10 +77,8 @@ class Sampler:
         if suppress_token_ids is not None and len(suppress_token_ids) != batch:
             raise ValueError(f"{batch} logits rows but {len(suppress_token_ids)} suppress sets")
 
-        raw = logits = logits.float()
-        # Logprobs are logit minus log-normaliser; the [B, V] log-softmax is only built when some
-        # row asked for top alternatives.
-        log_normaliser = torch.logsumexp(raw, dim=-1, keepdim=True)
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
         if suppress_token_ids is not None:
             logits = self._suppress(logits, suppress_token_ids)
 
@@ -93,10 +91,9 @@ class Sampler:
             noise = self._exponential_noise(scaled, row_params, [positions[r] for r in sampled_rows])
             token_ids[rows] = (scaled - noise.log()).argmax(dim=-1)
 
-        chosen_logprobs = (raw.gather(1, token_ids.unsqueeze(1)) - log_normaliser).squeeze(1)
+        chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         num_top = max((p.logprobs for p in params), default=0)
-        top_logits, top_token_ids = raw.topk(min(num_top, vocab), dim=-1, sorted=True)
-        top_logprobs = top_logits - log_normaliser
+        top_logprobs, top_token_ids = raw_logprobs.topk(min(num_top, vocab), dim=-1, sorted=True)
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=chosen_logprobs,
