@@ -43,6 +43,15 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
         "TANDEM_ATTENTION_BACKEND", "`auto`",
         "attention kernels: `auto` (Triton on CUDA, torch elsewhere), `torch` or `triton`",
     ),
+    (
+        "TANDEM_CPU_EXTENSION", "`1`",
+        "`0` skips the C++ CPU kernels (paged attention, fused norm/RoPE/SiLU), built with the machine's "
+        "compiler on first use, and runs the torch reference instead",
+    ),
+    (
+        "TANDEM_ONEDNN_LINEAR", "`1`",
+        "`0` keeps fp32 CPU linear layers on `nn.Linear` (MKL) instead of oneDNN with weights converted once",
+    ),
 )
 
 EXIT_STALE = 1
