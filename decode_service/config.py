@@ -24,7 +24,7 @@ class DecodeServiceConfig:
     `max_num_seqs + max_queue` live requests and refuses more with RESOURCE_EXHAUSTED.
     `max_tokens_cap` is the default `max_tokens` when a request leaves it unset (further capped by
     what the context has left). `stream_interval` tokens go in one stream message (see
-    `stream_interval`). A request preempted `max_preemptions` times ranks ahead of every
+    `decode_service.stream_interval`). A request preempted `max_preemptions` times ranks ahead of every
     request that was not, so it is never the victim again while others are (bounded thrash).
     `tls_cert`/`tls_key` switch the public port to TLS; `auth_token` requires `authorization: Bearer`
     on every call but health checks and reflection.

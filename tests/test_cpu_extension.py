@@ -155,3 +155,9 @@ def test_backend_fused_ops_fall_back_for_bf16(extension):
     normed, _ = backend.rms_norm(x, torch.ones(64).bfloat16(), 1e-5)
     assert normed.dtype == torch.bfloat16
     assert backend.silu_and_mul(torch.randn(3, 128).bfloat16()).dtype == torch.bfloat16
+
+
+def test_refuses_head_dims_beyond_its_accumulator(extension):
+    query, k_cache, v_cache, meta = mixed_batch(2, 1, 272, 16, [1], [5], seed=4)
+    with pytest.raises(RuntimeError, match="head_dim above 256"):
+        run_extension(extension, query, k_cache, v_cache, meta, 0.1)

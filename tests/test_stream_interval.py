@@ -14,6 +14,8 @@ def request(request_id: str) -> ServedRequest:
 
 
 def token(req: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
+    """The delta of one engine step; like the engine, the sequence holds the token before delivery."""
+    req.seq.token_ids.append(token_id)
     return StreamDelta(req, token_ids=[token_id], text=f"<{token_id}>", **kwargs)
 
 

@@ -13,6 +13,7 @@
 namespace {
 
 constexpr int64_t kRowTile = 16;
+constexpr int64_t kMaxHeadDim = 256;
 // A finite stand-in for -inf: the build uses -ffast-math, under which infinities are undefined.
 constexpr float kLowest = -1e30f;
 
@@ -83,25 +84,17 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
         sum += s[j];
       }
       denom[i] = denom[i] * rescale + sum;
+      // A local accumulator (no aliasing with the cache) the compiler keeps in registers across the
+      // block's rows when the head size is a compile-time constant.
       float* a = acc + i * D;
-      if constexpr (kD > 0) {
-        // A local accumulator the compiler keeps in registers across the block's rows.
-        float local[kD > 0 ? kD : 1];
-        for (int64_t d = 0; d < kD; ++d) local[d] = a[d] * rescale;
-        for (int64_t j = 0; j < n; ++j) {
-          const float* __restrict__ v = v_block + j * p.row_stride;
-          const float w = s[j];
-          for (int64_t d = 0; d < kD; ++d) local[d] += w * v[d];
-        }
-        for (int64_t d = 0; d < kD; ++d) a[d] = local[d];
-      } else {
-        for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = v_block + j * p.row_stride;
-          const float w = s[j];
-          for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
-        }
+      float local[kMaxHeadDim];
+      for (int64_t d = 0; d < D; ++d) local[d] = a[d] * rescale;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* __restrict__ v = v_block + j * p.row_stride;
+        const float w = s[j];
+        for (int64_t d = 0; d < D; ++d) local[d] += w * v[d];
       }
+      for (int64_t d = 0; d < D; ++d) a[d] = local[d];
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
@@ -148,6 +141,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
             q.size(1), kc.size(2), q.size(1) / kc.size(2), q.size(2), kc.size(1), tables.size(1),
             kc.size(2) * kc.size(3), kc.size(1) * kc.size(2) * kc.size(3), static_cast<float>(scale)};
   TORCH_CHECK(kc.size(3) == p.head_dim && p.num_heads % p.num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(p.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
 
   std::vector<Task> tasks;
   int64_t total_cost = 0;
