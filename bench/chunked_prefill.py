@@ -57,14 +57,18 @@ async def measure_setting(
             for r, rec in zip(streams, records, strict=True)
         ]
         await ready.wait()
-        long_record = RequestRecord(long_request.index, long_request.prompt_len, long_request.output_len,
-                                    time.perf_counter())
+        long_record = RequestRecord(
+            long_request.index, long_request.prompt_len, long_request.output_len, time.perf_counter()
+        )
         await _stream(backend, long_request, "itl-long-prompt", long_record)
         await asyncio.gather(*tasks)
     finally:
         await backend.close()
-    points = sorted((later - start, (later - earlier) * 1000.0) for rec in records
-                    for earlier, later in zip(rec.chunk_times[:-1], rec.chunk_times[1:], strict=True))
+    points = sorted(
+        (later - start, (later - earlier) * 1000.0)
+        for rec in records
+        for earlier, later in zip(rec.chunk_times[:-1], rec.chunk_times[1:], strict=True)
+    )
     gaps = [gap / 1000.0 for _, gap in points]
     return {
         "itl_times_s": [round(t, 4) for t, _ in points],
@@ -99,12 +103,18 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     streams = SyntheticWorkload(
-        args.num_streams, LengthDistribution.parse("uniform:32:96"),
-        LengthDistribution.parse(f"fixed:{args.stream_output_len}"), vocab, args.seed,
+        args.num_streams,
+        LengthDistribution.parse("uniform:32:96"),
+        LengthDistribution.parse(f"fixed:{args.stream_output_len}"),
+        vocab,
+        args.seed,
     ).requests()
     long_request = SyntheticWorkload(
-        1, LengthDistribution.parse(f"fixed:{args.long_prompt_len}"), LengthDistribution.parse("fixed:8"),
-        vocab, args.seed + 1,
+        1,
+        LengthDistribution.parse(f"fixed:{args.long_prompt_len}"),
+        LengthDistribution.parse("fixed:8"),
+        vocab,
+        args.seed + 1,
     ).requests()[0]
     machine = machine_info()
     whole_prompt_budget = args.long_prompt_len + 64
@@ -119,13 +129,20 @@ def run(args: argparse.Namespace) -> int:
         settings.append({"label": label, "max_num_batched_tokens": budget, **result})
         logger.info("%s: ITL p99 %.0f ms, max %.0f ms", label, result["itl_p99_ms"], result["itl_max_ms"])
     document = {
-        "benchmark": "chunked_prefill", "machine": machine, "command": command_line(),
-        "model": model_dir.name, "threads": args.threads, "num_streams": args.num_streams,
-        "long_prompt_len": args.long_prompt_len, "settings": settings,
+        "benchmark": "chunked_prefill",
+        "machine": machine,
+        "command": command_line(),
+        "model": model_dir.name,
+        "threads": args.threads,
+        "num_streams": args.num_streams,
+        "long_prompt_len": args.long_prompt_len,
+        "settings": settings,
     }
     write_json(args.out_dir / "chunked_prefill.json", document)
     print(draw_chunked_prefill(document, args.out_dir))
     for setting in settings:
-        print(f"{setting['label']}: ITL p99 {setting['itl_p99_ms']:.0f} ms, max "
-              f"{setting['itl_max_ms']:.0f} ms, long prompt TTFT {setting['long_prompt_ttft_ms']:.0f} ms")
+        print(
+            f"{setting['label']}: ITL p99 {setting['itl_p99_ms']:.0f} ms, max "
+            f"{setting['itl_max_ms']:.0f} ms, long prompt TTFT {setting['long_prompt_ttft_ms']:.0f} ms"
+        )
     return 0

@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, module_name, help_text in BENCH_COMMANDS:
         module = importlib.import_module(module_name)
         sub = commands.add_parser(
-            name, help=help_text, description=(module.__doc__ or help_text).strip(),
+            name,
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sub)

@@ -39,7 +39,11 @@ from engine.errors import TandemError
 logger = logging.getLogger(__name__)
 
 SYSTEMS = (
-    "hf-static", "hf-continuous", "tandem-static", "tandem-aggregated", "tandem-disaggregated",
+    "hf-static",
+    "hf-continuous",
+    "tandem-static",
+    "tandem-aggregated",
+    "tandem-disaggregated",
     "llama-server",
 )
 SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "llama-server")
@@ -57,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-systems", default=",".join(SWEEP_SYSTEMS), help="systems of the rate sweep (server systems)"
     )
     parser.add_argument(
-        "--rates", default="0.25,0.5,1", help="request rates of the sweep, req/s ('' for none; default: "
+        "--rates",
+        default="0.25,0.5,1",
+        help="request rates of the sweep, req/s ('' for none; default: "
         "0.25,0.5,1 — around where the default workload saturates a 2-core CPU)",
     )
     parser.add_argument(
@@ -66,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
     parser.add_argument(
-        "--max-num-seqs", type=int, default=64,
-        help="tandem and HF-continuous batch size cap (default: 64, every request of the headline at once)"
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="tandem and HF-continuous batch size cap (default: 64, every request of the headline at once)",
     )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=512, help="tandem and HF-continuous tokens per step"
@@ -78,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     parser.add_argument(
-        "--update", action="store_true",
+        "--update",
+        action="store_true",
         help="re-measure only --systems and keep the other systems' runs from the existing compare.json "
         "(same workload required); each measuring session is recorded",
     )
@@ -109,9 +118,14 @@ class Comparison:
 
 def _tandem_server_args(args: argparse.Namespace, batching: str) -> list[str]:
     return [
-        "--batching", batching, "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--kv-cache-memory", args.kv_cache_memory,
+        "--batching",
+        batching,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
     ]
 
 
@@ -133,7 +147,9 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
         prefill_threads = max(1, args.threads // 2)
         decode_threads = max(1, args.threads - prefill_threads)
         prefill, prefill_target = servers.tandem_prefill_server(
-            f"{name}-prefill", model, prefill_threads,
+            f"{name}-prefill",
+            model,
+            prefill_threads,
             ["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
         )
         server_args = _tandem_server_args(args, "continuous")
@@ -154,10 +170,17 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
         )
         with server:
             manifest = json.loads(tools.manifest.read_text()) if tools.manifest.is_file() else {}
-            yield "llama-server", url, {
-                "threads": {"server": args.threads}, "parallel": args.llama_parallel,
-                "context": args.llama_context, "gguf": tools.f32_model.name, "build": manifest.get("sdist"),
-            }
+            yield (
+                "llama-server",
+                url,
+                {
+                    "threads": {"server": args.threads},
+                    "parallel": args.llama_parallel,
+                    "context": args.llama_context,
+                    "gguf": tools.f32_model.name,
+                    "build": manifest.get("sdist"),
+                },
+            )
     else:
         raise ValueError(name)
 
@@ -185,8 +208,11 @@ def _hf_run(name: str, args: argparse.Namespace, model_dir: Path, workload: Work
             model, workload.requests, args.max_num_seqs, args.max_num_batched_tokens
         )
     system = {
-        "name": name, **peer.info, "threads": {"process": args.threads},
-        "transformers": transformers.__version__, "model_name": model_dir.name,
+        "name": name,
+        **peer.info,
+        "threads": {"process": args.threads},
+        "transformers": transformers.__version__,
+        "model_name": model_dir.name,
     }
     arrivals = {**ArrivalProcess().describe(), "max_concurrency": None, "warmups": 1}
     metrics = compute_metrics(peer.records, peer.duration_s, parse_goodput(args.goodput))
@@ -200,7 +226,9 @@ def _measure_server(
     arrivals = ArrivalProcess(rate, 1.0, args.seed)
     result = asyncio.run(measure(backend, args, arrivals, not args.no_progress, extra, workload))
     logger.info(
-        "%s @ %s req/s: %.1f output tok/s", name, result["arrivals"]["request_rate"],
+        "%s @ %s req/s: %.1f output tok/s",
+        name,
+        result["arrivals"]["request_rate"],
         result["metrics"]["output_throughput"],
     )
     return result
@@ -216,15 +244,25 @@ def run_comparison(args: argparse.Namespace, on_progress: Callable[[Comparison],
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     sweep_requests = workload.requests[: args.sweep_prompts]
     sweep_workload = Workload(
-        sweep_requests, workload.warmups,
+        sweep_requests,
+        workload.warmups,
         {**workload.description, **workload_summary(sweep_requests), "first_of_headline_requests": True},
     )
-    comparison = Comparison(config={
-        "model": model_dir.name, "dtype": "float32", "threads": args.threads,
-        "hf_batch_size": args.hf_batch_size,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "llama_parallel": args.llama_parallel, "rates": rates, "baseline": BASELINE,
-    }, workload=workload.description, sweep_workload=sweep_workload.description)
+    comparison = Comparison(
+        config={
+            "model": model_dir.name,
+            "dtype": "float32",
+            "threads": args.threads,
+            "hf_batch_size": args.hf_batch_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "llama_parallel": args.llama_parallel,
+            "rates": rates,
+            "baseline": BASELINE,
+        },
+        workload=workload.description,
+        sweep_workload=sweep_workload.description,
+    )
     cost = WorkloadCost([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
     comparison.physical_limit = throughput_bound(
         shape, probe_machine(args.threads, shape), cost, args.max_num_seqs
@@ -283,9 +321,12 @@ def merge_documents(previous: dict, current: dict, measured: list[str]) -> dict:
     sessions = previous.get("sessions") or [_session(previous, earlier_systems)]
     skipped = {k: v for k, v in previous.get("skipped", {}).items() if k not in measured}
     return {
-        **current, "physical_limit": best_physical_limit(previous, current),
-        "runs": merged("runs"), "sweep": merged("sweep"),
-        "skipped": {**skipped, **current["skipped"]}, "sessions": [*sessions, _session(current, measured)],
+        **current,
+        "physical_limit": best_physical_limit(previous, current),
+        "runs": merged("runs"),
+        "sweep": merged("sweep"),
+        "skipped": {**skipped, **current["skipped"]},
+        "sessions": [*sessions, _session(current, measured)],
     }
 
 
@@ -303,10 +344,17 @@ def run(args: argparse.Namespace) -> int:
         # average at each write shows how busy the shared machine was along the way.
         nonlocal document
         document = {
-            "benchmark": "compare", "machine": machine, "load_average_at_write": load_average(),
-            "command": command_line(), "config": comparison.config, "workload": comparison.workload,
-            "physical_limit": comparison.physical_limit, "skipped": comparison.skipped,
-            "runs": comparison.runs, "sweep_workload": comparison.sweep_workload, "sweep": comparison.sweep,
+            "benchmark": "compare",
+            "machine": machine,
+            "load_average_at_write": load_average(),
+            "command": command_line(),
+            "config": comparison.config,
+            "workload": comparison.workload,
+            "physical_limit": comparison.physical_limit,
+            "skipped": comparison.skipped,
+            "runs": comparison.runs,
+            "sweep_workload": comparison.sweep_workload,
+            "sweep": comparison.sweep,
         }
         if previous is not None:
             document = merge_documents(previous, document, _names(args.systems))

@@ -63,10 +63,18 @@ def main() -> None:
         tokens = batch * args.new_tokens
         ours = tokens / time_engine(engine, prompt_ids, batch, args.new_tokens)
         theirs = tokens / time_hf(hf, prompt_ids, batch, args.new_tokens)
-        rows.append({"batch": batch, "tandem_tok_s": round(ours, 1), "hf_tok_s": round(theirs, 1),
-                     "ratio": round(ours / theirs, 2)})
-        print(f"batch {batch:>3}: tandem {ours:7.1f} tok/s   HF generate {theirs:7.1f} tok/s   "
-              f"ratio {ours / theirs:.2f}x")
+        rows.append(
+            {
+                "batch": batch,
+                "tandem_tok_s": round(ours, 1),
+                "hf_tok_s": round(theirs, 1),
+                "ratio": round(ours / theirs, 2),
+            }
+        )
+        print(
+            f"batch {batch:>3}: tandem {ours:7.1f} tok/s   HF generate {theirs:7.1f} tok/s   "
+            f"ratio {ours / theirs:.2f}x"
+        )
     result = {
         "benchmark": "engine_vs_hf",
         "model": model_dir.name,

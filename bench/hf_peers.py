@@ -62,7 +62,10 @@ class StepClock(BaseStreamer):
 
 def _greedy_config(max_new_tokens: int, pad_token_id: int) -> GenerationConfig:
     return GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, eos_token_id=None,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,
         pad_token_id=pad_token_id,
     )
 
@@ -72,8 +75,8 @@ def _left_padded(requests: Sequence[WorkloadRequest], pad_token_id: int) -> tupl
     ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(requests), width), dtype=torch.long)
     for row, request in enumerate(requests):
-        ids[row, width - request.prompt_len:] = torch.tensor(request.prompt_token_ids)
-        mask[row, width - request.prompt_len:] = 1
+        ids[row, width - request.prompt_len :] = torch.tensor(request.prompt_token_ids)
+        mask[row, width - request.prompt_len :] = 1
     return ids, mask
 
 
@@ -83,7 +86,9 @@ def _static_batch(model: torch.nn.Module, batch: Sequence[WorkloadRequest], pad_
     new_tokens = max(r.output_len for r in batch)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, generation_config=_greedy_config(new_tokens, pad_token_id),
+            ids,
+            attention_mask=mask,
+            generation_config=_greedy_config(new_tokens, pad_token_id),
             streamer=clock,
         )
     if out.shape[1] - ids.shape[1] != new_tokens or len(clock.step_times) != new_tokens:
@@ -100,7 +105,7 @@ def run_hf_static(
     start = time.perf_counter()
     records = []
     for first in range(0, len(requests), batch_size):
-        batch = requests[first:first + batch_size]
+        batch = requests[first : first + batch_size]
         step_times = _static_batch(model, batch, pad_token_id)
         for request in batch:
             record = RequestRecord(request.index, request.prompt_len, request.output_len, start)
@@ -122,20 +127,27 @@ def continuous_batching_available(model: torch.nn.Module) -> bool:
 
 
 def run_hf_continuous(
-    model: torch.nn.Module, requests: Sequence[WorkloadRequest], max_requests_per_batch: int,
-    max_batch_tokens: int, page_size: int = 256,
+    model: torch.nn.Module,
+    requests: Sequence[WorkloadRequest],
+    max_requests_per_batch: int,
+    max_batch_tokens: int,
+    page_size: int = 256,
 ) -> PeerRun:
     """All requests are added at t=0 to transformers' continuous-batching manager."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     blocks = sum(math.ceil((r.prompt_len + r.output_len) / page_size) for r in requests) + len(requests)
     config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
+        page_size=page_size,
+        num_blocks=blocks,
+        max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests_per_batch,
     )
     generation = _greedy_config(max(r.output_len for r in requests), pad_token_id=0)
     with model.continuous_batching_context_manager(
-        generation_config=generation, continuous_batching_config=config, block=True,
+        generation_config=generation,
+        continuous_batching_config=config,
+        block=True,
         timeout=CB_RESULT_TIMEOUT_S,
     ) as manager:
         attn_implementation = model.config._attn_implementation
@@ -145,7 +157,9 @@ def run_hf_continuous(
         start = time.perf_counter()
         by_id = {
             manager.add_request(
-                list(r.prompt_token_ids), request_id=f"hf-{r.index}", max_new_tokens=r.output_len,
+                list(r.prompt_token_ids),
+                request_id=f"hf-{r.index}",
+                max_new_tokens=r.output_len,
                 record_timestamps=True,
             ): r
             for r in requests
@@ -170,8 +184,11 @@ def run_hf_continuous(
         records.append(record)
     records.sort(key=lambda r: r.index)
     info = {
-        "kind": "hf-continuous", "attn_implementation": attn_implementation, "page_size": page_size,
-        "num_blocks": blocks, "max_batch_tokens": max_batch_tokens,
+        "kind": "hf-continuous",
+        "attn_implementation": attn_implementation,
+        "page_size": page_size,
+        "num_blocks": blocks,
+        "max_batch_tokens": max_batch_tokens,
         "max_requests_per_batch": max_requests_per_batch,
     }
     return PeerRun(records, duration, info)

@@ -94,9 +94,7 @@ def start_prefill(
     return thread, server
 
 
-def start_decode(
-    model_dir: Path, max_model_len: int, prefill: str = ""
-) -> tuple[ServerThread, DecodeServer]:
+def start_decode(model_dir: Path, max_model_len: int, prefill: str = "") -> tuple[ServerThread, DecodeServer]:
     engine = Engine.from_pretrained(model_dir, engine_config(TTFT_TOKEN_BUDGET, max_model_len))
     thread = ServerThread()
     # A 4k-token prompt in one CPU forward takes long on a loaded box; this measures, not guards.
@@ -117,8 +115,12 @@ def remote_transfer(
     stats = decode.remote_prefill.stats
 
     def counters() -> tuple[float, ...]:
-        return (stats.kv_bytes_received, stats.kv_messages_received, stats.kv_stream_seconds,
-                stats.transfer_seconds)
+        return (
+            stats.kv_bytes_received,
+            stats.kv_messages_received,
+            stats.kv_stream_seconds,
+            stats.transfer_seconds,
+        )
 
     before = counters()
     time_to_first_token(stub, prompt, request_id)
@@ -173,7 +175,9 @@ def measure(model_dir: Path, lengths: list[int], repeats: int) -> dict:
         stubs = {
             name: generation_pb2_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
             for name, server in (
-                ("aggregated", aggregated), ("disaggregated", disaggregated), ("receiver", receiver)
+                ("aggregated", aggregated),
+                ("disaggregated", disaggregated),
+                ("receiver", receiver),
             )
         }
         # Warm every path (first-call allocations, gRPC connections) before timing anything.
@@ -183,7 +187,9 @@ def measure(model_dir: Path, lengths: list[int], repeats: int) -> dict:
         for length in lengths:
             transfers = [
                 remote_transfer(
-                    receiver, stubs["receiver"], random_prompt(rng, length, vocab_size),
+                    receiver,
+                    stubs["receiver"],
+                    random_prompt(rng, length, vocab_size),
                     f"kv-{length}-{index}",
                 )
                 for index in range(repeats)
@@ -223,8 +229,14 @@ def measure(model_dir: Path, lengths: list[int], repeats: int) -> dict:
             logger.info(
                 "%5d tokens: %.1f MB KV, transfer %.3f s = %.0f MB/s (%.1f us/token); TTFT agg %.3f s, "
                 "disagg %.3f s (x%.2f)",
-                length, payload / 1e6, transfer_s, row["transfer_MBps"], row["transfer_us_per_token"], agg,
-                disagg, row["ttft_ratio_disaggregated_over_aggregated"],
+                length,
+                payload / 1e6,
+                transfer_s,
+                row["transfer_MBps"],
+                row["transfer_us_per_token"],
+                agg,
+                disagg,
+                row["ttft_ratio_disaggregated_over_aggregated"],
             )
         stats = disaggregated.remote_prefill.stats
         remote = {
@@ -248,7 +260,9 @@ def measure(model_dir: Path, lengths: list[int], repeats: int) -> dict:
         "dtype": "float32",
         "block_size": BLOCK_SIZE,
         "kv_layout": {
-            "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim
+            "num_layers": model.num_layers,
+            "num_kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
         },
         "ttft_token_budget": TTFT_TOKEN_BUDGET,
         "repeats": repeats,

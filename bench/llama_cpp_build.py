@@ -105,10 +105,21 @@ def _sha256(path: Path) -> str:
 
 def _fetch_sources(scratch: Path) -> tuple[Path, str]:
     """pip-download the sdist and unpack only its vendored llama.cpp tree; returns (tree, sdist sha256)."""
-    _run([
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-        f"{SDIST_PACKAGE}=={SDIST_VERSION}", "-d", str(scratch / "sdist"),
-    ])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--quiet",
+            f"{SDIST_PACKAGE}=={SDIST_VERSION}",
+            "-d",
+            str(scratch / "sdist"),
+        ]
+    )
     sdist = next((scratch / "sdist").glob("*.tar.gz"))
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
     with tarfile.open(sdist) as archive:
@@ -124,10 +135,20 @@ def build_binaries(tools: LlamaCppTools, jobs: int) -> str:
         source, sdist_sha256 = _fetch_sources(scratch)
         build = scratch / "build"
         _run(["nice", "-n", "19", "cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS])
-        _run([
-            "nice", "-n", "19", "cmake", "--build", str(build), "--parallel", str(jobs),
-            "--target", *TARGETS,
-        ])
+        _run(
+            [
+                "nice",
+                "-n",
+                "19",
+                "cmake",
+                "--build",
+                str(build),
+                "--parallel",
+                str(jobs),
+                "--target",
+                *TARGETS,
+            ]
+        )
         (tools.root / "bin").mkdir(parents=True, exist_ok=True)
         for target in TARGETS:
             shutil.copy2(build / "bin" / target, tools.root / "bin" / target)

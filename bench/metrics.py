@@ -151,7 +151,9 @@ def compute_metrics(
     if slos:
         good = sum(1 for r in done if meets_slos(r, slos))
         metrics["goodput"] = {
-            "slos_ms": dict(slos), "good_requests": good, "request_goodput": good / duration,
+            "slos_ms": dict(slos),
+            "good_requests": good,
+            "request_goodput": good / duration,
         }
     return metrics
 

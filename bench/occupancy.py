@@ -33,7 +33,7 @@ def assign_slots(steps: Sequence, run_tag: str, num_slots: int) -> dict:
     prefix = f"{run_tag}-"
 
     def index_of(request_id: str) -> int | None:
-        suffix = request_id[len(prefix):]
+        suffix = request_id[len(prefix) :]
         return int(suffix) if request_id.startswith(prefix) and suffix.isdigit() else None
 
     ours = [s for s in steps if any(index_of(c.request_id) is not None for c in s.chunks)]
@@ -84,8 +84,10 @@ async def record_run(
 
     torch.set_num_threads(threads)
     engine_config = EngineConfig(
-        dtype=torch.float32, cache=CacheConfig(block_size=16, memory_bytes=1 << 30),
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+        dtype=torch.float32,
+        cache=CacheConfig(block_size=16, memory_bytes=1 << 30),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=512,
     )
     engine = Engine.from_pretrained(model_dir, engine_config)
     server = DecodeServer(
@@ -138,13 +140,21 @@ def run(args: argparse.Namespace) -> int:
         for batching in ("static", "continuous")
     ]
     document = {
-        "benchmark": "occupancy", "machine": machine, "command": command_line(), "model": model_dir.name,
-        "threads": args.threads, "num_requests": len(requests), "output_len": str(args.output_len),
-        "workload": spec.describe(), "modes": modes,
+        "benchmark": "occupancy",
+        "machine": machine,
+        "command": command_line(),
+        "model": model_dir.name,
+        "threads": args.threads,
+        "num_requests": len(requests),
+        "output_len": str(args.output_len),
+        "workload": spec.describe(),
+        "modes": modes,
     }
     write_json(args.out_dir / "occupancy.json", document)
     print(draw_occupancy(document, args.out_dir))
     for mode in modes:
-        print(f"{mode['batching']}: {mode['num_steps']} iterations, occupancy {mode['mean_occupancy']:.0%}, "
-              f"{mode['output_throughput']:.1f} output tok/s")
+        print(
+            f"{mode['batching']}: {mode['num_steps']} iterations, occupancy {mode['mean_occupancy']:.0%}, "
+            f"{mode['output_throughput']:.1f} output tok/s"
+        )
     return 0

@@ -58,8 +58,9 @@ def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
     for name, points in series.items():
         xs = [inf_x if math.isinf(rate) else rate for rate, _ in points]
         ax_tput.plot(xs, [run["metrics"]["output_throughput"] for _, run in points], marker="o", label=name)
-        ax_ttft.plot(xs, [run["metrics"]["ttft_ms"]["p99"] or math.nan for _, run in points], marker="o",
-                     label=name)
+        ax_ttft.plot(
+            xs, [run["metrics"]["ttft_ms"]["p99"] or math.nan for _, run in points], marker="o", label=name
+        )
     limit = compare.get("physical_limit")
     if limit:
         # The sweep sends a prefix of the headline requests: its offered load uses its own mean output.
@@ -97,8 +98,11 @@ def draw_cdfs(compare: dict, out: Path) -> Path | None:
         for run in compare["runs"]:
             quantiles = run["distributions"][key]
             if quantiles:
-                ax.plot(quantiles, [i / (len(quantiles) - 1) for i in range(len(quantiles))],
-                        label=run["system"]["name"])
+                ax.plot(
+                    quantiles,
+                    [i / (len(quantiles) - 1) for i in range(len(quantiles))],
+                    label=run["system"]["name"],
+                )
         ax.set_xscale("log")
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylabel("fraction of " + ("requests" if title == "TTFT" else "token gaps"))
@@ -159,7 +163,7 @@ def readme_table(compare: dict) -> str:
     ]
     for index, session in enumerate(sessions):
         # A system's numbers come from the last session that measured it.
-        later = {name for other in sessions[index + 1:] for name in other["systems"]}
+        later = {name for other in sessions[index + 1 :] for name in other["systems"]}
         shown = [name for name in session["systems"] if name not in later]
         if not shown:
             continue
@@ -201,12 +205,14 @@ def draw_occupancy(occupancy: dict, out: Path) -> Path:
         ax.set_ylabel("batch slot")
         ax.set_title(
             f"{mode['batching']} batching: {mode['num_steps']} iterations, mean occupancy "
-            f"{mode['mean_occupancy']:.0%} of {mode['num_slots']} slots", fontsize=10,
+            f"{mode['mean_occupancy']:.0%} of {mode['num_slots']} slots",
+            fontsize=10,
         )
     axes[-1, 0].set_xlabel("engine iteration (pale: prefill chunk, strong: decode)")
     fig.suptitle(
         f"batch occupancy from the engine event log: the same {num_requests} requests, "
-        f"outputs {occupancy['output_len']} tokens ({occupancy['model']})", fontsize=10,
+        f"outputs {occupancy['output_len']} tokens ({occupancy['model']})",
+        fontsize=10,
     )
     fig.tight_layout()
     path = out / "occupancy_timeline.png"
@@ -224,22 +230,29 @@ def draw_chunked_prefill(itl: dict, out: Path) -> Path:
     for ax, setting in zip(axes[:, 0], settings, strict=True):
         times, gaps = setting["itl_times_s"], setting["itl_ms"]
         ax.scatter(times, gaps, s=6)
-        ax.axvline(setting["long_prompt_sent_s"], color="red", linestyle="--",
-                   label=f"{itl['long_prompt_len']}-token prompt sent")
+        ax.axvline(
+            setting["long_prompt_sent_s"],
+            color="red",
+            linestyle="--",
+            label=f"{itl['long_prompt_len']}-token prompt sent",
+        )
         if setting.get("long_prompt_first_token_s") is not None:
-            ax.axvline(setting["long_prompt_first_token_s"], color="green", linestyle=":",
-                       label="its first token")
+            ax.axvline(
+                setting["long_prompt_first_token_s"], color="green", linestyle=":", label="its first token"
+            )
         ax.set_ylabel("ITL (ms)")
         ax.set_title(
             f"{setting['label']} (max-num-batched-tokens {setting['max_num_batched_tokens']}): "
-            f"max ITL {max(gaps, default=0):,.0f} ms, p99 {setting['itl_p99_ms']:,.0f} ms", fontsize=10,
+            f"max ITL {max(gaps, default=0):,.0f} ms, p99 {setting['itl_p99_ms']:,.0f} ms",
+            fontsize=10,
         )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel("time since the decode streams started (s)")
     fig.suptitle(
         f"ITL of {itl['num_streams']} running streams while a {itl['long_prompt_len']}-token prompt is "
-        f"prefilled ({itl['model']}, {itl['threads']} threads)", fontsize=10,
+        f"prefilled ({itl['model']}, {itl['threads']} threads)",
+        fontsize=10,
     )
     fig.tight_layout()
     path = out / "chunked_prefill_itl.png"

@@ -58,10 +58,15 @@ def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import Engine
 
-    engine = Engine.from_pretrained(model_dir, EngineConfig(
-        dtype=torch.float32, cache=CacheConfig(block_size=16, memory_bytes=2 << 30),
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-    ))
+    engine = Engine.from_pretrained(
+        model_dir,
+        EngineConfig(
+            dtype=torch.float32,
+            cache=CacheConfig(block_size=16, memory_bytes=2 << 30),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+        ),
+    )
     config = DecodeServiceConfig()
     scheduler = ContinuousScheduler(engine, make_policy("fifo", {}, 100.0), config)
     return EngineLoop(engine, scheduler, lambda deltas: None, EventLog(100_000))
@@ -73,8 +78,10 @@ def _submit(loop, requests: list[WorkloadRequest], tag: str) -> None:
 
     for request in requests:
         seq = loop.engine.make_sequence(
-            list(request.prompt_token_ids), SamplingParams(temperature=0.0),
-            StoppingParams(max_tokens=request.output_len, ignore_eos=True), f"{tag}-{request.index}",
+            list(request.prompt_token_ids),
+            SamplingParams(temperature=0.0),
+            StoppingParams(max_tokens=request.output_len, ignore_eos=True),
+            f"{tag}-{request.index}",
         )
         loop.submit(ServedRequest(seq))
 
@@ -98,8 +105,12 @@ def _parts(stats: pstats.Stats) -> dict[str, float]:
 def _top_functions(stats: pstats.Stats, count: int) -> list[dict]:
     rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
     return [
-        {"function": f"{Path(filename).name}:{line}({function})", "calls": calls, "own_s": round(own, 3),
-         "cumulative_s": round(cumulative, 3)}
+        {
+            "function": f"{Path(filename).name}:{line}({function})",
+            "calls": calls,
+            "own_s": round(own, 3),
+            "cumulative_s": round(cumulative, 3),
+        }
         for (filename, line, function), (_, calls, own, cumulative, _) in rows
     ]
 
@@ -116,7 +127,8 @@ def _step_times(loop, first_step: int, started: float) -> dict:
         previous = record.time
     return {
         f"{kind}_steps": {
-            "count": len(times), "mean_ms": round(1000 * sum(times) / len(times), 2) if times else None,
+            "count": len(times),
+            "mean_ms": round(1000 * sum(times) / len(times), 2) if times else None,
         }
         for kind, times in by_kind.items()
     }
@@ -152,9 +164,12 @@ def _torch_window(loop, requests: list[WorkloadRequest], warm_steps: int, steps:
         "allocated_mb_per_step": round(allocated / steps / 2**20, 1),
         "allocation_calls_per_step": round(sum(e.count for e in events if e.key == "aten::empty") / steps, 1),
         "top_ops": [
-            {"op": e.key, "calls_per_step": round(e.count / steps, 1),
-             "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-             "self_share": round(e.self_cpu_time_total / 1000 / ops_ms, 3)}
+            {
+                "op": e.key,
+                "calls_per_step": round(e.count / steps, 1),
+                "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+                "self_share": round(e.self_cpu_time_total / 1000 / ops_ms, 3),
+            }
             for e in events[:count]
         ],
     }
@@ -209,25 +224,38 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_json.is_file():
         compare = json.loads(args.compare_json.read_text())
         if compare.get("workload") == workload.description:
-            served = next((
-                r["metrics"]["output_throughput"] for r in compare.get("runs", [])
-                if r["system"]["name"] == "tandem-aggregated"
-            ), None)
+            served = next(
+                (
+                    r["metrics"]["output_throughput"]
+                    for r in compare.get("runs", [])
+                    if r["system"]["name"] == "tandem-aggregated"
+                ),
+                None,
+            )
         else:
             logger.warning("%s measured another workload; no gRPC overhead estimate", args.compare_json)
     engine_tok_s = output_tokens / plain_s
     result = {
-        "benchmark": "profile_decode", "machine": machine, "command": command_line(), "model": model_dir.name,
-        "threads": args.threads, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "workload": workload.description,
+        "benchmark": "profile_decode",
+        "machine": machine,
+        "command": command_line(),
+        "model": model_dir.name,
+        "threads": args.threads,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "workload": workload.description,
         "engine_loop_only": {
-            "seconds": round(plain_s, 2), "steps": steps, "ms_per_step": round(1000 * plain_s / steps, 2),
-            "output_tok_s": round(engine_tok_s, 1), **step_times,
+            "seconds": round(plain_s, 2),
+            "steps": steps,
+            "ms_per_step": round(1000 * plain_s / steps, 2),
+            "output_tok_s": round(engine_tok_s, 1),
+            **step_times,
         },
         "served_over_grpc_output_tok_s": served,
         "grpc_and_streaming_overhead_share": round(1 - served / engine_tok_s, 3) if served else None,
         "cprofile": {
-            "seconds": round(profiled_s, 2), "steps": profiled_steps,
+            "seconds": round(profiled_s, 2),
+            "steps": profiled_steps,
             "parts_s": parts,
             "parts_ms_per_step": {k: round(1000 * v / profiled_steps, 2) for k, v in parts.items()},
             "top_own_time": _top_functions(stats, 25),
@@ -236,8 +264,19 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": load_average(),
     }
     write_json(args.result_file, result)
-    print(json.dumps({k: result[k] for k in ("engine_loop_only", "served_over_grpc_output_tok_s",
-                                             "grpc_and_streaming_overhead_share")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "engine_loop_only",
+                    "served_over_grpc_output_tok_s",
+                    "grpc_and_streaming_overhead_share",
+                )
+            },
+            indent=2,
+        )
+    )
     print(json.dumps(result["cprofile"]["parts_ms_per_step"], indent=2))
     print(json.dumps({k: v for k, v in torch_window.items() if k != "top_ops"}, indent=2))
     for row in torch_window["top_ops"][:12]:

@@ -53,8 +53,20 @@ def metrics_table(runs: Sequence[dict], title: str, baseline: str | None = None)
     """One row per run: throughputs, latency percentiles, goodput, and the ratio to `baseline`."""
     base = next((r for r in runs if r["system"]["name"] == baseline), None)
     table = Table(title=title)
-    columns = ("system", "req/s", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-               "ITL p50", "ITL p99", "E2E p99", "goodput req/s", "ok/failed")
+    columns = (
+        "system",
+        "req/s",
+        "out tok/s",
+        "total tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p50",
+        "ITL p99",
+        "E2E p99",
+        "goodput req/s",
+        "ok/failed",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "system" else "right")
     if base is not None:
@@ -65,11 +77,18 @@ def metrics_table(runs: Sequence[dict], title: str, baseline: str | None = None)
         rate = run["arrivals"]["request_rate"]
         label = run["system"]["name"] + ("" if rate == "inf" else f" @ {rate:g} req/s")
         row = [
-            label, f"{m['request_throughput']:.2f}", f"{m['output_throughput']:.1f}",
-            f"{m['total_token_throughput']:.1f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
-            _ms(m["tpot_ms"]["p50"]), _ms(m["itl_ms"]["p50"]), _ms(m["itl_ms"]["p99"]),
+            label,
+            f"{m['request_throughput']:.2f}",
+            f"{m['output_throughput']:.1f}",
+            f"{m['total_token_throughput']:.1f}",
+            _ms(m["ttft_ms"]["p50"]),
+            _ms(m["ttft_ms"]["p99"]),
+            _ms(m["tpot_ms"]["p50"]),
+            _ms(m["itl_ms"]["p50"]),
+            _ms(m["itl_ms"]["p99"]),
             _ms(m["e2el_ms"]["p99"]),
-            f"{goodput['request_goodput']:.2f}" if goodput else "-", f"{m['completed']}/{m['failed']}",
+            f"{goodput['request_goodput']:.2f}" if goodput else "-",
+            f"{m['completed']}/{m['failed']}",
         ]
         if base is not None:
             row.append(f"{m['output_throughput'] / base['metrics']['output_throughput']:.2f}")

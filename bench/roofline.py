@@ -54,10 +54,13 @@ class ModelShape:
         config = json.loads(path.read_text())
         heads = config["num_attention_heads"]
         return cls(
-            hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-            layers=config["num_hidden_layers"], heads=heads,
+            hidden=config["hidden_size"],
+            intermediate=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
             kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab=config["vocab_size"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
@@ -107,11 +110,13 @@ def probe_machine(threads: int, shape: ModelShape | None = None, repeats: int = 
         bandwidth = buffer.numel() * BYTES_FP32 / read_s / 1e9
         shapes = {"square 2048": (2048, 2048, 2048)}
         if shape is not None:
-            shapes.update({
-                "256 tok x mlp up": (256, shape.hidden, shape.intermediate),
-                "256 tok x mlp down": (256, shape.intermediate, shape.hidden),
-                "64 tok x lm head": (64, shape.hidden, shape.vocab),
-            })
+            shapes.update(
+                {
+                    "256 tok x mlp up": (256, shape.hidden, shape.intermediate),
+                    "256 tok x mlp down": (256, shape.intermediate, shape.hidden),
+                    "64 tok x lm head": (64, shape.hidden, shape.vocab),
+                }
+            )
         gflops = {}
         for name, (m, k, n) in shapes.items():
             a, b = torch.randn(m, k), torch.randn(k, n)
@@ -198,9 +203,16 @@ def run(args: argparse.Namespace) -> int:
     cost = WorkloadCost([r.prompt_len for r in workload.requests], [r.output_len for r in workload.requests])
     limit = throughput_bound(shape, probe_machine(args.threads, shape), cost, args.max_batch)
     print(json.dumps(limit, indent=2))
-    write_json(args.result_file, {
-        "benchmark": "physical_limit", "machine": machine_info(), "command": command_line(),
-        "model": model_dir.name, "workload": workload.description, "max_batch": args.max_batch,
-        "physical_limit": limit,
-    })
+    write_json(
+        args.result_file,
+        {
+            "benchmark": "physical_limit",
+            "machine": machine_info(),
+            "command": command_line(),
+            "model": model_dir.name,
+            "workload": workload.description,
+            "max_batch": args.max_batch,
+            "physical_limit": limit,
+        },
+    )
     return 0

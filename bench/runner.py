@@ -55,10 +55,12 @@ async def _stream_one(
 async def warm_up(backend: StreamingBackend, requests: Sequence[WorkloadRequest], run_tag: str) -> None:
     """Send `requests` at once and wait for them; errors are logged, results dropped."""
     records = [RequestRecord(r.index, r.prompt_len, r.output_len, time.perf_counter()) for r in requests]
-    await asyncio.gather(*(
-        _stream_one(backend, request, f"{run_tag}-warmup-{request.index}", record)
-        for request, record in zip(requests, records, strict=True)
-    ))
+    await asyncio.gather(
+        *(
+            _stream_one(backend, request, f"{run_tag}-warmup-{request.index}", record)
+            for request, record in zip(requests, records, strict=True)
+        )
+    )
     failed = [rec.error for rec in records if rec.error]
     if failed:
         logger.warning("%d warm-up requests failed, e.g. %s", len(failed), failed[0])
@@ -81,8 +83,13 @@ async def run_load(
     limiter = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[RequestRecord] = []
     progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True), disable=not show_progress, transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not show_progress,
+        transient=True,
     )
 
     async def one(request: WorkloadRequest, offset: float, task_id) -> None:

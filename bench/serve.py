@@ -40,42 +40,58 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `bench serve` and `bench compare`: what to send."""
     parser.add_argument("--num-prompts", type=int, default=64, help="measured requests (default: 64)")
     parser.add_argument(
-        "--prompt-len", type=LengthDistribution.parse, default=LengthDistribution.parse(DEFAULT_PROMPT_LEN),
+        "--prompt-len",
+        type=LengthDistribution.parse,
+        default=LengthDistribution.parse(DEFAULT_PROMPT_LEN),
         help=f"prompt length distribution: fixed:N, uniform:LO:HI or exp:MEAN:CAP "
         f"(default: {DEFAULT_PROMPT_LEN})",
     )
     parser.add_argument(
-        "--output-len", type=LengthDistribution.parse, default=LengthDistribution.parse(DEFAULT_OUTPUT_LEN),
+        "--output-len",
+        type=LengthDistribution.parse,
+        default=LengthDistribution.parse(DEFAULT_OUTPUT_LEN),
         help=f"exact output length distribution, EOS ignored (default: {DEFAULT_OUTPUT_LEN})",
     )
     parser.add_argument(
-        "--dataset-path", type=Path, default=None,
+        "--dataset-path",
+        type=Path,
+        default=None,
         help="JSONL of prompts ({'prompt': text | 'prompt_token_ids': [...], 'output_len': N}) instead of "
         "synthetic prompts; missing output_len is drawn from --output-len",
     )
     parser.add_argument(
-        "--tokenizer", default=None, help="model dir whose tokenizer encodes JSONL text prompts (default: "
-        "the default model)"
+        "--tokenizer",
+        default=None,
+        help="model dir whose tokenizer encodes JSONL text prompts (default: the default model)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths, arrivals (default: 0)")
     parser.add_argument(
-        "--num-warmups", type=int, default=2,
+        "--num-warmups",
+        type=int,
+        default=2,
         help="requests sent first, not measured (default: 2)",
     )
     parser.add_argument(
-        "--goodput", nargs="+", default=[], metavar="NAME:MS",
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="NAME:MS",
         help="SLOs for goodput in ms, any of ttft:MS tpot:MS e2el:MS",
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem bench serve`."""
-    parser.add_argument("--target", default="localhost:50051", help="host:port (llama-server: http://host:port)")
+    parser.add_argument(
+        "--target", default="localhost:50051", help="host:port (llama-server: http://host:port)"
+    )
     parser.add_argument("--backend", default="tandem", choices=["tandem", "llama-server"])
     parser.add_argument("--label", default=None, help="system name in the table and JSON (default: backend)")
     add_workload_arguments(parser)
     parser.add_argument(
-        "--request-rate", type=float, default=math.inf,
+        "--request-rate",
+        type=float,
+        default=math.inf,
         help="requests per second, Poisson/gamma arrivals (default: inf, all at once)",
     )
     parser.add_argument(
@@ -83,7 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     parser.add_argument(
-        "--server-threads", type=int, default=None,
+        "--server-threads",
+        type=int,
+        default=None,
         help="torch threads the server runs with, recorded in the JSON (the client cannot see it)",
     )
     parser.add_argument("--result-file", type=Path, default=Path("bench-serve-result.json"))
@@ -131,8 +149,13 @@ def build_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 async def measure(
-    backend: StreamingBackend, args: argparse.Namespace, arrivals: ArrivalProcess, show_progress: bool,
-    system_extra: dict | None = None, workload: Workload | None = None, max_concurrency: int | None = None,
+    backend: StreamingBackend,
+    args: argparse.Namespace,
+    arrivals: ArrivalProcess,
+    show_progress: bool,
+    system_extra: dict | None = None,
+    workload: Workload | None = None,
+    max_concurrency: int | None = None,
 ) -> dict:
     """Open `backend`, run the workload (`args`' unless given) at `arrivals`, close; returns one run's
     result object."""
@@ -144,21 +167,32 @@ async def measure(
                 raise WorkloadError(f"{backend.name} did not report its vocabulary size; use --dataset-path")
             workload = build_workload(args, vocab_size or 0)
         load = await run_load(
-            backend, workload.requests, arrivals, max_concurrency, workload.warmups, show_progress,
+            backend,
+            workload.requests,
+            arrivals,
+            max_concurrency,
+            workload.warmups,
+            show_progress,
         )
     finally:
         await backend.close()
     slos = parse_goodput(args.goodput)
     system = {"name": backend.name, **server_info, **(system_extra or {})}
     arrival_info = {
-        **arrivals.describe(), "max_concurrency": max_concurrency, "warmups": len(workload.warmups),
+        **arrivals.describe(),
+        "max_concurrency": max_concurrency,
+        "warmups": len(workload.warmups),
     }
     result = run_result(
-        system, workload.description, arrival_info, compute_metrics(load.records, load.duration_s, slos),
+        system,
+        workload.description,
+        arrival_info,
+        compute_metrics(load.records, load.duration_s, slos),
         distributions(load.records),
     )
     result["client"] = {
-        "cpu_s": round(load.client_cpu_s, 2), "cpu_share": round(load.client_cpu_s / load.duration_s, 3),
+        "cpu_s": round(load.client_cpu_s, 2),
+        "cpu_share": round(load.client_cpu_s / load.duration_s, 3),
     }
     return result
 
@@ -175,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         measure(backend, args, arrivals, not args.no_progress, extra, max_concurrency=args.max_concurrency)
     )
     print_table(metrics_table([result], title=f"tandem bench serve: {backend.name}"))
-    path = write_json(args.result_file, {"benchmark": "serve", "machine": machine, "command": command_line(),
-                                         **result})
+    path = write_json(
+        args.result_file, {"benchmark": "serve", "machine": machine, "command": command_line(), **result}
+    )
     logger.info("wrote %s", path)
     return 0 if result["metrics"]["failed"] == 0 else 1

@@ -93,7 +93,10 @@ class ServerProcess:
         logger.info("starting %s: %s", self.name, " ".join(self.command))
         with self.log_path.open("w") as log:
             self._process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
@@ -138,8 +141,17 @@ def tandem_decode_server(
     port = free_port()
     target = f"127.0.0.1:{port}"
     command = tandem_command(
-        "serve", "decode", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--threads", str(threads), *server_args,
+        "serve",
+        "decode",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        *server_args,
     )
     if prefill_target is not None:
         command += ["--prefill", prefill_target]
@@ -153,8 +165,17 @@ def tandem_prefill_server(
     port = free_port()
     target = f"127.0.0.1:{port}"
     command = tandem_command(
-        "serve", "prefill", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--threads", str(threads), *server_args,
+        "serve",
+        "prefill",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--threads",
+        str(threads),
+        *server_args,
     )
     return ServerProcess(name, command, lambda: _grpc_healthy(target), thread_env(threads)), target
 
@@ -166,8 +187,22 @@ def llama_server(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
-        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel), "-cb",
-        "-t", str(threads), "-tb", str(threads), "-c", str(context),
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(parallel),
+        "-cb",
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(context),
     ]
     return ServerProcess(name, command, lambda: _http_healthy(f"{url}/health"), thread_env(threads)), url
 

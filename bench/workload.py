@@ -122,7 +122,10 @@ class Encoder(Protocol):
 
 
 def load_jsonl(
-    path: Path, encoder: Encoder | None, default_output_len: LengthDistribution, seed: int = 0,
+    path: Path,
+    encoder: Encoder | None,
+    default_output_len: LengthDistribution,
+    seed: int = 0,
     num_requests: int | None = None,
 ) -> list[WorkloadRequest]:
     """Requests from a JSONL file: one object a line with `prompt` (text) or `prompt_token_ids`, and

@@ -24,26 +24,32 @@ DEFAULT_MAX_CONCURRENT_STREAMS = 256
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve decode`."""
     parser.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="model directory (safetensors, config, tokenizer) or the default model's name "
         "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model` first)",
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (default: 50051)")
     parser.add_argument(
-        "--metrics-port", type=int, default=0,
+        "--metrics-port",
+        type=int,
+        default=0,
         help="serve Prometheus metrics over HTTP on this port (default: 0, off)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument(
-        "--kv-cache-memory", default="2GiB",
+        "--kv-cache-memory",
+        default="2GiB",
         help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: 2GiB)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=512,
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
         help="tokens per step, decodes plus prefill chunks (default: 512)",
     )
     parser.add_argument(
@@ -55,37 +61,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     parser.add_argument(
-        "--static-batch-timeout", type=float, default=0.1,
+        "--static-batch-timeout",
+        type=float,
+        default=0.1,
         help="static batching: seconds to wait for a full batch before running a partial one (default: 0.1)",
     )
     parser.add_argument(
-        "--max-queue", type=int, default=256,
+        "--max-queue",
+        type=int,
+        default=256,
         help="requests that may wait beyond a full batch before RESOURCE_EXHAUSTED (default: 256)",
     )
     parser.add_argument(
-        "--max-tokens-cap", type=int, default=4096,
+        "--max-tokens-cap",
+        type=int,
+        default=4096,
         help="largest max_tokens a request may ask for: above it the request gets INVALID_ARGUMENT, never "
         "a silently shorter answer; also the max_tokens of requests that leave it unset (default: 4096)",
     )
     parser.add_argument(
-        "--stream-interval", type=int, default=1,
+        "--stream-interval",
+        type=int,
+        default=1,
         help="tokens per stream message: a request's tokens are sent once this many are ready (the "
         "first token and the end at once); larger values cut per-message CPU under load (default: 1)",
     )
     parser.add_argument(
-        "--drain-grace-seconds", type=float, default=30.0,
+        "--drain-grace-seconds",
+        type=float,
+        default=30.0,
         help="on SIGTERM, how long running requests may take to finish (default: 30)",
     )
     parser.add_argument(
-        "--log-format", default="text", choices=["text", "json"],
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
         help="text for people, json for log pipelines: one object per line (default: text)",
     )
     parser.add_argument(
-        "--log-prompts", action="store_true",
+        "--log-prompts",
+        action="store_true",
         help="also log prompts and generated text (default: only request ids, counts and timings)",
     )
     parser.add_argument(
-        "--max-concurrent-streams", type=int, default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        "--max-concurrent-streams",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_STREAMS,
         help="concurrent calls one client connection may have open, at most (default: "
         f"{DEFAULT_MAX_CONCURRENT_STREAMS})",
     )
@@ -93,7 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
     parser.add_argument(
-        "--auth-token-file", type=Path, default=None,
+        "--auth-token-file",
+        type=Path,
+        default=None,
         help="file holding the bearer token every call must carry (default: $TANDEM_AUTH_TOKEN; unset: off)",
     )
     _add_prefill_arguments(parser)
@@ -103,25 +126,36 @@ def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of disaggregated prefill; without --prefill the server prefills everything itself."""
     group = parser.add_argument_group("disaggregated prefill")
     group.add_argument(
-        "--prefill", default="", metavar="TARGETS",
+        "--prefill",
+        default="",
+        metavar="TARGETS",
         help="prefill replicas: host:port[,host:port], or dns:///name:port for every address the name "
         "resolves to (a headless Service; re-resolved periodically). Default: none, prefill locally",
     )
     group.add_argument(
-        "--local-prefill-threshold", type=int, default=0, metavar="N",
+        "--local-prefill-threshold",
+        type=int,
+        default=0,
+        metavar="N",
         help="prompts shorter than N tokens are prefilled on this replica (default: 0, none)",
     )
     group.add_argument(
-        "--fallback-local", action="store_true",
+        "--fallback-local",
+        action="store_true",
         help="prefill on this replica when no prefill replica can (default: fail with UNAVAILABLE)",
     )
     group.add_argument(
-        "--prefill-timeout", type=float, default=60.0, metavar="S",
+        "--prefill-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
         help="deadline of one Prefill call in seconds; past it the prompt is retried on another replica "
         "(default: 60)",
     )
     group.add_argument(
-        "--prefill-tls-ca", type=Path, default=None,
+        "--prefill-tls-ca",
+        type=Path,
+        default=None,
         help="CA (PEM) that signed the prefill servers' certificates; enables TLS toward prefill",
     )
     group.add_argument(
@@ -208,7 +242,10 @@ def run(args: argparse.Namespace) -> int:
     fingerprint = model_fingerprint(model_dir) if config.disaggregated else None
     return asyncio.run(
         serve(
-            engine, config, model_fingerprint=fingerprint, metrics_registry=metrics_registry,
+            engine,
+            config,
+            model_fingerprint=fingerprint,
+            metrics_registry=metrics_registry,
             max_concurrent_streams=args.max_concurrent_streams,
         )
     )

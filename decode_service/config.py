@@ -130,5 +130,3 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
             raise ConfigError(f"weight of tenant {tenant.strip()!r} must be > 0, got {value!r}")
         weights[tenant.strip()] = weight
     return weights
-
-

@@ -76,15 +76,18 @@ class _LiveStateCollector(Collector):
             value=len(scheduler.running) + len(scheduler.prefill_stage),
         )
         yield GaugeMetricFamily(
-            f"{PREFIX}num_requests_waiting", "Requests queued for admission (holding no blocks).",
+            f"{PREFIX}num_requests_waiting",
+            "Requests queued for admission (holding no blocks).",
             value=len(scheduler.waiting),
         )
         yield GaugeMetricFamily(
-            f"{PREFIX}kv_cache_usage_perc", "Fraction of the KV block pool in use (0 to 1).",
+            f"{PREFIX}kv_cache_usage_perc",
+            "Fraction of the KV block pool in use (0 to 1).",
             value=self._engine.block_manager.usage,
         )
         yield CounterMetricFamily(
-            f"{PREFIX}num_preemptions", "Preemptions: requests whose blocks were freed to make room.",
+            f"{PREFIX}num_preemptions",
+            "Preemptions: requests whose blocks were freed to make room.",
             value=scheduler.num_preemptions,
         )
         yield from self._transfer_metrics()
@@ -93,7 +96,8 @@ class _LiveStateCollector(Collector):
         """KV transfer from the prefill tier; all zero in aggregated mode (no counters to read)."""
         stats = self.transfer
         yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_bytes", "KV cache bytes received from the prefill tier.",
+            f"{PREFIX}kv_transfer_bytes",
+            "KV cache bytes received from the prefill tier.",
             value=stats.kv_bytes_received if stats else 0,
         )
         yield SummaryMetricFamily(
@@ -103,11 +107,13 @@ class _LiveStateCollector(Collector):
             sum_value=stats.transfer_seconds if stats else 0.0,
         )
         yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_failures", "Prefill calls whose KV transfer failed (each attempt counts).",
+            f"{PREFIX}kv_transfer_failures",
+            "Prefill calls whose KV transfer failed (each attempt counts).",
             value=stats.attempt_failures if stats else 0,
         )
         outcomes = CounterMetricFamily(
-            f"{PREFIX}prefills", "Prompts prefilled, by where: remote, local, or remote given up.",
+            f"{PREFIX}prefills",
+            "Prompts prefilled, by where: remote, local, or remote given up.",
             labels=["outcome"],
         )
         outcomes.add_metric(["remote"], stats.remote_prefills_completed if stats else 0)
@@ -115,11 +121,13 @@ class _LiveStateCollector(Collector):
         outcomes.add_metric(["remote_failed"], stats.remote_prefills_failed if stats else 0)
         yield outcomes
         yield CounterMetricFamily(
-            f"{PREFIX}prefill_retries", "Prefill calls retried on another replica.",
+            f"{PREFIX}prefill_retries",
+            "Prefill calls retried on another replica.",
             value=stats.retries if stats else 0,
         )
         yield CounterMetricFamily(
-            f"{PREFIX}prefill_local_fallbacks", "Prompts prefilled here because no prefill replica could.",
+            f"{PREFIX}prefill_local_fallbacks",
+            "Prompts prefilled here because no prefill replica could.",
             value=stats.fallbacks_local if stats else 0,
         )
 
@@ -142,34 +150,46 @@ class DecodeMetrics:
         self._clock = clock
         self._last_token_time: dict[ServedRequest, float] = {}
         self.time_to_first_token = Histogram(
-            f"{PREFIX}time_to_first_token_seconds", "From the request's arrival to its first token.",
-            buckets=TTFT_BUCKETS, registry=self.registry,
+            f"{PREFIX}time_to_first_token_seconds",
+            "From the request's arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.inter_token_latency = Histogram(
-            f"{PREFIX}inter_token_latency_seconds", "Between consecutive tokens of one request.",
-            buckets=INTER_TOKEN_BUCKETS, registry=self.registry,
+            f"{PREFIX}inter_token_latency_seconds",
+            "Between consecutive tokens of one request.",
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=self.registry,
         )
         self.e2e_request_latency = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds", "From the request's arrival to its last message.",
-            buckets=REQUEST_BUCKETS, registry=self.registry,
+            f"{PREFIX}e2e_request_latency_seconds",
+            "From the request's arrival to its last message.",
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
         )
         self.request_queue_time = Histogram(
-            f"{PREFIX}request_queue_time_seconds", "From the request's arrival to its admission.",
-            buckets=REQUEST_BUCKETS, registry=self.registry,
+            f"{PREFIX}request_queue_time_seconds",
+            "From the request's arrival to its admission.",
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
-            f"{PREFIX}prompt_tokens", "Prompt tokens of requests that got their first token.",
+            f"{PREFIX}prompt_tokens",
+            "Prompt tokens of requests that got their first token.",
             registry=self.registry,
         )
         self.generation_tokens = Counter(
             f"{PREFIX}generation_tokens", "Tokens generated and streamed.", registry=self.registry
         )
         self.request_success = Counter(
-            f"{PREFIX}request_success", "Requests that ended, by finish reason.", ["finished_reason"],
+            f"{PREFIX}request_success",
+            "Requests that ended, by finish reason.",
+            ["finished_reason"],
             registry=self.registry,
         )
         self.request_errors = Counter(
-            f"{PREFIX}request_errors", "Requests that ended with a server error (a failed step).",
+            f"{PREFIX}request_errors",
+            "Requests that ended with a server error (a failed step).",
             registry=self.registry,
         )
         for reason in FinishReason:

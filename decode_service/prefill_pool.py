@@ -255,7 +255,10 @@ class PrefillPool:
         replica.retry_at = self._clock() + delay
         logger.warning(
             "prefill replica %s failed (%s); not used for %.1f s (failure %d in a row)",
-            replica.address, reason, delay, replica.consecutive_failures,
+            replica.address,
+            reason,
+            delay,
+            replica.consecutive_failures,
         )
         self._update_has_ready()
 
@@ -277,7 +280,8 @@ class PrefillPool:
             logger.error(
                 "refusing prefill replica %s: %s. No request is sent to it; fix the deployment so both "
                 "tiers run the same model, dtype and block size",
-                replica.address, reason,
+                replica.address,
+                reason,
             )
         replica.state, replica.reason = ReplicaState.INCOMPATIBLE, f"incompatible: {reason}"
         replica.retry_at = self._clock() + self.backoff.max_s

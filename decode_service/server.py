@@ -131,9 +131,14 @@ class DecodeServer:
             mode = f"disaggregated, prefill tier at {self.config.prefill}"
         logger.info(
             "decode server serving %s on %s:%d (%s; %s batching, %s policy%s%s)",
-            self.engine.model_name, self.config.host, self.port, mode, self.config.batching,
+            self.engine.model_name,
+            self.config.host,
+            self.port,
+            mode,
+            self.config.batching,
             self.config.policy,
-            ", TLS" if self.config.tls_cert else "", ", bearer-token auth" if self.config.auth_token else "",
+            ", TLS" if self.config.tls_cert else "",
+            ", bearer-token auth" if self.config.auth_token else "",
         )
         return self.port
 
@@ -181,7 +186,10 @@ async def serve(
 ) -> int:
     """Run a decode server until SIGTERM or SIGINT, then drain; returns the process exit status."""
     server = DecodeServer(
-        engine, config, metrics_registry=metrics_registry, max_concurrent_streams=max_concurrent_streams,
+        engine,
+        config,
+        metrics_registry=metrics_registry,
+        max_concurrent_streams=max_concurrent_streams,
         model_fingerprint=model_fingerprint,
     )
     return await serve_until_signalled(server)

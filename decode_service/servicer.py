@@ -135,7 +135,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._hub.check_accepting()
             check_max_tokens_cap(request, self._config.max_tokens_cap)
             seq = await asyncio.get_running_loop().run_in_executor(
-                self._validation_executor, build_sequence, request, request_id, self._engine,
+                self._validation_executor,
+                build_sequence,
+                request,
+                request_id,
+                self._engine,
                 self._config.max_tokens_cap,
             )
             served = ServedRequest(
@@ -145,9 +149,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             await self._abort_with(context, exc, request_id, refused=True)
         log_event(
-            logger, logging.INFO, "request accepted", request_id=request_id,
-            prompt_tokens=seq.num_prompt_tokens, max_tokens=seq.stopping.max_tokens,
-            priority=request.priority, tenant=request.tenant or "-", **_prompt_log_fields(request, served),
+            logger,
+            logging.INFO,
+            "request accepted",
+            request_id=request_id,
+            prompt_tokens=seq.num_prompt_tokens,
+            max_tokens=seq.stopping.max_tokens,
+            priority=request.priority,
+            tenant=request.tenant or "-",
+            **_prompt_log_fields(request, served),
         )
         completion: list[str] = []
         finished = False
@@ -162,7 +172,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     completion.append(delta.text)
                 if delta.finish_reason is not None:
                     log_event(
-                        logger, logging.INFO, "request finished", request_id=request_id,
+                        logger,
+                        logging.INFO,
+                        "request finished",
+                        request_id=request_id,
                         finish_reason=delta.finish_reason.value,
                         **_finish_log_fields(served, time.monotonic()),
                         **prompt_fields(completion="".join(completion)),
@@ -174,8 +187,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 # Client cancelled, deadline passed, or the connection dropped: free the blocks now.
                 self._engine_loop.abort(served.request_id)
                 log_event(
-                    logger, logging.INFO, "request cancelled", request_id=request_id,
-                    completion_tokens=served.seq.num_output_tokens, after_s=time.monotonic() - arrival,
+                    logger,
+                    logging.INFO,
+                    "request cancelled",
+                    request_id=request_id,
+                    completion_tokens=served.seq.num_output_tokens,
+                    after_s=time.monotonic() - arrival,
                 )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -20,11 +20,15 @@ from protos.tandem.v1 import generation_pb2 as pb
 
 def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
     """The prompt as token ids, from exactly one of prompt, token_ids and messages."""
-    given = [name for name, present in (
-        ("prompt", bool(request.prompt)),
-        ("token_ids", len(request.token_ids) > 0),
-        ("messages", len(request.messages) > 0),
-    ) if present]
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(request.prompt)),
+            ("token_ids", len(request.token_ids) > 0),
+            ("messages", len(request.messages) > 0),
+        )
+        if present
+    ]
     if len(given) != 1:
         detail = "none was given" if not given else f"got {' and '.join(given)}"
         raise InvalidRequestError(f"set exactly one of prompt, token_ids and messages; {detail}")

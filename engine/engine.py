@@ -97,8 +97,13 @@ class Engine:
         )
         logger.info(
             "engine ready",
-            extra={"model": model_name, "num_blocks": num_blocks, "block_size": self.block_size,
-                   "dtype": str(config.dtype), "backend": self.backend.name},
+            extra={
+                "model": model_name,
+                "num_blocks": num_blocks,
+                "block_size": self.block_size,
+                "dtype": str(config.dtype),
+                "backend": self.backend.name,
+            },
         )
 
     @classmethod
@@ -190,7 +195,9 @@ class Engine:
         seq.num_computed_tokens = 0
 
     def generate(
-        self, requests: SequenceOf[GenerateRequest], max_num_batched_tokens: int | None = None,
+        self,
+        requests: SequenceOf[GenerateRequest],
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
     ) -> list[Sequence]:
         """Run requests to completion FCFS with chunked prefill: decodes first, then prompt chunks.
@@ -204,8 +211,10 @@ class Engine:
         done_order = list(waiting)
         running: list[Sequence] = []
         while waiting or running:
-            while waiting and len(running) < max_seqs and self.block_manager.can_grow(
-                [], waiting[0].num_tokens + 1
+            while (
+                waiting
+                and len(running) < max_seqs
+                and self.block_manager.can_grow([], waiting[0].num_tokens + 1)
             ):
                 seq = waiting.pop(0)
                 self.block_manager.grow(seq.block_table, seq.num_tokens + 1)

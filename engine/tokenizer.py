@@ -57,8 +57,12 @@ class Tokenizer:
             raise ModelNotFoundError(f"no loadable tokenizer in {directory}: {exc}") from exc
         extra_eos = frozenset(_generation_config_eos_ids(directory))
         tokenizer = cls(hf_tokenizer, extra_eos)
-        logger.info("loaded tokenizer from %s: vocab %d, eos ids %s", directory, tokenizer.vocab_size,
-                    sorted(tokenizer.eos_token_ids))
+        logger.info(
+            "loaded tokenizer from %s: vocab %d, eos ids %s",
+            directory,
+            tokenizer.vocab_size,
+            sorted(tokenizer.eos_token_ids),
+        )
         return tokenizer
 
     def encode(self, text: str) -> list[int]:

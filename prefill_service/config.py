@@ -48,5 +48,3 @@ class PrefillServiceConfig:
             raise ConfigError(f"drain_grace_seconds must be >= 0, got {self.drain_grace_seconds}")
         if self.event_log_size < 1:
             raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
-
-

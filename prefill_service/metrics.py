@@ -40,11 +40,13 @@ class _LiveStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
-            f"{PREFIX}prefill_queue_depth", "Prompts waiting for admission (their blocks not yet reserved).",
+            f"{PREFIX}prefill_queue_depth",
+            "Prompts waiting for admission (their blocks not yet reserved).",
             value=len(self._scheduler.waiting),
         )
         yield GaugeMetricFamily(
-            f"{PREFIX}num_requests_running", "Prompts admitted and being prefilled.",
+            f"{PREFIX}num_requests_running",
+            "Prompts admitted and being prefilled.",
             value=len(self._scheduler.running),
         )
         yield GaugeMetricFamily(
@@ -62,30 +64,40 @@ class PrefillMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.request_queue_time = Histogram(
-            f"{PREFIX}request_queue_time_seconds", "From the Prefill call's arrival to its admission.",
-            buckets=QUEUE_BUCKETS, registry=self.registry,
+            f"{PREFIX}request_queue_time_seconds",
+            "From the Prefill call's arrival to its admission.",
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
         )
         self.request_prefill_time = Histogram(
-            f"{PREFIX}request_prefill_time_seconds", "From a prompt's first chunk to its first token.",
-            buckets=PREFILL_BUCKETS, registry=self.registry,
+            f"{PREFIX}request_prefill_time_seconds",
+            "From a prompt's first chunk to its first token.",
+            buckets=PREFILL_BUCKETS,
+            registry=self.registry,
         )
         self.kv_transfer_seconds = Histogram(
-            f"{PREFIX}kv_transfer_seconds", "From the Prefill call's arrival to its last message sent.",
-            buckets=PREFILL_BUCKETS, registry=self.registry,
+            f"{PREFIX}kv_transfer_seconds",
+            "From the Prefill call's arrival to its last message sent.",
+            buckets=PREFILL_BUCKETS,
+            registry=self.registry,
         )
         self.prompt_tokens = Counter(
             f"{PREFIX}prompt_tokens", "Prompt tokens prefilled and sent.", registry=self.registry
         )
         self.kv_transfer_bytes = Counter(
-            f"{PREFIX}kv_transfer_bytes", "KV cache payload bytes sent to the decode tier.",
+            f"{PREFIX}kv_transfer_bytes",
+            "KV cache payload bytes sent to the decode tier.",
             registry=self.registry,
         )
         self.kv_transfer_failures = Counter(
-            f"{PREFIX}kv_transfer_failures", "Prefill calls that failed after being accepted.",
+            f"{PREFIX}kv_transfer_failures",
+            "Prefill calls that failed after being accepted.",
             registry=self.registry,
         )
         self.requests = Counter(
-            f"{PREFIX}prefill_requests", "Prefill calls, by how they ended.", ["outcome"],
+            f"{PREFIX}prefill_requests",
+            "Prefill calls, by how they ended.",
+            ["outcome"],
             registry=self.registry,
         )
         for outcome in OUTCOMES:

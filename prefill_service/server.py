@@ -199,7 +199,10 @@ async def serve(
 ) -> int:
     """Run a prefill server until SIGTERM or SIGINT, then drain; returns the process exit status."""
     server = PrefillServer(
-        engine, model_fingerprint, config, metrics_registry=metrics_registry,
+        engine,
+        model_fingerprint,
+        config,
+        metrics_registry=metrics_registry,
         max_concurrent_streams=max_concurrent_streams,
     )
     return await serve_until_signalled(server)

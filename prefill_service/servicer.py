@@ -128,7 +128,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 total_s=time.monotonic() - arrival,
             )
             self._metrics.call_finished(
-                job.num_prompt_tokens, stats.kv_bytes, stats.queue_seconds, stats.prefill_seconds,
+                job.num_prompt_tokens,
+                stats.kv_bytes,
+                stats.queue_seconds,
+                stats.prefill_seconds,
                 time.monotonic() - arrival,
             )
         finally:

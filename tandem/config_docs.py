@@ -31,25 +31,30 @@ COMMANDS: tuple[tuple[str, ...], ...] = (("serve", "decode"), ("serve", "prefill
 # (name, default, what it does); the names are checked against the code that reads them in the tests.
 ENV_VARS: tuple[tuple[str, str, str], ...] = (
     (
-        "TANDEM_HOME", "`~/.cache/tandem`",
+        "TANDEM_HOME",
+        "`~/.cache/tandem`",
         "where `tandem fetch-model` caches models and the tiers find the default model",
     ),
     (
-        "TANDEM_AUTH_TOKEN", "unset (no auth)",
+        "TANDEM_AUTH_TOKEN",
+        "unset (no auth)",
         "bearer token the servers require (when no `--auth-token-file`) and `tandem generate` sends "
         "(when no `--auth-token`)",
     ),
     (
-        "TANDEM_ATTENTION_BACKEND", "`auto`",
+        "TANDEM_ATTENTION_BACKEND",
+        "`auto`",
         "attention kernels: `auto` (Triton on CUDA, torch elsewhere), `torch` or `triton`",
     ),
     (
-        "TANDEM_CPU_EXTENSION", "`1`",
+        "TANDEM_CPU_EXTENSION",
+        "`1`",
         "`0` skips the C++ CPU kernels (paged attention, fused norm/RoPE/SiLU), built with the machine's "
         "compiler on first use, and runs the torch reference instead",
     ),
     (
-        "TANDEM_ONEDNN_LINEAR", "`1`",
+        "TANDEM_ONEDNN_LINEAR",
+        "`1`",
         "`0` keeps fp32 CPU linear layers on `nn.Linear` (MKL) instead of oneDNN with weights converted once",
     ),
 )

@@ -74,7 +74,7 @@ def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> 
 def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}"
-    if isinstance(value, str) and (not value or any(c.isspace() or c in "\"=" for c in value)):
+    if isinstance(value, str) and (not value or any(c.isspace() or c in '"=' for c in value)):
         # Quoted so that `key=value` pairs stay splittable when a value has spaces (prompts, reasons).
         return json.dumps(value, ensure_ascii=False)
     return str(value)

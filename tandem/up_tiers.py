@@ -108,11 +108,19 @@ class LogForwarder:
 def start_tier(spec: TierSpec, threads: int) -> Tier:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors="replace", env=env, start_new_session=True, preexec_fn=_parent_death_signal(),
+        spec.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+        start_new_session=True,
+        preexec_fn=_parent_death_signal(),
     )
-    log_event(logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port,
-              threads=threads)
+    log_event(
+        logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port, threads=threads
+    )
     return Tier(spec, process)
 
 

@@ -20,9 +20,13 @@ from decode_service.event_log import ChunkRecord, StepRecord
 
 def step(number, chunks, finished=(), preempted=()) -> StepRecord:
     return StepRecord(
-        step=number, time=float(number),
+        step=number,
+        time=float(number),
         chunks=tuple(ChunkRecord(rid, n, kind) for rid, n, kind in chunks),
-        num_free_blocks=0, num_waiting=0, preempted=tuple(preempted), finished=tuple(finished),
+        num_free_blocks=0,
+        num_waiting=0,
+        preempted=tuple(preempted),
+        finished=tuple(finished),
     )
 
 
@@ -36,11 +40,16 @@ def test_slots_are_filled_lowest_first_and_freed_on_finish():
     ]
     result = assign_slots(steps, "r", num_slots=2)
     assert result["num_steps"] == 4
-    assert sorted(result["segments"]) == sorted([
-        [0, 0, 1, 0, "prefill"], [0, 1, 1, 0, "decode"],
-        [1, 0, 1, 1, "prefill"], [1, 1, 3, 1, "decode"],
-        [0, 2, 1, 2, "prefill"], [0, 3, 1, 2, "decode"],  # request 2 reuses slot 0, freed by request 0
-    ])
+    assert sorted(result["segments"]) == sorted(
+        [
+            [0, 0, 1, 0, "prefill"],
+            [0, 1, 1, 0, "decode"],
+            [1, 0, 1, 1, "prefill"],
+            [1, 1, 3, 1, "decode"],
+            [0, 2, 1, 2, "prefill"],
+            [0, 3, 1, 2, "decode"],  # request 2 reuses slot 0, freed by request 0
+        ]
+    )
     assert result["mean_occupancy"] == pytest.approx(1.0)
 
 
@@ -100,16 +109,35 @@ def fake_run(name: str, tok_s: float, rate="inf") -> dict:
 @pytest.fixture
 def compare_document() -> dict:
     return {
-        "machine": {"cpu": "Test CPU", "cores": 2, "memory_gib": 4.0, "load_average_1_5_15": [0.1, 0.2, 0.3],
-                    "date": "2026-01-01T00:00:00+00:00", "git_commit": "abc1234"},
+        "machine": {
+            "cpu": "Test CPU",
+            "cores": 2,
+            "memory_gib": 4.0,
+            "load_average_1_5_15": [0.1, 0.2, 0.3],
+            "date": "2026-01-01T00:00:00+00:00",
+            "git_commit": "abc1234",
+        },
         "command": "tandem bench compare",
         "config": {"model": "Tiny", "threads": 2, "baseline": "hf-static"},
-        "workload": {"num_requests": 4, "prompt_len": "fixed:8", "output_len": "fixed:4", "seed": 0,
-                     "output_tokens": 16,
-                     "prompt_len_min": 8, "prompt_len_max": 8, "output_len_min": 4, "output_len_max": 4},
-        "physical_limit": {"output_tok_s_bound": 200.0, "mean_output_len": 4.0, "limited_by": "compute",
-                           "matmul_tflop": 1.0, "memory_read_gb": 2.0,
-                           "probe": {"matmul_gflops": 100.0, "read_bandwidth_gbs": 10.0}},
+        "workload": {
+            "num_requests": 4,
+            "prompt_len": "fixed:8",
+            "output_len": "fixed:4",
+            "seed": 0,
+            "output_tokens": 16,
+            "prompt_len_min": 8,
+            "prompt_len_max": 8,
+            "output_len_min": 4,
+            "output_len_max": 4,
+        },
+        "physical_limit": {
+            "output_tok_s_bound": 200.0,
+            "mean_output_len": 4.0,
+            "limited_by": "compute",
+            "matmul_tflop": 1.0,
+            "memory_read_gb": 2.0,
+            "probe": {"matmul_gflops": 100.0, "read_bandwidth_gbs": 10.0},
+        },
         "skipped": {"llama-server": "not built"},
         "runs": [fake_run("hf-static", 50.0), fake_run("tandem-aggregated", 100.0)],
         "sweep": [fake_run("tandem-aggregated", 30.0, 1.0), fake_run("tandem-aggregated", 60.0, 2.0)],
@@ -133,18 +161,36 @@ def test_plots_are_written(tmp_path, compare_document):
     written = draw_comparison(path, tmp_path)
     assert {p.name for p in written} == {"throughput_vs_rate.png", "cdf_ttft_itl.png", "README_table.md"}
     occupancy = {
-        "num_requests": 2, "output_len": "fixed:4", "model": "Tiny",
+        "num_requests": 2,
+        "output_len": "fixed:4",
+        "model": "Tiny",
         "modes": [
-            {"batching": b, "num_slots": 2, "num_steps": 3, "mean_occupancy": 0.5,
-             "segments": [[0, 0, 1, 0, "prefill"], [0, 1, 2, 0, "decode"]]}
+            {
+                "batching": b,
+                "num_slots": 2,
+                "num_steps": 3,
+                "mean_occupancy": 0.5,
+                "segments": [[0, 0, 1, 0, "prefill"], [0, 1, 2, 0, "decode"]],
+            }
             for b in ("static", "continuous")
         ],
     }
     chunked = {
-        "num_streams": 2, "long_prompt_len": 64, "model": "Tiny", "threads": 1,
-        "settings": [{"label": "chunked prefill", "max_num_batched_tokens": 16, "itl_times_s": [0.1, 0.2],
-                      "itl_ms": [5.0, 7.0], "itl_p99_ms": 7.0, "long_prompt_sent_s": 0.15,
-                      "long_prompt_first_token_s": 0.3}],
+        "num_streams": 2,
+        "long_prompt_len": 64,
+        "model": "Tiny",
+        "threads": 1,
+        "settings": [
+            {
+                "label": "chunked prefill",
+                "max_num_batched_tokens": 16,
+                "itl_times_s": [0.1, 0.2],
+                "itl_ms": [5.0, 7.0],
+                "itl_p99_ms": 7.0,
+                "long_prompt_sent_s": 0.15,
+                "long_prompt_first_token_s": 0.3,
+            }
+        ],
     }
     for picture in (draw_occupancy(occupancy, tmp_path), draw_chunked_prefill(chunked, tmp_path)):
         assert picture.stat().st_size > 1000
@@ -158,11 +204,18 @@ async def fake_llama_server(events: list[bytes], status: int = 200):
         headers = b""
         while not headers.endswith(b"\r\n\r\n"):
             headers += await reader.read(1)
-        length = int(next(line.split(b":")[1] for line in headers.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
+        length = int(
+            next(
+                line.split(b":")[1]
+                for line in headers.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+        )
         handle.body = json.loads(await reader.readexactly(length))
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: text/event-stream\r\n"
-                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: text/event-stream\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
         for event in events:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
@@ -217,13 +270,17 @@ def test_update_keeps_the_runs_of_systems_not_measured_again(compare_document):
     from engine.errors import TandemError
 
     current = {
-        **compare_document, "machine": {**compare_document["machine"], "date": "2026-02-02T00:00:00+00:00"},
-        "command": "tandem bench compare --update --systems tandem-aggregated", "skipped": {},
-        "runs": [fake_run("tandem-aggregated", 120.0)], "sweep": [fake_run("tandem-aggregated", 40.0, 1.0)],
+        **compare_document,
+        "machine": {**compare_document["machine"], "date": "2026-02-02T00:00:00+00:00"},
+        "command": "tandem bench compare --update --systems tandem-aggregated",
+        "skipped": {},
+        "runs": [fake_run("tandem-aggregated", 120.0)],
+        "sweep": [fake_run("tandem-aggregated", 40.0, 1.0)],
     }
     merged = merge_documents(compare_document, current, ["tandem-aggregated"])
     assert [(r["system"]["name"], r["metrics"]["output_throughput"]) for r in merged["runs"]] == [
-        ("hf-static", 50.0), ("tandem-aggregated", 120.0),
+        ("hf-static", 50.0),
+        ("tandem-aggregated", 120.0),
     ]
     assert [r["metrics"]["output_throughput"] for r in merged["sweep"]] == [40.0]
     assert merged["skipped"] == {"llama-server": "not built"}

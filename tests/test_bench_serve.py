@@ -37,7 +37,9 @@ def target(tmp_path_factory):
     tiny_hf_model(3, vocab_size=TINY_VOCAB_SIZE).save_pretrained(model_dir)
     build_tiny_tokenizer(model_dir)
     engine_config = EngineConfig(
-        cache=CacheConfig(block_size=8, num_blocks=256), max_model_len=256, max_num_seqs=8,
+        cache=CacheConfig(block_size=8, num_blocks=256),
+        max_model_len=256,
+        max_num_seqs=8,
         max_num_batched_tokens=64,
     )
     engine = Engine.from_pretrained(model_dir, engine_config)
@@ -66,11 +68,32 @@ def summary_keys() -> set[str]:
 
 def test_bench_serve_writes_a_complete_result(target, tmp_path):
     result_file = tmp_path / "result.json"
-    status = main([
-        "bench", "serve", "--target", target, "--num-prompts", "6", "--prompt-len", "uniform:4:20",
-        "--output-len", "uniform:2:9", "--request-rate", "50", "--seed", "3", "--num-warmups", "1",
-        "--goodput", "ttft:60000", "tpot:60000", "--result-file", str(result_file), "--no-progress",
-    ])
+    status = main(
+        [
+            "bench",
+            "serve",
+            "--target",
+            target,
+            "--num-prompts",
+            "6",
+            "--prompt-len",
+            "uniform:4:20",
+            "--output-len",
+            "uniform:2:9",
+            "--request-rate",
+            "50",
+            "--seed",
+            "3",
+            "--num-warmups",
+            "1",
+            "--goodput",
+            "ttft:60000",
+            "tpot:60000",
+            "--result-file",
+            str(result_file),
+            "--no-progress",
+        ]
+    )
     assert status == 0
     result = json.loads(result_file.read_text())
     assert result["schema_version"] == 1
@@ -100,10 +123,25 @@ def test_bench_serve_writes_a_complete_result(target, tmp_path):
 def test_bench_serve_counts_failures_and_exits_nonzero(target, tmp_path):
     # 300 output tokens on a 256-token context: the server refuses every request with INVALID_ARGUMENT.
     result_file = tmp_path / "result.json"
-    status = main([
-        "bench", "serve", "--target", target, "--num-prompts", "2", "--prompt-len", "fixed:4",
-        "--output-len", "fixed:300", "--num-warmups", "0", "--result-file", str(result_file), "--no-progress",
-    ])
+    status = main(
+        [
+            "bench",
+            "serve",
+            "--target",
+            target,
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "fixed:4",
+            "--output-len",
+            "fixed:300",
+            "--num-warmups",
+            "0",
+            "--result-file",
+            str(result_file),
+            "--no-progress",
+        ]
+    )
     assert status == 1
     metrics = json.loads(result_file.read_text())["metrics"]
     assert metrics["completed"] == 0 and metrics["failed"] == 2

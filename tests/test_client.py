@@ -101,8 +101,14 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         return pb.ModelInfo(
-            model_name="fake-model", max_context_length=256, vocab_size=512, eos_token_ids=[0, 2],
-            dtype="float32", block_size=16, mode=pb.SERVING_MODE_AGGREGATED, server_version="9.9",
+            model_name="fake-model",
+            max_context_length=256,
+            vocab_size=512,
+            eos_token_ids=[0, 2],
+            dtype="float32",
+            block_size=16,
+            mode=pb.SERVING_MODE_AGGREGATED,
+            server_version="9.9",
         )
 
 
@@ -115,8 +121,9 @@ def canned_stream(request_id: str, logprobs: int) -> list[pb.GenerateResponse]:
         if logprobs:
             response.logprobs.extend(
                 pb.TokenLogprob(
-                    token_id=t, logprob=-0.5, top=[pb.TopLogprob(token_id=t + k, logprob=-k - 0.5)
-                                                   for k in range(logprobs)]
+                    token_id=t,
+                    logprob=-0.5,
+                    top=[pb.TopLogprob(token_id=t + k, logprob=-k - 0.5) for k in range(logprobs)],
                 )
                 for t in token_ids
             )
@@ -193,9 +200,21 @@ def test_build_request_leaves_unset_options_unset():
 
 def test_build_request_maps_every_option():
     request = build_request(
-        token_ids=[1, 2, 3], temperature=0.0, top_p=0.9, top_k=5, min_p=0.05, seed=2**63, logprobs=2,
-        max_tokens=7, stop="\n", stop_token_ids=[4], ignore_eos=True, min_tokens=1, request_id="r",
-        priority=-3, tenant="acme",
+        token_ids=[1, 2, 3],
+        temperature=0.0,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        seed=2**63,
+        logprobs=2,
+        max_tokens=7,
+        stop="\n",
+        stop_token_ids=[4],
+        ignore_eos=True,
+        min_tokens=1,
+        request_id="r",
+        priority=-3,
+        tenant="acme",
     )
     assert list(request.token_ids) == [1, 2, 3]
     assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
@@ -210,7 +229,9 @@ def test_build_request_accepts_chat_messages_in_three_forms():
         messages=[{"role": "system", "content": "be brief"}, ("user", "hi"), pb.ChatMessage(role="assistant")]
     )
     assert [(m.role, m.content) for m in request.messages] == [
-        ("system", "be brief"), ("user", "hi"), ("assistant", "")
+        ("system", "be brief"),
+        ("user", "hi"),
+        ("assistant", ""),
     ]
 
 
@@ -284,8 +305,13 @@ def test_sync_and_async_generate_are_equal(client, server):
 def test_complete_joins_the_stream(client):
     completion = client.complete(messages=[("user", "hi")], logprobs=1)
     assert completion == Completion(
-        request_id=completion.request_id, text="Hello, world", token_ids=(11, 12, 13, 14),
-        logprobs=completion.logprobs, finish_reason=FinishReason.STOP, matched_stop="!", usage=Usage(3, 4),
+        request_id=completion.request_id,
+        text="Hello, world",
+        token_ids=(11, 12, 13, 14),
+        logprobs=completion.logprobs,
+        finish_reason=FinishReason.STOP,
+        matched_stop="!",
+        usage=Usage(3, 4),
         timings=ServerTimings(0.25, 0.5, 0.75),
     )
     assert [lp.token_id for lp in completion.logprobs] == [11, 12, 13, 14]
@@ -345,10 +371,13 @@ def test_async_deadline_raises_deadline_exceeded(server):
         asyncio.run(run())
 
 
-@pytest.mark.parametrize(("prompt", "error_type", "message"), [
-    (BAD, InvalidArgument, "temperature must be >= 0"),
-    (FULL, ResourceExhausted, "queue is full"),
-])
+@pytest.mark.parametrize(
+    ("prompt", "error_type", "message"),
+    [
+        (BAD, InvalidArgument, "temperature must be >= 0"),
+        (FULL, ResourceExhausted, "queue is full"),
+    ],
+)
 def test_status_errors_are_typed_with_the_server_message(client, server, prompt, error_type, message):
     with pytest.raises(error_type) as raised:
         client.complete(prompt)
@@ -414,10 +443,38 @@ def test_cli_json_prints_one_json_object_per_message(server, capsys):
 def test_cli_sends_every_flag(server, capsys, monkeypatch):
     monkeypatch.setenv("TANDEM_AUTH_TOKEN", TOKEN)
     code, _, _ = run_cli(
-        capsys, "--token-ids", "5, 6,7", "--target", server.target, "--top-p", "0.5", "--top-k", "3",
-        "--min-p", "0.1", "--seed", "42", "--stop", "a", "--stop", "b", "--stop-token-ids", "1,2",
-        "--stop-token-ids", "3", "--ignore-eos", "--min-tokens", "2", "--priority", "5", "--tenant", "acme",
-        "--request-id", "cli-1", "--timeout", "30",
+        capsys,
+        "--token-ids",
+        "5, 6,7",
+        "--target",
+        server.target,
+        "--top-p",
+        "0.5",
+        "--top-k",
+        "3",
+        "--min-p",
+        "0.1",
+        "--seed",
+        "42",
+        "--stop",
+        "a",
+        "--stop",
+        "b",
+        "--stop-token-ids",
+        "1,2",
+        "--stop-token-ids",
+        "3",
+        "--ignore-eos",
+        "--min-tokens",
+        "2",
+        "--priority",
+        "5",
+        "--tenant",
+        "acme",
+        "--request-id",
+        "cli-1",
+        "--timeout",
+        "30",
     )
     assert code == 0
     request = server.servicer.requests[-1]
@@ -439,15 +496,18 @@ def test_cli_chat_reads_the_prompt_from_stdin(server, capsys, monkeypatch):
     assert not request.prompt
 
 
-@pytest.mark.parametrize("argv", [
-    ["hi", "--temperature", "hot"],
-    ["hi", "--no-such-flag"],
-    ["--token-ids", "1,x"],
-    [],
-    ["hi", "--token-ids", "1"],
-    ["hi", "--system", "s"],
-    ["--chat", "--token-ids", "1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["hi", "--temperature", "hot"],
+        ["hi", "--no-such-flag"],
+        ["--token-ids", "1,x"],
+        [],
+        ["hi", "--token-ids", "1"],
+        ["hi", "--system", "s"],
+        ["--chat", "--token-ids", "1"],
+    ],
+)
 def test_cli_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as raised:
         main(["generate", *argv])

@@ -37,7 +37,9 @@ def target(tmp_path_factory, hf_model):
     hf_model.save_pretrained(model_dir)
     build_tiny_tokenizer(model_dir)
     engine_config = EngineConfig(
-        cache=CacheConfig(block_size=8, num_blocks=128), max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+        cache=CacheConfig(block_size=8, num_blocks=128),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
         max_num_batched_tokens=64,
     )
     engine = Engine.from_pretrained(model_dir, engine_config)
@@ -99,8 +101,9 @@ def test_text_and_chat_prompts(client):
 
 
 def test_abort_ends_a_live_stream(client):
-    stream = client.generate(token_ids=[3, 4, 5], request_id="real-abort", temperature=0.0, ignore_eos=True,
-                             max_tokens=200)
+    stream = client.generate(
+        token_ids=[3, 4, 5], request_id="real-abort", temperature=0.0, ignore_eos=True, max_tokens=200
+    )
     next(stream)
     assert client.abort("real-abort")
     assert list(stream)[-1].finish_reason is FinishReason.ABORT
@@ -120,8 +123,21 @@ def test_model_info_and_health(client):
 
 
 def test_tandem_generate_streams_from_the_real_server(target, hf_model, capsys):
-    code = main(["generate", "--token-ids", ",".join(map(str, PROMPT)), "--target", target, "--json",
-                 "--temperature", "0", "--ignore-eos", "--max-tokens", "8"])
+    code = main(
+        [
+            "generate",
+            "--token-ids",
+            ",".join(map(str, PROMPT)),
+            "--target",
+            target,
+            "--json",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--max-tokens",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     messages = [json.loads(line) for line in out.splitlines()]

@@ -71,7 +71,11 @@ def test_documented_environment_variables_are_the_ones_the_code_reads():
 
     names = {name for name, _, _ in ENV_VARS}
     assert names == {
-        "TANDEM_HOME", AUTH_TOKEN_ENV, BACKEND_ENV, cpu_extension.DISABLE_ENV, cpu_linear.DISABLE_ENV
+        "TANDEM_HOME",
+        AUTH_TOKEN_ENV,
+        BACKEND_ENV,
+        cpu_extension.DISABLE_ENV,
+        cpu_linear.DISABLE_ENV,
     }
     assert '"TANDEM_HOME"' in inspect.getsource(model_store.tandem_home)
 

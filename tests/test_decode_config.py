@@ -45,9 +45,16 @@ def test_memory_size_rejects_nonsense(text):
 
 @pytest.mark.parametrize(
     "change",
-    [{"batching": "dynamic"}, {"port": 70000}, {"max_queue": -1}, {"max_tokens_cap": 0},
-     {"stream_interval": 0}, {"admission_watermark": 1.0}, {"drain_grace_seconds": -1},
-     {"event_log_size": 0}],
+    [
+        {"batching": "dynamic"},
+        {"port": 70000},
+        {"max_queue": -1},
+        {"max_tokens_cap": 0},
+        {"stream_interval": 0},
+        {"admission_watermark": 1.0},
+        {"drain_grace_seconds": -1},
+        {"event_log_size": 0},
+    ],
 )
 def test_config_rejects_out_of_range_settings(change):
     DecodeServiceConfig().validate()
@@ -66,13 +73,48 @@ def test_policies_by_name():
 
 
 def test_serve_decode_accepts_the_helm_chart_flags():
-    args = build_parser().parse_args([
-        "serve", "decode", "--model", "/models/m", "--dtype", "bfloat16", "--block-size", "32",
-        "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090", "--kv-cache-memory", "2GiB",
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--max-model-len", "2048",
-        "--policy", "wfq", "--tenant-weights", "a=2,b=1", "--batching", "static", "--threads", "4",
-        "--drain-grace-seconds", "30", "--log-format", "json", "--max-queue", "10", "--max-tokens-cap", "100",
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "decode",
+            "--model",
+            "/models/m",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "50051",
+            "--metrics-port",
+            "9090",
+            "--kv-cache-memory",
+            "2GiB",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "2048",
+            "--policy",
+            "wfq",
+            "--tenant-weights",
+            "a=2,b=1",
+            "--batching",
+            "static",
+            "--threads",
+            "4",
+            "--drain-grace-seconds",
+            "30",
+            "--log-format",
+            "json",
+            "--max-queue",
+            "10",
+            "--max-tokens-cap",
+            "100",
+        ]
+    )
     assert (args.command, args.tier) == ("serve", "decode")
     assert (args.policy, args.batching, args.block_size, args.max_model_len) == ("wfq", "static", 32, 2048)
     assert args.handler.__name__ == "_run_serve_decode"
@@ -84,12 +126,32 @@ def test_flags_become_engine_and_service_configs(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_AUTH_TOKEN", raising=False)
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    args = build_parser().parse_args([
-        "serve", "decode", "--dtype", "bfloat16", "--block-size", "32", "--kv-cache-memory", "512MiB",
-        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--policy", "wfq",
-        "--tenant-weights", "a=2", "--tls-cert", "c.pem", "--tls-key", "k.pem",
-        "--auth-token-file", str(token_file),
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "decode",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "512MiB",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+            "--policy",
+            "wfq",
+            "--tenant-weights",
+            "a=2",
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--auth-token-file",
+            str(token_file),
+        ]
+    )
     assert args.model is None
     engine_config = engine_config_from_args(args)
     assert (engine_config.dtype, engine_config.cache.block_size) == (torch.bfloat16, 32)

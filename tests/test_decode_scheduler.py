@@ -107,7 +107,8 @@ def test_new_requests_join_while_others_run_and_blocks_come_back(hf_model):
     for rid in late:
         joined = first_step(events, rid)
         still_running = [
-            other for other in (f"r{i}" for i in range(12))
+            other
+            for other in (f"r{i}" for i in range(12))
             if first_step(events, other) < joined <= last_step(events, other) and other != rid
         ]
         assert still_running, f"{rid} joined at step {joined} only after the whole batch had drained"
@@ -142,8 +143,9 @@ def test_long_prompt_is_chunked_while_decodes_keep_going(hf_model):
 
 def test_preemption_recomputes_and_outputs_match_hf(hf_model):
     # 8 requests of up to 44 tokens need 6 blocks each at full length: 48 blocks, the pool has 16.
-    engine = engine_for(hf_model, block_size=8, num_blocks=16, shuffle_seed=3, max_num_seqs=8,
-                        max_num_batched_tokens=64)
+    engine = engine_for(
+        hf_model, block_size=8, num_blocks=16, shuffle_seed=3, max_num_seqs=8, max_num_batched_tokens=64
+    )
     harness = Harness(engine)
     prompts = random_prompts(8, 24, min_len=10, max_len=20)
     for i, prompt in enumerate(prompts):
@@ -163,10 +165,16 @@ def test_preemption_recomputes_and_outputs_match_hf(hf_model):
     [
         # (request id, prompt length, max_tokens, priority)
         ("fifo", [("a", 9, 9, 0), ("b", 2, 2, 9), ("c", 5, 5, 0), ("d", 1, 1, 0)], ["a", "b", "c", "d"]),
-        ("priority", [("a", 3, 3, 0), ("b", 3, 3, 5), ("c", 3, 3, 1), ("d", 3, 3, 5), ("e", 3, 3, -1)],
-         ["b", "d", "c", "a", "e"]),
-        ("sjf", [("a", 20, 10, 0), ("b", 5, 5, 0), ("c", 10, 10, 0), ("d", 3, 2, 0), ("e", 15, 10, 0)],
-         ["d", "b", "c", "e", "a"]),
+        (
+            "priority",
+            [("a", 3, 3, 0), ("b", 3, 3, 5), ("c", 3, 3, 1), ("d", 3, 3, 5), ("e", 3, 3, -1)],
+            ["b", "d", "c", "a", "e"],
+        ),
+        (
+            "sjf",
+            [("a", 20, 10, 0), ("b", 5, 5, 0), ("c", 10, 10, 0), ("d", 3, 2, 0), ("e", 15, 10, 0)],
+            ["d", "b", "c", "e", "a"],
+        ),
     ],
 )
 def test_policy_admission_order(hf_model, policy, requests, expected):
@@ -261,9 +269,7 @@ def test_a_request_preempted_too_often_goes_first(hf_model, max_preemptions, fir
     events = harness.run()
     assert [rid for e in events for rid in e.preempted][0] == "low"
     victim_step = next(e.step for e in events if e.preempted)
-    readmitted = [
-        c.request_id for e in events[victim_step + 1 :] for c in e.chunks if c.kind == "prefill"
-    ]
+    readmitted = [c.request_id for e in events[victim_step + 1 :] for c in e.chunks if c.kind == "prefill"]
     assert readmitted[0] == first_after_victim
     assert all(rid in harness.finish for rid in ("low", "high", "high2"))
     assert engine.block_manager.num_free_blocks == 6
@@ -318,7 +324,9 @@ def test_abort_frees_waiting_prefilling_and_running_requests(hf_model):
     waiting = harness.submit("waiting", prompts[2], 5)
     harness.loop.step_once()
     assert (running.state, prefilling.state, waiting.state) == (
-        RequestState.RUNNING, RequestState.PREFILLING, RequestState.WAITING
+        RequestState.RUNNING,
+        RequestState.PREFILLING,
+        RequestState.WAITING,
     )
     assert engine.block_manager.num_free_blocks < 64
     for rid in ("running", "prefilling", "waiting"):

@@ -97,8 +97,10 @@ def server(model):
 
 
 def greedy_request(token_ids=(), max_tokens=None, **kwargs) -> pb.GenerateRequest:
-    stopping = pb.StoppingParams(ignore_eos=True, max_tokens=max_tokens) if max_tokens else pb.StoppingParams(
-        ignore_eos=True
+    stopping = (
+        pb.StoppingParams(ignore_eos=True, max_tokens=max_tokens)
+        if max_tokens
+        else pb.StoppingParams(ignore_eos=True)
     )
     return pb.GenerateRequest(
         token_ids=list(token_ids), sampling=pb.SamplingParams(temperature=0.0), stopping=stopping, **kwargs
@@ -169,7 +171,8 @@ def test_text_prompt_chat_and_stop_string(server, model):
     tokenizer = Tokenizer.from_pretrained(model[0])
     text_prompt = "Hello, world! How are you today?"
     request = pb.GenerateRequest(
-        prompt=text_prompt, sampling=pb.SamplingParams(temperature=0.0),
+        prompt=text_prompt,
+        sampling=pb.SamplingParams(temperature=0.0),
         stopping=pb.StoppingParams(max_tokens=24, ignore_eos=True),
     )
     responses = list(server.stub.Generate(request, timeout=60))
@@ -211,27 +214,42 @@ BAD_INPUTS = [
     ("neither prompt nor token_ids", pb.GenerateRequest(), "none was given"),
     ("empty prompt", pb.GenerateRequest(prompt=""), "none was given"),
     ("prompt and token_ids", _with(VALID, lambda r: setattr(r, "prompt", "hi")), "got prompt and token_ids"),
-    ("token_ids and messages", _with(VALID, lambda r: r.messages.add(role="user", content="hi")),
-     "got token_ids and messages"),
+    (
+        "token_ids and messages",
+        _with(VALID, lambda r: r.messages.add(role="user", content="hi")),
+        "got token_ids and messages",
+    ),
     ("token id past the vocab", greedy_request([5, TINY_VOCAB_SIZE], 4), "outside the vocabulary"),
     ("negative token id", greedy_request([-1], 4), "outside the vocabulary"),
     ("prompt longer than max_model_len", greedy_request([5] * MAX_MODEL_LEN, 4), "max_model_len"),
     ("max_tokens 0", _with(VALID, lambda r: setattr(r.stopping, "max_tokens", 0)), "max_tokens must be >= 1"),
     ("negative max_tokens", _with(VALID, lambda r: setattr(r.stopping, "max_tokens", -3)), "max_tokens"),
     ("prompt + max_tokens too long", greedy_request([5] * 200, 100), "exceeds max_model_len"),
-    ("negative temperature", _with(VALID, lambda r: setattr(r.sampling, "temperature", -0.5)),
-     "temperature must be >= 0"),
+    (
+        "negative temperature",
+        _with(VALID, lambda r: setattr(r.sampling, "temperature", -0.5)),
+        "temperature must be >= 0",
+    ),
     ("top_p 0", _with(VALID, lambda r: setattr(r.sampling, "top_p", 0.0)), "top_p must be in (0, 1]"),
     ("top_p above 1", _with(VALID, lambda r: setattr(r.sampling, "top_p", 1.5)), "top_p must be in (0, 1]"),
     ("top_k below -1", _with(VALID, lambda r: setattr(r.sampling, "top_k", -2)), "top_k"),
     ("logprobs above 20", _with(VALID, lambda r: setattr(r.sampling, "logprobs", 21)), "logprobs must be in"),
     ("negative logprobs", _with(VALID, lambda r: setattr(r.sampling, "logprobs", -1)), "logprobs must be in"),
-    ("unknown chat role", pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
-     "role must be one of"),
-    ("stop token past the vocab", _with(VALID, lambda r: r.stopping.stop_token_ids.append(TINY_VOCAB_SIZE)),
-     "stop_token_ids"),
-    ("min_tokens above max_tokens", _with(VALID, lambda r: setattr(r.stopping, "min_tokens", 9)),
-     "min_tokens"),
+    (
+        "unknown chat role",
+        pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+        "role must be one of",
+    ),
+    (
+        "stop token past the vocab",
+        _with(VALID, lambda r: r.stopping.stop_token_ids.append(TINY_VOCAB_SIZE)),
+        "stop_token_ids",
+    ),
+    (
+        "min_tokens above max_tokens",
+        _with(VALID, lambda r: setattr(r.stopping, "min_tokens", 9)),
+        "min_tokens",
+    ),
 ]
 
 
@@ -337,8 +355,10 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(model):
         drain = asyncio.run_coroutine_threadsafe(running.server.drain(), running._loop)
         health = health_pb2_grpc.HealthStub(running.channel)
         assert wait_until(
-            lambda: health.Check(health_pb2.HealthCheckRequest()).status
-            == health_pb2.HealthCheckResponse.NOT_SERVING
+            lambda: (
+                health.Check(health_pb2.HealthCheckRequest()).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
         )
         with pytest.raises(grpc.RpcError) as refused:
             list(running.stub.Generate(greedy_request([1, 2], 2), timeout=30))
@@ -352,14 +372,16 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(model):
         running.close()
 
 
-
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     """A throwaway P-256 certificate for localhost/127.0.0.1 that is its own trust anchor."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
@@ -411,9 +433,29 @@ def _tandem_command() -> list[str]:
 @pytest.mark.slow
 def test_sigterm_drains_a_tandem_serve_decode_process(model):
     command = [
-        *_tandem_command(), "serve", "decode", "--model", str(model[0]), "--host", "127.0.0.1", "--port", "0",
-        "--threads", "1", "--block-size", "8", "--kv-cache-memory", "16MiB", "--max-model-len", "2048",
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--drain-grace-seconds", "60",
+        *_tandem_command(),
+        "serve",
+        "decode",
+        "--model",
+        str(model[0]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--block-size",
+        "8",
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+        "--drain-grace-seconds",
+        "60",
     ]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
@@ -440,8 +482,10 @@ def test_sigterm_drains_a_tandem_serve_decode_process(model):
             received = [next(stream)]
             process.send_signal(signal.SIGTERM)
             assert wait_until(
-                lambda: health.Check(health_pb2.HealthCheckRequest()).status
-                == health_pb2.HealthCheckResponse.NOT_SERVING
+                lambda: (
+                    health.Check(health_pb2.HealthCheckRequest()).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING
+                )
             )
             with pytest.raises(grpc.RpcError) as refused:
                 list(stub.Generate(greedy_request([1, 2], 2), timeout=30))

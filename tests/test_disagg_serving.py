@@ -420,9 +420,17 @@ def test_prefill_frees_everything_when_its_caller_process_dies(model):
     prefill.gate.delay_s = 0.05
     prompt = prompts_of([600], seed=13)[0]
     caller = subprocess.Popen(
-        [sys.executable, "-c", VANISHING_CALLER, prefill.address, prefill.server.compatibility_hash,
-         ",".join(map(str, prompt))],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
+        [
+            sys.executable,
+            "-c",
+            VANISHING_CALLER,
+            prefill.address,
+            prefill.server.compatibility_hash,
+            ",".join(map(str, prompt)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
     )
     try:
         assert caller.stdout.readline().strip() == "kv"
@@ -555,7 +563,10 @@ def test_mutual_tls_toward_prefill_through_a_dns_target(model, tmp_path):
     prefill = RunningPrefill(model_dir, tls=TLSConfig(server_cert, server_key, client_ca=ca_path))
     target = f"dns:///localhost:{prefill.port}"
     trusted = RunningDecode(
-        model_dir, prefill=target, prefill_tls_ca=ca_path, prefill_tls_cert=client_cert,
+        model_dir,
+        prefill=target,
+        prefill_tls_ca=ca_path,
+        prefill_tls_cert=client_cert,
         prefill_tls_key=client_key,
     )
     anonymous = RunningDecode(model_dir, prefill=target, prefill_tls_ca=ca_path)
@@ -589,9 +600,25 @@ class PrefillProcess:
 
     def __init__(self, model_dir: Path) -> None:
         command = [
-            *_tandem_command(), "serve", "prefill", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", "0", "--threads", "1", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "64MiB",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
+            *_tandem_command(),
+            "serve",
+            "prefill",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens",
+            "16",
         ]
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
@@ -713,10 +740,29 @@ def test_tandem_serve_decode_with_prefill_flags(model, two_prefills):
     model_dir, hf = model
     prefill = two_prefills[0]
     command = [
-        *_tandem_command(), "serve", "decode", "--model", str(model_dir), "--host", "127.0.0.1",
-        "--port", "0", "--threads", "1", "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "16MiB",
-        "--max-model-len", str(MAX_MODEL_LEN), "--prefill", prefill.address,
-        "--local-prefill-threshold", "20", "--prefill-timeout", "30",
+        *_tandem_command(),
+        "serve",
+        "decode",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--prefill",
+        prefill.address,
+        "--local-prefill-threshold",
+        "20",
+        "--prefill-timeout",
+        "30",
     ]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
@@ -740,7 +786,9 @@ def test_tandem_serve_decode_with_prefill_flags(model, two_prefills):
             stub = generation_pb2_grpc.GenerationStub(channel)
             for request_id, prompt in (("cli-short", short), ("cli-long", long)):
                 request = pb.GenerateRequest(
-                    request_id=request_id, token_ids=prompt, sampling=pb.SamplingParams(temperature=0.0),
+                    request_id=request_id,
+                    token_ids=prompt,
+                    sampling=pb.SamplingParams(temperature=0.0),
                     stopping=pb.StoppingParams(max_tokens=4, ignore_eos=True),
                 )
                 assert tokens_of(stub.Generate(request, timeout=60)) == hf_greedy(hf, prompt, 4)

@@ -49,8 +49,17 @@ def test_prefill_targets_parse():
 
 @pytest.mark.parametrize(
     "text",
-    ["prefill", "prefill:", ":50052", "prefill:0", "prefill:70000", "dns://prefill:1", "[::zz]:5", "a:1,a:1",
-     "http://prefill:1"],
+    [
+        "prefill",
+        "prefill:",
+        ":50052",
+        "prefill:0",
+        "prefill:70000",
+        "dns://prefill:1",
+        "[::zz]:5",
+        "a:1,a:1",
+        "http://prefill:1",
+    ],
 )
 def test_prefill_targets_refuse_nonsense(text):
     with pytest.raises(PrefillTargetError):
@@ -67,14 +76,27 @@ def test_dns_target_resolves_to_addresses():
 
 def test_serve_decode_takes_the_helm_chart_prefill_flags(monkeypatch):
     monkeypatch.delenv("TANDEM_AUTH_TOKEN", raising=False)
-    args = build_parser().parse_args([
-        "serve", "decode", "--model", "/models/m",
-        "--prefill", "dns:///llm-tandem-prefill.inference.svc.cluster.local:50052",
-        "--local-prefill-threshold", "256", "--fallback-local", "--prefill-timeout", "12.5",
-        "--prefill-tls-ca", "/etc/tandem/tls/prefill-client/ca.crt",
-        "--prefill-tls-cert", "/etc/tandem/tls/prefill-client/tls.crt",
-        "--prefill-tls-key", "/etc/tandem/tls/prefill-client/tls.key",
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "decode",
+            "--model",
+            "/models/m",
+            "--prefill",
+            "dns:///llm-tandem-prefill.inference.svc.cluster.local:50052",
+            "--local-prefill-threshold",
+            "256",
+            "--fallback-local",
+            "--prefill-timeout",
+            "12.5",
+            "--prefill-tls-ca",
+            "/etc/tandem/tls/prefill-client/ca.crt",
+            "--prefill-tls-cert",
+            "/etc/tandem/tls/prefill-client/tls.crt",
+            "--prefill-tls-key",
+            "/etc/tandem/tls/prefill-client/tls.key",
+        ]
+    )
     config = service_config_from_args(args)
     assert config.disaggregated and config.prefill_tls and config.fallback_local
     assert config.prefill_targets == (
@@ -87,8 +109,14 @@ def test_serve_decode_takes_the_helm_chart_prefill_flags(monkeypatch):
 
 @pytest.mark.parametrize(
     "change",
-    [{"prefill": "nowhere"}, {"local_prefill_threshold": -1}, {"prefill_timeout_s": 0},
-     {"prefill_max_attempts": 0}, {"prefill_resolve_interval_s": 0}, {"prefill_tls_cert": "c.pem"}],
+    [
+        {"prefill": "nowhere"},
+        {"local_prefill_threshold": -1},
+        {"prefill_timeout_s": 0},
+        {"prefill_max_attempts": 0},
+        {"prefill_resolve_interval_s": 0},
+        {"prefill_tls_cert": "c.pem"},
+    ],
 )
 def test_config_refuses_bad_prefill_settings(change):
     DecodeServiceConfig(prefill="p:1").validate()

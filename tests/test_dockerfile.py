@@ -126,12 +126,16 @@ def excluded(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
 
 def python_packages() -> list[str]:
     """Top-level package directories that pyproject.toml's package discovery includes."""
-    section = re.search(r"^\[tool\.setuptools\.packages\.find\]\s*^include\s*=\s*\[(.*?)\]",
-                        (ROOT / "pyproject.toml").read_text(), re.MULTILINE | re.DOTALL)
+    section = re.search(
+        r"^\[tool\.setuptools\.packages\.find\]\s*^include\s*=\s*\[(.*?)\]",
+        (ROOT / "pyproject.toml").read_text(),
+        re.MULTILINE | re.DOTALL,
+    )
     assert section is not None, "pyproject.toml lists its packages under [tool.setuptools.packages.find]"
     includes = [re.compile(glob.replace("*", ".*")) for glob in re.findall(r'"([^"]+)"', section.group(1))]
     return sorted(
-        entry.name for entry in ROOT.iterdir()
+        entry.name
+        for entry in ROOT.iterdir()
         if (entry / "__init__.py").is_file() and any(p.fullmatch(entry.name) for p in includes)
     )
 
@@ -141,8 +145,12 @@ def test_hadolint_is_clean() -> None:
     hadolint = shutil.which("hadolint", path=search_path)
     if hadolint is None:
         pytest.skip(HADOLINT_UNAVAILABLE)
-    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -172,8 +180,9 @@ def test_final_stage_is_unprivileged_and_has_no_build_tools(dockerfile: tuple[li
     for command in runtime.all("RUN"):
         assert not BUILD_TOOLS.search(command), f"build tooling in the final stage: {command}"
     for copy in runtime.all("COPY"):
-        assert copy.startswith("--from=") and copy.split()[0].removeprefix("--from=") in builder_names, \
+        assert copy.startswith("--from=") and copy.split()[0].removeprefix("--from=") in builder_names, (
             f"the final stage only takes the built virtualenv: COPY {copy}"
+        )
     assert not runtime.all("HEALTHCHECK"), "Kubernetes probes grpc.health.v1 itself"
     assert not any(kw == "HEALTHCHECK" for stage in stages for kw, _ in stage.instructions)
 
@@ -190,8 +199,12 @@ def test_image_matches_what_the_chart_runs(dockerfile: tuple[list, list[Stage]])
     env = " ".join(runtime.all("ENV"))
     assert f"TANDEM_HOME={values['model']['storage']['mountPath']}" in env
     exposed = {int(port) for args in runtime.all("EXPOSE") for port in args.split()}
-    assert {values["decode"]["port"], values["prefill"]["port"], values["decode"]["metricsPort"],
-            values["prefill"]["metricsPort"]} == exposed
+    assert {
+        values["decode"]["port"],
+        values["prefill"]["port"],
+        values["decode"]["metricsPort"],
+        values["prefill"]["metricsPort"],
+    } == exposed
 
 
 def test_every_package_is_copied_and_survives_dockerignore(dockerfile: tuple[list, list[Stage]]) -> None:
@@ -212,15 +225,24 @@ def _files_under(directory: str) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(ROOT / directory):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        found += [str((Path(dirpath) / name).relative_to(ROOT)) for name in filenames
-                  if not name.endswith(".pyc")]
+        found += [
+            str((Path(dirpath) / name).relative_to(ROOT)) for name in filenames if not name.endswith(".pyc")
+        ]
     return found
 
 
-@pytest.mark.parametrize("path", [
-    ".venv/bin/python", ".git/config", "tests/test_helm.py", "helm/tandem/Chart.yaml",
-    "engine/__pycache__/model.cpython-311.pyc", "bench/results/run.json", ".env",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv/bin/python",
+        ".git/config",
+        "tests/test_helm.py",
+        "helm/tandem/Chart.yaml",
+        "engine/__pycache__/model.cpython-311.pyc",
+        "bench/results/run.json",
+        ".env",
+    ],
+)
 def test_dockerignore_keeps_out_what_the_image_does_not_need(path: str) -> None:
     assert excluded(path, dockerignore_rules(DOCKERIGNORE.read_text()))
 

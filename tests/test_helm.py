@@ -85,6 +85,7 @@ def parse_manifests(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def rendered(helm: Path) -> dict[str, list[dict]]:
     """Every variant rendered once; helm runs in parallel since each call is mostly startup."""
+
     def render(variant: str) -> list[dict]:
         return parse_manifests(run_helm(helm, *template_args(CHART, CI_VALUES.get(variant))).stdout)
 
@@ -160,8 +161,15 @@ def test_helm_lint_strict(helm: Path, variant: str) -> None:
 
 def test_ci_values_cover_every_optional_feature(rendered: dict[str, list[dict]]) -> None:
     kinds = {doc["kind"] for doc in rendered["all-features"]}
-    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor",
-            "PersistentVolumeClaim", "ConfigMap", "ServiceAccount"} <= kinds
+    assert {
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "ServiceMonitor",
+        "PersistentVolumeClaim",
+        "ConfigMap",
+        "ServiceAccount",
+    } <= kinds
     assert len(by_kind(rendered["all-features"], "ServiceMonitor")) == 2
 
 
@@ -327,12 +335,18 @@ def test_one_image_runs_both_tiers_with_different_args(rendered: dict[str, list[
 
 def test_resources_and_replicas_follow_values(helm: Path, tmp_path: Path) -> None:
     values = {
-        "prefill": {"replicaCount": 3, "threads": 6,
-                    "resources": {"requests": {"cpu": "6", "memory": "10Gi"}, "limits": {"memory": "12Gi"}}},
-        "decode": {"replicaCount": 5, "kvCacheMemory": "3GiB", "maxNumSeqs": 96,
-                   "nodeSelector": {"pool": "gpu"},
-                   "gpu": {"enabled": True, "count": 2, "resourceName": "nvidia.com/gpu",
-                           "tolerateTaint": True}},
+        "prefill": {
+            "replicaCount": 3,
+            "threads": 6,
+            "resources": {"requests": {"cpu": "6", "memory": "10Gi"}, "limits": {"memory": "12Gi"}},
+        },
+        "decode": {
+            "replicaCount": 5,
+            "kvCacheMemory": "3GiB",
+            "maxNumSeqs": 96,
+            "nodeSelector": {"pool": "gpu"},
+            "gpu": {"enabled": True, "count": 2, "resourceName": "nvidia.com/gpu", "tolerateTaint": True},
+        },
     }
     manifests = parse_manifests(run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout)
     assert deployment(manifests, "prefill")["spec"]["replicas"] == 3
@@ -446,9 +460,15 @@ def test_disruption_budgets_select_their_tier(rendered: dict[str, list[dict]]) -
             other = "decode" if component == "prefill" else "prefill"
             assert not selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(manifests, other))
     assert named(rendered["default"], "PodDisruptionBudget", f"{RELEASE}-decode")["spec"] == {
-        "maxUnavailable": 1, "selector": {"matchLabels": {
-            "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE,
-            "app.kubernetes.io/component": "decode"}}}
+        "maxUnavailable": 1,
+        "selector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "tandem",
+                "app.kubernetes.io/instance": RELEASE,
+                "app.kubernetes.io/component": "decode",
+            }
+        },
+    }
     prefill_pdb = named(rendered["all-features"], "PodDisruptionBudget", f"{RELEASE}-prefill")
     assert prefill_pdb["spec"]["minAvailable"] == 1
 
@@ -458,12 +478,21 @@ def test_tls_and_token_come_from_secrets(rendered: dict[str, list[dict]]) -> Non
     values = load_ci_values("all-features")
     prefill, decode = container(manifests, "prefill"), container(manifests, "decode")
     assert arg_value(prefill["args"], "--tls-client-ca").endswith("/ca.crt"), "prefill requires client certs"
-    for flag in ("--prefill-tls-ca", "--prefill-tls-cert", "--prefill-tls-key", "--tls-cert", "--tls-key",
-                 "--auth-token-file"):
+    for flag in (
+        "--prefill-tls-ca",
+        "--prefill-tls-cert",
+        "--prefill-tls-key",
+        "--tls-cert",
+        "--tls-key",
+        "--auth-token-file",
+    ):
         assert arg_value(decode["args"], flag).startswith("/etc/tandem/")
     secrets = {
-        component: {vol["secret"]["secretName"] for vol in pod_spec(manifests, component)["volumes"]
-                    if "secret" in vol}
+        component: {
+            vol["secret"]["secretName"]
+            for vol in pod_spec(manifests, component)["volumes"]
+            if "secret" in vol
+        }
         for component in ("prefill", "decode")
     }
     tls = values["tls"]
@@ -531,8 +560,9 @@ def test_tools_dir_follows_tandem_home(monkeypatch: pytest.MonkeyPatch, tmp_path
 # ---------------------------------------------------------------- the TLS health probe client
 
 
-def _certificate_pair(common_name: str, issuer: tuple | None, *, ca: bool = False,
-                      san: str | None = None) -> tuple[bytes, bytes, object, object]:
+def _certificate_pair(
+    common_name: str, issuer: tuple | None, *, ca: bool = False, san: str | None = None
+) -> tuple[bytes, bytes, object, object]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -543,7 +573,10 @@ def _certificate_pair(common_name: str, issuer: tuple | None, *, ca: bool = Fals
     issuer_name, issuer_key = issuer if issuer else (name, key)
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
@@ -552,8 +585,9 @@ def _certificate_pair(common_name: str, issuer: tuple | None, *, ca: bool = Fals
     if san:
         builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False)
     cert = builder.sign(issuer_key, hashes.SHA256())
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem, name, key
 
 
@@ -574,19 +608,33 @@ def mtls_health_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
     servicer = health.HealthServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    credentials = grpc.ssl_server_credentials([(server_key, server_pem)], root_certificates=ca_pem,
-                                              require_client_auth=True)
+    credentials = grpc.ssl_server_credentials(
+        [(server_key, server_pem)], root_certificates=ca_pem, require_client_auth=True
+    )
     port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
-    yield {"port": port, "dir": directory, "server_name": server_name, "servicer": servicer,
-           "status": health_pb2.HealthCheckResponse}
+    yield {
+        "port": port,
+        "dir": directory,
+        "server_name": server_name,
+        "servicer": servicer,
+        "status": health_pb2.HealthCheckResponse,
+    }
     server.stop(grace=None)
 
 
 def _probe(server: dict, *, server_name: str | None = None, client_cert: bool = True) -> int:
     directory = server["dir"]
-    argv = ["--port", str(server["port"]), "--server-name", server_name or server["server_name"],
-            "--ca", str(directory / "ca.crt"), "--timeout", "5"]
+    argv = [
+        "--port",
+        str(server["port"]),
+        "--server-name",
+        server_name or server["server_name"],
+        "--ca",
+        str(directory / "ca.crt"),
+        "--timeout",
+        "5",
+    ]
     if client_cert:
         argv += ["--cert", str(directory / "tls.crt"), "--key", str(directory / "tls.key")]
     return health_probe.main(argv)

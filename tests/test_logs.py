@@ -47,7 +47,9 @@ def model_dir(tmp_path_factory):
 
 def engine_config() -> EngineConfig:
     return EngineConfig(
-        cache=CacheConfig(block_size=8, num_blocks=64), max_model_len=256, max_num_seqs=4,
+        cache=CacheConfig(block_size=8, num_blocks=64),
+        max_model_len=256,
+        max_num_seqs=4,
         max_num_batched_tokens=64,
     )
 
@@ -111,7 +113,9 @@ def decode(model_dir) -> Iterator[ServerThread]:
 
 def generate(port: int, request_id: str, max_tokens: int) -> list[pb.GenerateResponse]:
     request = pb.GenerateRequest(
-        request_id=request_id, prompt=SECRET_PROMPT, sampling=pb.SamplingParams(temperature=0.0),
+        request_id=request_id,
+        prompt=SECRET_PROMPT,
+        sampling=pb.SamplingParams(temperature=0.0),
         stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -157,17 +161,24 @@ def test_prefill_lines_carry_the_request_id_and_no_prompt_ids_by_default(model_d
         with grpc.insecure_channel(f"127.0.0.1:{running.port}", options=options) as channel:
             stub = prefill_pb2_grpc.PrefillStub(channel)
             request = prefill_pb2.PrefillRequest(
-                request_id="pre-1", prompt_token_ids=[11, 12, 13, 14, 15],
+                request_id="pre-1",
+                prompt_token_ids=[11, 12, 13, 14, 15],
                 compatibility_hash=running.server.compatibility_hash,
                 sampling=pb.SamplingParams(temperature=0.0),
             )
             list(stub.Prefill(request, timeout=60))
             set_log_prompts(True)
-            list(stub.Prefill(prefill_pb2.PrefillRequest(
-                request_id="pre-2", prompt_token_ids=[21, 22, 23],
-                compatibility_hash=running.server.compatibility_hash,
-                sampling=pb.SamplingParams(temperature=0.0),
-            ), timeout=60))
+            list(
+                stub.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id="pre-2",
+                        prompt_token_ids=[21, 22, 23],
+                        compatibility_hash=running.server.compatibility_hash,
+                        sampling=pb.SamplingParams(temperature=0.0),
+                    ),
+                    timeout=60,
+                )
+            )
     finally:
         running.close()
     entries = [e for e in parsed(json_log) if e.get("event", "").startswith("prefill")]

@@ -176,8 +176,14 @@ def test_gauges_read_live_state_at_scrape_time(decode):
 
 def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
     counters = SimpleNamespace(
-        local_prefills=2, remote_prefills_completed=5, remote_prefills_failed=1, fallbacks_local=1,
-        attempt_failures=3, retries=2, kv_bytes_received=123456, transfer_seconds=0.75,
+        local_prefills=2,
+        remote_prefills_completed=5,
+        remote_prefills_failed=1,
+        fallbacks_local=1,
+        attempt_failures=3,
+        retries=2,
+        kv_bytes_received=123456,
+        transfer_seconds=0.75,
     )
     decode.server.metrics.watch_prefill_transfer(counters)
     samples = decode.scrape()
@@ -228,10 +234,7 @@ def test_concurrent_streams_per_connection_are_capped(model_dir):
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             list(stub.Generate(greedy([1], 1), timeout=60))  # the connection now knows the server's limit
-            calls = [
-                stub.Generate(greedy([i + 1, i + 2], 24, min_tokens=0), timeout=60)
-                for i in range(3)
-            ]
+            calls = [stub.Generate(greedy([i + 1, i + 2], 24, min_tokens=0), timeout=60) for i in range(3)]
             results = [list(call) for call in calls]
         records = running.server.events.snapshot()
         ids = [r[0].request_id for r in results]
@@ -262,15 +265,23 @@ def test_prefill_metrics_count_prompts_bytes_and_outcomes(prefill):
         payload = 0
         for i, prompt in enumerate(prompts):
             request = prefill_pb2.PrefillRequest(
-                request_id=f"p{i}", prompt_token_ids=prompt, compatibility_hash=own_hash,
+                request_id=f"p{i}",
+                prompt_token_ids=prompt,
+                compatibility_hash=own_hash,
                 sampling=pb.SamplingParams(temperature=0.0),
             )
             responses = list(stub.Prefill(request, timeout=60))
             assert responses[-1].WhichOneof("kind") == "done"
             payload += sum(len(r.kv.payload) for r in responses if r.WhichOneof("kind") == "kv")
         with pytest.raises(grpc.RpcError):
-            list(stub.Prefill(prefill_pb2.PrefillRequest(request_id="bad", prompt_token_ids=[1],
-                                                         compatibility_hash="nope"), timeout=60))
+            list(
+                stub.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id="bad", prompt_token_ids=[1], compatibility_hash="nope"
+                    ),
+                    timeout=60,
+                )
+            )
     samples = prefill.scrape()
     assert value(samples, "tandem:prompt_tokens_total") == sum(len(p) for p in prompts)
     assert value(samples, "tandem:kv_transfer_bytes_total") == payload > 0

@@ -275,8 +275,14 @@ def test_fetch_writes_a_loadable_plain_checkpoint(tmp_path: Path, fake_source: d
     model_dir = fetch_default_model(home)
     assert model_dir == default_model_dir(home)
     assert is_complete(model_dir)
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert (model_dir / name).is_file(), name
     config = json.loads((model_dir / "config.json").read_text())
     assert "quantization_config" not in config
@@ -394,7 +400,10 @@ def test_cli_fetch_model_subprocess_prints_dir(tmp_path: Path):
     model_dir = make_fake_complete_cache(tmp_path)
     completed = subprocess.run(
         [*_tandem_command(), "fetch-model", "--home", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip().splitlines()[-1] == str(model_dir)

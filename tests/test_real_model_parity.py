@@ -41,6 +41,6 @@ def test_smollm2_chat_greedy_matches_transformers(real_model_dir):
             ref = hf.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
             )
-        assert seq.output_token_ids == ref[0, len(prompt):].tolist()
+        assert seq.output_token_ids == ref[0, len(prompt) :].tolist()
     answer = engine.tokenizer.decode(ours[0].output_token_ids)
     assert "Paris" in answer

@@ -78,8 +78,14 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                    key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
                     decipher_only=False,
                 ),
                 critical=True,
@@ -133,8 +139,12 @@ def pki(tmp_path_factory) -> Pki:
     ca = CertificateAuthority(directory, "tandem")
     rogue = CertificateAuthority(directory, "rogue")
     return Pki(
-        ca, ca.issue("server", server=True), ca.issue("client", server=False),
-        rogue, rogue.issue("rogue-server", server=True), rogue.issue("rogue-client", server=False),
+        ca,
+        ca.issue("server", server=True),
+        ca.issue("client", server=False),
+        rogue,
+        rogue.issue("rogue-server", server=True),
+        rogue.issue("rogue-client", server=False),
     )
 
 

@@ -30,7 +30,8 @@ def test_groups_per_request_and_flushes_endings():
     buffer([StreamDelta(a, error=InvalidRequestError("boom"))])
     flat = [
         (d.request.request_id, d.token_ids, d.text, d.finish_reason, d.error is not None)
-        for step in sent for d in step
+        for step in sent
+        for d in step
     ]
     assert flat == [
         ("a", [1], "<1>", None, False),

@@ -142,7 +142,10 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, block_size):
     scale = head_dim**-0.5
 
     plan = triton_decode.plan_splits(
-        len(seq_lens), kv_heads, table.shape[1] * block_size, triton_common.DEFAULT_NUM_SMS,
+        len(seq_lens),
+        kv_heads,
+        table.shape[1] * block_size,
+        triton_common.DEFAULT_NUM_SMS,
         triton_decode.kv_tile_size(head_dim),
     )
     assert plan.num_splits >= 3 and plan.split_size * (plan.num_splits - 1) < seq_lens[-1]
@@ -481,7 +484,10 @@ def test_gpu_benchmark_dry_run(repo_root, tmp_path):
     out = tmp_path / "kernels.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.kernels_gpu", "--dry-run", "--out", str(out)],
-        cwd=repo_root, capture_output=True, text=True, timeout=300,
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

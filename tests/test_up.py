@@ -39,11 +39,28 @@ def test_threads_split_decode_half_capped_prefill_the_rest(total, expected):
 
 
 def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
-    args = build_parser().parse_args([
-        "up", "--model", "/models/m", "--threads", "4", "--block-size", "8", "--port", "7001",
-        "--prefill-port", "7002", "--metrics-port", "0", "--log-format", "json", "--log-prompts",
-        "--decode-args", "--max-num-seqs 4 --threads 3",
-    ])
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--model",
+            "/models/m",
+            "--threads",
+            "4",
+            "--block-size",
+            "8",
+            "--port",
+            "7001",
+            "--prefill-port",
+            "7002",
+            "--metrics-port",
+            "0",
+            "--log-format",
+            "json",
+            "--log-prompts",
+            "--decode-args",
+            "--max-num-seqs 4 --threads 3",
+        ]
+    )
     prefill, decode = tier_specs(args, Path("/models/m"), disaggregated=True)
     assert (prefill.name, prefill.port, prefill.threads) == ("prefill", 7002, 2)
     assert (decode.name, decode.port, decode.threads) == ("decode", 7001, 2)
@@ -74,8 +91,10 @@ def test_status_line_reads_requests_kv_usage_and_prefill_queue():
     status = StatusLine("http://127.0.0.1:1/metrics", None)
     line = status.render(
         {
-            "tandem:num_requests_running": 3, "tandem:num_requests_waiting": 1,
-            "tandem:kv_cache_usage_perc": 0.25, "tandem:generation_tokens_total": 10,
+            "tandem:num_requests_running": 3,
+            "tandem:num_requests_waiting": 1,
+            "tandem:kv_cache_usage_perc": 0.25,
+            "tandem:generation_tokens_total": 10,
         },
         {"tandem:prefill_queue_depth": 2},
     )
@@ -123,10 +142,25 @@ class UpProcess:
     def __init__(self, extra_flags: list[str]) -> None:
         self.port, prefill_port, self.metrics_port, prefill_metrics_port = free_ports(4)
         command = [
-            *tandem_command(), "up", "--port", str(self.port), "--prefill-port", str(prefill_port),
-            "--metrics-port", str(self.metrics_port), "--prefill-metrics-port", str(prefill_metrics_port),
-            "--threads", "2", "--log-format", "json", "--startup-timeout", str(START_TIMEOUT_S),
-            "--stop-timeout", "30", *extra_flags,
+            *tandem_command(),
+            "up",
+            "--port",
+            str(self.port),
+            "--prefill-port",
+            str(prefill_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--prefill-metrics-port",
+            str(prefill_metrics_port),
+            "--threads",
+            "2",
+            "--log-format",
+            "json",
+            "--startup-timeout",
+            str(START_TIMEOUT_S),
+            "--stop-timeout",
+            "30",
+            *extra_flags,
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout: list[str] = []
@@ -214,8 +248,9 @@ def test_up_with_the_default_model_streams_a_real_answer(real_model_dir):
     process = UpProcess(["--kv-cache-memory", "256MiB", "--max-model-len", "1024"])
     try:
         process.wait_ready()
-        result = process.generate("--chat", "--max-tokens", "24", "--temperature", "0",
-                                  "What is the capital of France?")
+        result = process.generate(
+            "--chat", "--max-tokens", "24", "--temperature", "0", "What is the capital of France?"
+        )
         assert result.returncode == 0, result.stderr + process.log()
         assert re.search(r"[A-Za-z]{3,}", result.stdout), result.stdout
         process.process.send_signal(signal.SIGTERM)

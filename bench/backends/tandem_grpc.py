@@ -34,8 +34,11 @@ class TandemBackend:
     async def stream(self, request: WorkloadRequest, request_id: str) -> AsyncIterator[int]:
         assert self._client is not None, "open() first"
         async for delta in self._client.generate(
-            token_ids=request.prompt_token_ids, temperature=0.0, max_tokens=request.output_len,
-            ignore_eos=True, request_id=request_id,
+            token_ids=request.prompt_token_ids,
+            temperature=0.0,
+            max_tokens=request.output_len,
+            ignore_eos=True,
+            request_id=request_id,
         ):
             if delta.token_ids:
                 yield len(delta.token_ids)

@@ -1,10 +1,10 @@
 """Python client of the tandem public API (tandem.v1.Generation), blocking and asyncio.
 
-    from tandem.client import TandemClient
+from tandem.client import TandemClient
 
-    with TandemClient("localhost:50051") as client:
-        for delta in client.generate("Once upon a time", max_tokens=32, temperature=0.7):
-            print(delta.text, end="", flush=True)
+with TandemClient("localhost:50051") as client:
+    for delta in client.generate("Once upon a time", max_tokens=32, temperature=0.7):
+        print(delta.text, end="", flush=True)
 """
 
 from tandem.client.async_client import AsyncTandemClient

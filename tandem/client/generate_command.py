@@ -63,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
     stopping.add_argument(
-        "--stop-token-ids", type=_int_list, action="extend", default=[], metavar="IDS",
+        "--stop-token-ids",
+        type=_int_list,
+        action="extend",
+        default=[],
+        metavar="IDS",
         help="stop token ids, e.g. 2,7 (repeatable)",
     )
     stopping.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")

@@ -49,8 +49,13 @@ def build_request(
         # A bare string would otherwise become one stop string per character.
         stop = (stop,)
     sampling = pb.SamplingParams(logprobs=logprobs)
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-                        ("seed", seed)):
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("min_p", min_p),
+        ("seed", seed),
+    ):
         if value is not None:
             setattr(sampling, name, value)
     stopping = pb.StoppingParams(

@@ -46,8 +46,15 @@ class TandemClient:
         options: Iterable[tuple[str, Any]] = (),
     ) -> None:
         self._settings = ConnectionSettings.create(
-            target, tls=tls, ca_cert=ca_cert, client_cert=client_cert, client_key=client_key,
-            tls_server_name=tls_server_name, auth_token=auth_token, timeout=timeout, options=options,
+            target,
+            tls=tls,
+            ca_cert=ca_cert,
+            client_cert=client_cert,
+            client_key=client_key,
+            tls_server_name=tls_server_name,
+            auth_token=auth_token,
+            timeout=timeout,
+            options=options,
         )
         self._channel = self._settings.sync_channel()
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -86,10 +93,23 @@ class TandemClient:
         field unset so the server's default applies. The call starts on the first `next()`.
         """
         request = build_request(
-            prompt, token_ids=token_ids, messages=messages, temperature=temperature, top_p=top_p,
-            top_k=top_k, min_p=min_p, seed=seed, logprobs=logprobs, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
-            request_id=request_id, priority=priority, tenant=tenant,
+            prompt,
+            token_ids=token_ids,
+            messages=messages,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            logprobs=logprobs,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            request_id=request_id,
+            priority=priority,
+            tenant=tenant,
         )
         return self._stream(request, timeout, metadata)
 
