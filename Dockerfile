@@ -32,6 +32,7 @@ COPY kernels ./kernels
 COPY kv_transfer ./kv_transfer
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
+COPY serving ./serving
 COPY protos ./protos
 COPY bench ./bench
 # A regular (non-editable) install: the runtime stage gets no source tree.

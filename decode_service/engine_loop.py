@@ -52,10 +52,6 @@ class EngineLoop:
         self.num_steps = 0
         scheduler.prefill_stage.set_wakeup(self.wake)
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
     # -- thread-safe entry points --------------------------------------------------------------------
 
     def submit(self, request: ServedRequest) -> None:
@@ -151,7 +147,7 @@ class EngineLoop:
                 logger.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
                 deltas.extend(self.scheduler.fail_step(plan, exc))
             else:
-                deltas.extend(self.scheduler.complete_step(plan, outputs))
+                deltas.extend(self.scheduler.complete_step(outputs))
             self._record(plan, deltas)
         if deltas:
             self._deliver_safely(deltas)

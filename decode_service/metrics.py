@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from decode_service.prefill_transfer import PrefillTransferStats
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler
 from engine.engine import Engine
@@ -39,23 +39,6 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 
 DeliverFn = Callable[[list[StreamDelta]], None]
 
 
-class PrefillTransferCounters(Protocol):
-    """What the decode side of disaggregated prefill counts (`prefill_transfer.PrefillTransferStats`).
-
-    Plain numbers, each written by one thread; the collector only reads them, so the transfer code
-    needs no Prometheus import and pays nothing per message.
-    """
-
-    local_prefills: int
-    remote_prefills_completed: int
-    remote_prefills_failed: int
-    fallbacks_local: int
-    attempt_failures: int
-    retries: int
-    kv_bytes_received: int
-    transfer_seconds: float
-
-
 class _LiveStateCollector(Collector):
     """Gauges and counters read from the scheduler, the engine and the transfer counters at scrape time.
 
@@ -66,7 +49,7 @@ class _LiveStateCollector(Collector):
     def __init__(self, scheduler: ContinuousScheduler, engine: Engine) -> None:
         self._scheduler = scheduler
         self._engine = engine
-        self.transfer: PrefillTransferCounters | None = None
+        self.transfer: PrefillTransferStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler
@@ -197,7 +180,7 @@ class DecodeMetrics:
         self._live = _LiveStateCollector(scheduler, engine)
         self.registry.register(self._live)
 
-    def watch_prefill_transfer(self, counters: PrefillTransferCounters) -> None:
+    def watch_prefill_transfer(self, counters: PrefillTransferStats) -> None:
         """Export the KV-transfer counters of disaggregated prefill; one call where the server makes them."""
         self._live.transfer = counters
 

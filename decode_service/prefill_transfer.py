@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from decode_service.request import ServedRequest
-from engine.errors import TandemError, TierUnavailableError
+from engine.errors import TandemError
 from engine.params import SamplingParams
 from kv_transfer import KVLayout, KVRangeError, write_chunk
 from protos.tandem.internal.v1 import prefill_pb2
+from serving.errors import TierUnavailableError
 
 
 class PrefillUnavailableError(TierUnavailableError):

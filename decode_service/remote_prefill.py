@@ -89,11 +89,6 @@ class RemotePrefillStage(PrefillStage):
         self._outcomes_lock = threading.Lock()
         self._wakeup: Callable[[], None] = lambda: None
 
-    @property
-    def remote_requests(self) -> list[ServedRequest]:
-        """Admitted requests whose prompt the prefill tier is computing."""
-        return list(self._remote)
-
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wakeup = wakeup
 

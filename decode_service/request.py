@@ -48,11 +48,6 @@ class ServedRequest:
         return self.seq.request_id
 
     @property
-    def estimated_total_tokens(self) -> int:
-        """Upper bound on the tokens this request will hold: prompt plus max_tokens."""
-        return self.seq.num_prompt_tokens + self.seq.stopping.max_tokens
-
-    @property
     def estimated_remaining_tokens(self) -> int:
         """Tokens still to compute if it runs to max_tokens: uncomputed history plus ungenerated output."""
         left_to_generate = self.seq.stopping.max_tokens - self.seq.num_output_tokens

@@ -223,7 +223,7 @@ class ContinuousScheduler:
 
     # -- after the forward ---------------------------------------------------------------------------
 
-    def complete_step(self, plan: StepPlan, outputs: list[TokenOutput]) -> list[StreamDelta]:
+    def complete_step(self, outputs: list[TokenOutput]) -> list[StreamDelta]:
         """Turn the step's sampled tokens into stream deltas; free finished sequences right away."""
         now = self.clock()
         deltas = []
@@ -250,7 +250,7 @@ class ContinuousScheduler:
         """Prompts the prefill stage finished outside the step (remote prefill) join the batch now;
         those it could not prefill end with their error, freeing their blocks."""
         outputs, failures = self.prefill_stage.collect()
-        deltas = self.complete_step(StepPlan(), outputs) if outputs else []
+        deltas = self.complete_step(outputs) if outputs else []
         for request, error in failures:
             request.seq.abort()
             self._finish(request)

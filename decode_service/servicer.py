@@ -19,7 +19,6 @@ import grpc
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.request import ServedRequest, StreamDelta
-from decode_service.status import status_for
 from decode_service.streams import StreamHub
 from decode_service.validation import build_sequence
 from engine.config import dtype_name
@@ -28,6 +27,7 @@ from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving.status import status_for
 from tandem.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 
 logger = logging.getLogger(__name__)

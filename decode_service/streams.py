@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 
 from decode_service.request import ServedRequest, StreamDelta
-from engine.errors import DrainingError, InvalidRequestError, QueueFullError
+from engine.errors import InvalidRequestError
+from serving.errors import DrainingError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ class StreamHub:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._streams
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     def check_accepting(self) -> None:
         if self._draining:

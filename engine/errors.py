@@ -27,15 +27,3 @@ class UnsupportedModelError(TandemError):
 
 class OutOfBlocksError(TandemError):
     """The KV block pool cannot satisfy an allocation; the scheduler decides what to do."""
-
-
-class QueueFullError(TandemError):
-    """Admission refused because a bounded queue is full (maps to RESOURCE_EXHAUSTED)."""
-
-
-class DrainingError(TandemError):
-    """The server is shutting down and takes no new work (maps to UNAVAILABLE)."""
-
-
-class TierUnavailableError(TandemError):
-    """A tier this one depends on cannot do the work right now (maps to UNAVAILABLE: retry later)."""

@@ -27,13 +27,5 @@ class KVCache:
         )
 
     @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
     def block_size(self) -> int:
         return self.k[0].shape[1]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k[0].dtype

@@ -34,9 +34,5 @@ class AttentionMetadata:
         return max(self.query_lens_host, default=0)
 
     @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)
-
-    @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1

@@ -5,6 +5,7 @@ passes each received chunk to ``write_chunk``.
 """
 
 from kv_transfer.errors import (
+    IncompatibleKVError,
     KVChecksumError,
     KVLayoutMismatchError,
     KVPayloadSizeError,
@@ -16,6 +17,7 @@ from kv_transfer.wire import MAX_MESSAGE_BYTES, encode_blocks, write_chunk
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
+    "IncompatibleKVError",
     "KVChecksumError",
     "KVLayout",
     "KVLayoutMismatchError",

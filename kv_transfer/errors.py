@@ -27,3 +27,10 @@ class KVRangeError(KVTransferError):
 
 class KVPayloadSizeError(KVTransferError):
     """The payload's length disagrees with its shape, or one block does not fit in a message."""
+
+
+class IncompatibleKVError(TandemError):
+    """The caller's compatibility hash differs from this replica's: its KV blocks would be garbage there.
+
+    Maps to FAILED_PRECONDITION: retrying the same replica cannot help, only a compatible one can.
+    """

@@ -16,11 +16,11 @@ from collections import deque
 from collections.abc import Callable
 
 from engine.engine import Engine
-from engine.errors import DrainingError
 from prefill_service.event_log import EventLog, StepRecord
 from prefill_service.job import Admitted, PrefillJob
 from prefill_service.kv_sender import mark_step_done
 from prefill_service.scheduler import ChunkedPrefillScheduler, JobEvents, StepPlan
+from serving.errors import DrainingError
 
 logger = logging.getLogger(__name__)
 

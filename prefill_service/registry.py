@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.errors import DrainingError, QueueFullError
 from prefill_service.job import Admitted, PrefillJob
 from prefill_service.scheduler import JobEvents
+from serving.errors import DrainingError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,6 @@ class JobRegistry:
     def num_queued(self) -> int:
         """Jobs accepted but not yet admitted to the running batch."""
         return sum(not job.admitted for job in self._jobs.values())
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     def check_accepting(self) -> None:
         if self._draining:

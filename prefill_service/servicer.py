@@ -20,10 +20,10 @@ from prefill_service.job import KVReady, PrefillFailed, PrefillFinished, Prefill
 from prefill_service.kv_sender import KVSender
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.registry import JobRegistry
-from prefill_service.status import status_for
 from prefill_service.validation import build_job
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
+from serving.status import status_for
 from tandem.logs import bind_request_id, log_event, prompt_fields
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import uuid
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
-from prefill_service.errors import IncompatibleKVError
+from kv_transfer import IncompatibleKVError
 from prefill_service.job import PrefillJob
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2

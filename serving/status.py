@@ -1,20 +1,17 @@
-"""The one mapping from tandem's exceptions to gRPC status codes, used only at the service edge."""
+"""The one mapping from tandem's exceptions to gRPC status codes, used only at each tier's service edge."""
 
 from __future__ import annotations
 
 import grpc
 
-from engine.errors import (
-    DrainingError,
-    InvalidRequestError,
-    OutOfBlocksError,
-    QueueFullError,
-    TierUnavailableError,
-)
+from engine.errors import InvalidRequestError, OutOfBlocksError
+from kv_transfer import IncompatibleKVError
+from serving.errors import DrainingError, QueueFullError, TierUnavailableError
 
 # First match wins, so more specific classes go first.
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (IncompatibleKVError, grpc.StatusCode.FAILED_PRECONDITION),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
@@ -23,9 +20,9 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 
 
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code and client-facing message for an error raised below the edge.
+    """The status code and caller-facing message for an error raised below the edge.
 
-    Errors we raise on purpose carry messages written for the client; anything else is a bug, reported
+    Errors raised on purpose carry messages written for the caller; anything else is a bug, reported
     as INTERNAL without internals (the server log has the traceback).
     """
     for error_type, code in _STATUS_BY_ERROR:

@@ -1,0 +1,16 @@
+"""Service-level refusals: why a server does not take a call now. The engine never raises these;
+`serving.status` maps them to gRPC status codes at each tier's edge."""
+
+from engine.errors import TandemError
+
+
+class QueueFullError(TandemError):
+    """Admission refused because a bounded queue is full (maps to RESOURCE_EXHAUSTED)."""
+
+
+class DrainingError(TandemError):
+    """The server is shutting down and takes no new work (maps to UNAVAILABLE)."""
+
+
+class TierUnavailableError(TandemError):
+    """A tier this one depends on cannot do the work right now (maps to UNAVAILABLE: retry later)."""
