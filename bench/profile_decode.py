@@ -52,11 +52,11 @@ def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
 
     from decode_service.config import DecodeServiceConfig
     from decode_service.engine_loop import EngineLoop
-    from decode_service.event_log import EventLog
     from decode_service.policies import make_policy
     from decode_service.scheduler import ContinuousScheduler
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import Engine
+    from serving.event_log import EventLog
 
     engine = Engine.from_pretrained(
         model_dir,

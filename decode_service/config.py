@@ -1,7 +1,8 @@
-"""How one decode server runs: its address, scheduling policy, batching mode, queue and drain limits.
+"""How one decode server runs: its scheduling policy, batching mode, limits and prefill tier.
 
-Engine sizing (max_num_seqs, max_num_batched_tokens, max_model_len, KV pool) lives in
-`engine.config.EngineConfig`, because the engine enforces it; this is everything the decode tier adds.
+The server settings both tiers share (address, queue bound, drain, TLS, auth) are
+`serving.config.ServerConfig`; engine sizing lives in `engine.config.EngineConfig`, because the engine
+enforces it; this is everything the decode tier adds.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from pathlib import Path
 
 from decode_service.prefill_targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
 from engine.errors import ConfigError
+from serving.config import ServerConfig
 
 BATCHING_MODES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
-class DecodeServiceConfig:
+class DecodeServiceConfig(ServerConfig):
     """Settings of the decode tier; defaults suit a single CPU replica.
 
     `max_queue` bounds the requests waiting beyond a full batch: the server holds at most
@@ -26,8 +28,6 @@ class DecodeServiceConfig:
     what the context has left). `stream_interval` tokens go in one stream message (see
     `decode_service.stream_interval`). A request preempted `max_preemptions` times ranks ahead of every
     request that was not, so it is never the victim again while others are (bounded thrash).
-    `tls_cert`/`tls_key` switch the public port to TLS; `auth_token` requires `authorization: Bearer`
-    on every call but health checks and reflection.
 
     Disaggregated prefill: `prefill` lists the prefill tier's targets (`host:port` or
     `dns:///name:port`, see `prefill_targets`); empty means aggregated. Prompts shorter than
@@ -37,24 +37,16 @@ class DecodeServiceConfig:
     and `prefill_tls_key`) switch the calls to prefill to TLS.
     """
 
-    host: str = "0.0.0.0"
     port: int = 50051
     policy: str = "fifo"
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     sjf_aging_tokens_per_second: float = 100.0
     batching: str = "continuous"
     static_batch_timeout_s: float = 0.1
-    max_queue: int = 256
     max_tokens_cap: int = 4096
     stream_interval: int = 1
     max_preemptions: int = 3
     admission_watermark: float = 0.01
-    drain_grace_seconds: float = 30.0
-    event_log_size: int = 4096
-    warm_up: bool = True
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    auth_token: str | None = field(default=None, repr=False)
     prefill: str = ""
     local_prefill_threshold: int = 0
     fallback_local: bool = False
@@ -80,23 +72,16 @@ class DecodeServiceConfig:
     def validate(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ConfigError(f"batching must be one of {', '.join(BATCHING_MODES)}, not {self.batching!r}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_queue", "max_preemptions"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        super().validate()
+        if self.max_preemptions < 0:
+            raise ConfigError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
         for name in ("max_tokens_cap", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.admission_watermark < 1:
             raise ConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
-        for name in ("static_batch_timeout_s", "drain_grace_seconds"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.event_log_size < 1:
-            raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("the TLS certificate and private key go together")
+        if self.static_batch_timeout_s < 0:
+            raise ConfigError(f"static_batch_timeout_s must be >= 0, got {self.static_batch_timeout_s}")
         self._validate_prefill()
 
     def _validate_prefill(self) -> None:

@@ -1,58 +1,45 @@
-"""The engine loop: one thread that owns the engine and runs schedule → forward → deliver, step after step.
+"""The decode engine loop: the engine thread running schedule → forward → deliver, step after step.
 
-Model work never runs on the gRPC event loop. Handlers talk to this thread only through `submit` and
-`abort` (a locked inbox the thread drains before each step), a remote prefill stage through `wake`
-(its results wait in the stage until the step collects them), and the thread talks back through one `deliver`
-call per step carrying every request's delta, so the per-token cost on the event loop side is one
-wake-up per step, not one per token.
+Handlers talk to it through `submit` and `abort`, a remote prefill stage through `wake` (its results
+wait in the stage until the step collects them); each step delivers every request's delta at once.
+The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
 
-from decode_service.event_log import ChunkRecord, EventLog, StepRecord
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler, StepPlan
+from decode_service.step_record import ChunkRecord, StepRecord
 from engine.engine import Engine
 from engine.errors import TandemError
 from engine.sequence import FinishReason
+from serving.engine_thread import Deliver, EngineThread
+from serving.event_log import EventLog
 
 logger = logging.getLogger(__name__)
 
-DeliverFn = Callable[[list[StreamDelta]], None]
 
+class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
+    """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort` and `wake`.
 
-class EngineLoop:
-    """Drives one engine with one scheduler; thread-safe entry points are `submit` and `abort`.
-
-    `step_once` is public so tests can drive the loop synchronously without starting the thread.
+    The inbox holds submissions (a `ServedRequest`) and aborts (the request id).
     """
 
-    def __init__(
-        self, engine: Engine, scheduler: ContinuousScheduler, deliver: DeliverFn, event_log: EventLog
-    ) -> None:
-        self.engine = engine
-        self.scheduler = scheduler
-        self.events = event_log
-        self._deliver = deliver
-        # A ServedRequest is a submission, a str the request_id of an abort.
-        self._inbox: deque[ServedRequest | str] = deque()
-        self._wakeup = threading.Condition()
-        # Set by `wake`: the prefill stage has news (a remote prefill finished) for the next step.
-        self._woken = False
-        self._stopping = False
-        self._ready = threading.Event()
-        self._warm_up_error: Exception | None = None
-        self._thread: threading.Thread | None = None
-        self.num_steps = 0
-        scheduler.prefill_stage.set_wakeup(self.wake)
+    thread_name = "engine-loop"
 
-    # -- thread-safe entry points --------------------------------------------------------------------
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: ContinuousScheduler,
+        deliver: Deliver[StreamDelta],
+        event_log: EventLog[StepRecord],
+    ) -> None:
+        super().__init__(engine, deliver, event_log)
+        self.scheduler = scheduler
+        scheduler.prefill_stage.set_wakeup(self.wake)
 
     def submit(self, request: ServedRequest) -> None:
         """Queue a validated request; it is scheduled from the next step on."""
@@ -62,77 +49,8 @@ class EngineLoop:
         """Remove a request at the next step and free its blocks; its stream gets a final ABORT delta."""
         self._post(request_id)
 
-    def wake(self) -> None:
-        """Run a step soon even if no request arrives (thread-safe): the prefill stage has results."""
-        with self._wakeup:
-            self._woken = True
-            self._wakeup.notify()
-
-    def _post(self, command: ServedRequest | str) -> None:
-        with self._wakeup:
-            self._inbox.append(command)
-            self._wakeup.notify()
-
-    # -- lifecycle -----------------------------------------------------------------------------------
-
-    def start(self, warm_up: bool = True) -> None:
-        """Start the thread; with `warm_up` it first runs one tiny forward (see `wait_ready`)."""
-        self._thread = threading.Thread(target=self._run, args=(warm_up,), name="engine-loop", daemon=True)
-        self._thread.start()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the warm-up forward is done; True when it is. Re-raises a failed warm-up's error."""
-        ready = self._ready.wait(timeout)
-        if self._warm_up_error is not None:
-            raise self._warm_up_error
-        return ready
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Stop the thread after its current step; requests still live are aborted and told so."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("engine loop did not stop within %s s", timeout)
-
-    def _run(self, warm_up: bool) -> None:
-        try:
-            if warm_up:
-                self.warm_up()
-        except Exception as exc:
-            # The server must not report SERVING on an engine that cannot run a forward.
-            logger.exception("warm-up forward failed")
-            self._warm_up_error = exc
-            return
-        finally:
-            self._ready.set()
-        ran = False
-        while True:
-            if not ran:
-                self._wait_for_input(self.scheduler.idle_wait_seconds())
-            if self._stopping:
-                break
-            try:
-                ran = self.step_once()
-            except Exception:
-                # A bug in scheduling must not silently kill the thread every stream waits on.
-                logger.exception("engine loop step failed")
-                ran = False
-        self._abort_all()
-
-    def _wait_for_input(self, timeout: float | None) -> None:
-        with self._wakeup:
-            if not self._inbox and not self._woken and not self._stopping:
-                self._wakeup.wait(timeout)
-
-    def warm_up(self) -> None:
-        """One single-token forward and sample, so the first real request does not pay for lazy init."""
-        self.engine.warm_up()
-        logger.info("warm-up forward done")
-
-    # -- one iteration -------------------------------------------------------------------------------
+    def _idle_timeout(self) -> float | None:
+        return self.scheduler.idle_wait_seconds()
 
     def step_once(self) -> bool:
         """Apply queued submissions and aborts, admit finished remote prefills, then run one step;
@@ -165,11 +83,7 @@ class EngineLoop:
 
     def _drain_inbox(self) -> list[StreamDelta]:
         deltas = []
-        with self._wakeup:
-            commands = list(self._inbox)
-            self._inbox.clear()
-            self._woken = False
-        for command in commands:
+        for command in self._take_inbox():
             if isinstance(command, ServedRequest):
                 try:
                     self.scheduler.add(command)
@@ -193,7 +107,7 @@ class EngineLoop:
                 step=self.num_steps,
                 time=time.monotonic(),
                 chunks=chunks,
-                num_free_blocks=self.engine.block_manager.num_free_blocks,
+                num_free_blocks=self.engine.num_free_blocks,
                 num_waiting=len(self.scheduler.waiting),
                 preempted=tuple(r.request_id for r in plan.preempted),
                 finished=tuple(d.request.request_id for d in deltas if d.is_last),
@@ -201,15 +115,10 @@ class EngineLoop:
         )
         self.num_steps += 1
 
-    def _abort_all(self) -> None:
+    def _on_stop(self) -> None:
+        """Requests still live are aborted and told so."""
         deltas = self._drain_inbox()
         for request_id in self.scheduler.live_request_ids():
             deltas.extend(self._abort_now(request_id))
         if deltas:
             self._deliver_safely(deltas)
-
-    def _deliver_safely(self, deltas: list[StreamDelta]) -> None:
-        try:
-            self._deliver(deltas)
-        except Exception:
-            logger.exception("delivering %d stream deltas failed", len(deltas))

@@ -28,6 +28,7 @@ from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler
 from engine.engine import Engine
 from engine.sequence import FinishReason
+from serving.engine_thread import Deliver
 
 PREFIX = "tandem:"
 
@@ -35,8 +36,6 @@ PREFIX = "tandem:"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-DeliverFn = Callable[[list[StreamDelta]], None]
 
 
 class _LiveStateCollector(Collector):
@@ -66,7 +65,7 @@ class _LiveStateCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}kv_cache_usage_perc",
             "Fraction of the KV block pool in use (0 to 1).",
-            value=self._engine.block_manager.usage,
+            value=self._engine.kv_usage,
         )
         yield CounterMetricFamily(
             f"{PREFIX}num_preemptions",
@@ -184,7 +183,7 @@ class DecodeMetrics:
         """Export the KV-transfer counters of disaggregated prefill; one call where the server makes them."""
         self._live.transfer = counters
 
-    def observing(self, deliver: DeliverFn) -> DeliverFn:
+    def observing(self, deliver: Deliver[StreamDelta]) -> Deliver[StreamDelta]:
         """`deliver`, preceded by observing each step's deltas; give it to the engine loop."""
 
         def observe_then_deliver(deltas: list[StreamDelta]) -> None:

@@ -71,7 +71,6 @@ class PrefillClient:
         vocab_size: int,
         timeout_s: float,
         max_attempts: int,
-        fallback_local: bool,
     ) -> None:
         self.pool = pool
         self.stats = stats
@@ -79,7 +78,6 @@ class PrefillClient:
         self._vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
-        self.fallback_local = fallback_local
 
     async def run(self, transfer: KVTransfer) -> PrefillOutcome | None:
         """Prefill on up to `max_attempts` distinct replicas; None when the transfer was cancelled."""
@@ -120,7 +118,7 @@ class PrefillClient:
             )
         else:
             error = PrefillUnavailableError(f"no prefill replica is available: {self.pool.describe()}")
-        return PrefillGaveUp(transfer, error, self.fallback_local)
+        return PrefillGaveUp(transfer, error)
 
     async def _attempt(self, replica: PrefillReplica, transfer: KVTransfer) -> PrefillCompleted:
         transfer.restart()
@@ -146,7 +144,7 @@ class PrefillClient:
                     written = await loop.run_in_executor(self._writer, transfer.write, response.kv)
                     self.stats.kv_messages_received += 1
                     self.stats.kv_bytes_received += written
-                    replica.kv_bytes_received += written
+                    self.pool.report_kv_received(replica, written)
                 else:
                     done = response.done
                     done_at = time.monotonic()
@@ -164,7 +162,6 @@ class PrefillClient:
         if done is None:
             raise AttemptFailedError(self._penalize(replica, "the stream ended without PrefillDone"))
         self.pool.report_success(replica)
-        replica.prefills_completed += 1
         self.stats.remote_prefills_completed += 1
         self.stats.transfer_seconds += done_at - started
         self.stats.kv_stream_seconds += done_at - (first_kv if first_kv is not None else done_at)

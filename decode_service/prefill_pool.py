@@ -272,7 +272,12 @@ class PrefillPool:
             self._back_off(replica, reason)
 
     def report_success(self, replica: PrefillReplica) -> None:
+        """The replica delivered a whole prefill: its failure streak ends."""
         replica.consecutive_failures = 0
+        replica.prefills_completed += 1
+
+    def report_kv_received(self, replica: PrefillReplica, num_bytes: int) -> None:
+        replica.kv_bytes_received += num_bytes
 
     def report_incompatible(self, replica: PrefillReplica, reason: str) -> None:
         """Refuse a replica whose KV would not fit ours; it is checked again after the longest backoff."""

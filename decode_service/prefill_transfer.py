@@ -160,11 +160,12 @@ class PrefillCompleted:
 
 @dataclass(frozen=True)
 class PrefillGaveUp:
-    """No replica could prefill the prompt: prefill it locally (`fallback_local`) or fail with `error`."""
+    """No replica could prefill the prompt. The stage prefills it locally when `--fallback-local` is
+    set and `can_fall_back` (not when the server is stopping), or fails the request with `error`."""
 
     transfer: KVTransfer
     error: Exception
-    fallback_local: bool
+    can_fall_back: bool = True
 
 
 PrefillOutcome = PrefillCompleted | PrefillGaveUp

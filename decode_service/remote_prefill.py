@@ -40,22 +40,10 @@ from decode_service.prefill_transfer import (
 from decode_service.request import ServedRequest
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
-from kv_transfer import KVLayout
+from serving.kv_layout import engine_kv_layout
 from tandem.security import channel_credentials
 
 logger = logging.getLogger(__name__)
-
-
-def engine_kv_layout(engine: Engine) -> KVLayout:
-    """The layout of this engine's KV cache: what the prefill tier must produce for us."""
-    model = engine.model_config
-    return KVLayout(
-        num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        block_size=engine.block_size,
-        dtype=engine.dtype,
-    )
 
 
 class RemotePrefillStage(PrefillStage):
@@ -107,7 +95,7 @@ class RemotePrefillStage(PrefillStage):
         try:
             transfer.future = asyncio.run_coroutine_threadsafe(self._run(transfer), self._loop)
         except RuntimeError as exc:  # the event loop is gone: the server is stopping
-            self._post(PrefillGaveUp(transfer, exc, fallback_local=False))
+            self._post(PrefillGaveUp(transfer, exc, can_fall_back=False))
 
     def _local_reason(self, request: ServedRequest) -> str | None:
         seq = request.seq
@@ -144,7 +132,7 @@ class RemotePrefillStage(PrefillStage):
                 outputs.append(self._first_token(request, outcome))
                 continue
             transfer.cancel()
-            if outcome.fallback_local:
+            if outcome.can_fall_back and self.fallback_local:
                 self.stats.fallbacks_local += 1
                 logger.warning("prefilling %s locally instead: %s", request.request_id, outcome.error)
             else:
@@ -152,12 +140,9 @@ class RemotePrefillStage(PrefillStage):
         return outputs, failures
 
     def _first_token(self, request: ServedRequest, outcome: PrefillCompleted) -> TokenOutput:
-        seq = request.seq
-        seq.num_computed_tokens = seq.num_tokens
-        engine = self.engine
-        text = seq.append_token(outcome.token_id, engine.eos_token_ids, engine.max_model_len)
-        top = list(outcome.top_logprobs[: seq.sampling.logprobs])
-        return TokenOutput(seq, outcome.token_id, outcome.logprob, top, text, seq.finish_reason)
+        return self.engine.append_token_computed_elsewhere(
+            request.seq, outcome.token_id, outcome.logprob, outcome.top_logprobs
+        )
 
     # -- event loop ----------------------------------------------------------------------------------
 
@@ -166,7 +151,7 @@ class RemotePrefillStage(PrefillStage):
             outcome = await self._client.run(transfer)
         except Exception as exc:
             logger.exception("remote prefill of %s failed", transfer.request_id)
-            outcome = PrefillGaveUp(transfer, exc, fallback_local=self.fallback_local)
+            outcome = PrefillGaveUp(transfer, exc)
         if outcome is not None:
             self._post(outcome)
 
@@ -206,7 +191,6 @@ class RemotePrefill:
             engine.vocab_size,
             timeout_s=config.prefill_timeout_s,
             max_attempts=config.prefill_max_attempts,
-            fallback_local=config.fallback_local,
         )
         self.stage = RemotePrefillStage(
             engine,

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decode_service.config import DecodeServiceConfig
-from decode_service.event_log import ChunkKind
 from decode_service.policies import Rank, SchedulingPolicy
 from decode_service.prefill_stage import LocalPrefillStage, PrefillStage
 from decode_service.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
+from decode_service.step_record import ChunkKind
 from engine.engine import Engine, TokenOutput
 from engine.errors import ConfigError, InvalidRequestError
 from engine.model_runner import ScheduledChunk
@@ -51,8 +51,8 @@ def check_fits_pool(engine: Engine, seq: Sequence) -> None:
     Preemption only helps when the victim can eventually run alone; a request longer than the pool
     would preempt everyone and then itself, forever.
     """
-    needed = engine.block_manager.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
-    total = engine.block_manager.allocator.num_blocks
+    needed = engine.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
+    total = engine.num_blocks
     if needed > total:
         raise InvalidRequestError(
             f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) needs "
@@ -84,7 +84,7 @@ class ContinuousScheduler:
                 f"max_num_batched_tokens ({self.token_budget}) must be >= max_num_seqs ({self.max_num_seqs}) "
                 "so that every running sequence gets its token each step"
             )
-        self.watermark_blocks = int(config.admission_watermark * engine.block_manager.allocator.num_blocks)
+        self.watermark_blocks = int(config.admission_watermark * engine.num_blocks)
         self.waiting: list[ServedRequest] = []
         self.running: list[ServedRequest] = []
         self.num_preemptions = 0
@@ -153,20 +153,20 @@ class ContinuousScheduler:
     def _schedule_decodes(self, plan: StepPlan, now: float) -> int:
         """Give each running sequence one token, most urgent first; returns the budget left."""
         budget = self.token_budget
-        block_manager = self.engine.block_manager
+        engine = self.engine
         scheduled: set[ServedRequest] = set()
         for request in sorted(self.running, key=lambda r: self._rank(r, now)):
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
-            table, needed = request.seq.block_table, request.seq.num_tokens
-            while not block_manager.can_grow(table, needed):
+            needed = request.seq.num_tokens
+            while not engine.can_allocate(request.seq, needed):
                 victim = self._pick_victim(request, scheduled, now)
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                block_manager.grow(table, needed)
+                engine.allocate(request.seq, needed)
                 plan.add(ScheduledChunk(request.seq, 1), "decode")
                 scheduled.add(request)
                 budget -= 1
@@ -205,16 +205,16 @@ class ContinuousScheduler:
         """
         if not self.waiting or not self._admission_open(now):
             return
-        block_manager = self.engine.block_manager
+        engine = self.engine
         while self.waiting and len(self.running) + len(self.prefill_stage) < self.max_num_seqs:
             request = min(self.waiting, key=lambda r: self._rank(r, now))
-            needed = block_manager.blocks_for_tokens(self._reserved_tokens(request))
+            needed = engine.blocks_for_tokens(self._reserved_tokens(request))
             busy = bool(self.running) or len(self.prefill_stage) > 0
             reserve = self.watermark_blocks if busy else 0
-            if needed + reserve > block_manager.num_free_blocks:
+            if needed + reserve > engine.num_free_blocks:
                 break
             self.waiting.remove(request)
-            block_manager.grow(request.seq.block_table, self._reserved_tokens(request))
+            engine.allocate(request.seq, self._reserved_tokens(request))
             request.state = RequestState.PREFILLING
             if request.admitted_time is None:
                 request.admitted_time = now

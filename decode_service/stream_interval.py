@@ -10,11 +10,8 @@ error) always go out at once, so TTFT and completion times do not change.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from decode_service.request import StreamDelta
-
-DeliverFn = Callable[[list[StreamDelta]], None]
+from serving.engine_thread import Deliver
 
 
 def merge(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
@@ -35,7 +32,7 @@ class StreamIntervalBuffer:
     Called on the engine thread only, like the `deliver` it wraps.
     """
 
-    def __init__(self, interval: int, deliver: DeliverFn) -> None:
+    def __init__(self, interval: int, deliver: Deliver[StreamDelta]) -> None:
         self.interval = interval
         self._deliver = deliver
         self._held: dict[str, StreamDelta] = {}

@@ -55,7 +55,9 @@ class BlockAllocator:
 
 
 class BlockManager:
-    """Grows and frees the block tables of sequences on top of a `BlockAllocator`."""
+    """The KV pool as its users see it: block tables grow with `allocate` and empty with `free`, and
+    `num_free_blocks` / `num_blocks` say how full it is. Schedulers of both tiers go through this API
+    (via `Engine`), never through the allocator underneath."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         self.allocator = allocator
@@ -67,17 +69,17 @@ class BlockManager:
     def blocks_missing(self, block_table: list[int], num_tokens: int) -> int:
         return max(0, self.blocks_for_tokens(num_tokens) - len(block_table))
 
-    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
+    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_missing(block_table, num_tokens) <= self.allocator.num_free_blocks
 
-    def grow(self, block_table: list[int], num_tokens: int) -> None:
+    def allocate(self, block_table: list[int], num_tokens: int) -> None:
         """Extend `block_table` in place so it holds `num_tokens` tokens; all or nothing."""
         missing = self.blocks_missing(block_table, num_tokens)
         if missing:
             block_table.extend(self.allocator.allocate(missing))
 
-    def release(self, block_table: list[int]) -> None:
-        """Free every block of a table and empty it, so a second release is harmless."""
+    def free(self, block_table: list[int]) -> None:
+        """Free every block of a table and empty it, so a second free is harmless."""
         self.allocator.free(block_table)
         block_table.clear()
 
@@ -86,7 +88,12 @@ class BlockManager:
         return self.allocator.num_free_blocks
 
     @property
+    def num_blocks(self) -> int:
+        """The pool's size in blocks."""
+        return self.allocator.num_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of the pool in use, for the kv_cache_usage_perc metric."""
-        total = self.allocator.num_blocks
-        return (total - self.allocator.num_free_blocks) / total if total else 0.0
+        total = self.num_blocks
+        return (total - self.num_free_blocks) / total if total else 0.0

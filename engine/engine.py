@@ -173,26 +173,67 @@ class Engine:
         outputs = []
         for row, seq in enumerate(sampled):
             n = seq.sampling.logprobs
-            text = seq.append_token(token_ids[row], self.eos_token_ids, self.max_model_len)
             top = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True))
-            outputs.append(TokenOutput(seq, token_ids[row], logprobs[row], top, text, seq.finish_reason))
+            outputs.append(self._append_sampled(seq, token_ids[row], logprobs[row], top))
         return outputs
+
+    def append_token_computed_elsewhere(
+        self, seq: Sequence, token_id: int, logprob: float, top_logprobs: SequenceOf[tuple[int, float]]
+    ) -> TokenOutput:
+        """Another replica computed `seq`'s whole history (its KV is already in `seq`'s blocks) and sampled
+        the next token: mark the history computed and append that token exactly as `step` would, so stop
+        rules, detokenization and finishing apply (the token may end the request)."""
+        seq.num_computed_tokens = seq.num_tokens
+        return self._append_sampled(seq, token_id, logprob, list(top_logprobs[: seq.sampling.logprobs]))
+
+    def _append_sampled(
+        self, seq: Sequence, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]]
+    ) -> TokenOutput:
+        text = seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
+        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason)
 
     def warm_up(self) -> None:
         """One single-token forward and sample, so the first real request does not pay for lazy init."""
         seq = self.make_sequence(
             [0], SamplingParams(temperature=0.0), StoppingParams(max_tokens=1, ignore_eos=True), "warm-up"
         )
-        self.block_manager.grow(seq.block_table, seq.num_tokens)
+        self.allocate(seq, seq.num_tokens)
         try:
             self.step([ScheduledChunk(seq, seq.num_tokens)])
         finally:
             self.free(seq)
 
+    # -- the KV pool: what schedulers use to reserve and return blocks ---------------------------------
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow a sequence's block table to hold `num_tokens` tokens; all or nothing (OutOfBlocksError)."""
+        self.block_manager.allocate(seq.block_table, num_tokens)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `allocate(seq, num_tokens)` would succeed now."""
+        return self.block_manager.can_allocate(seq.block_table, num_tokens)
+
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks to the pool (finish, abort or preemption)."""
-        self.block_manager.release(seq.block_table)
+        self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.block_manager.blocks_for_tokens(num_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """The KV pool's size in blocks."""
+        return self.block_manager.num_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool in use."""
+        return self.block_manager.usage
 
     def generate(
         self,
@@ -214,10 +255,10 @@ class Engine:
             while (
                 waiting
                 and len(running) < max_seqs
-                and self.block_manager.can_grow([], waiting[0].num_tokens + 1)
+                and self.can_allocate(waiting[0], waiting[0].num_tokens + 1)
             ):
                 seq = waiting.pop(0)
-                self.block_manager.grow(seq.block_table, seq.num_tokens + 1)
+                self.allocate(seq, seq.num_tokens + 1)
                 running.append(seq)
             if not running:
                 raise InvalidRequestError("a prompt does not fit in the KV pool")
@@ -226,7 +267,7 @@ class Engine:
                 take = min(seq.num_uncomputed_tokens, left)
                 if take == 0:
                     break
-                self.block_manager.grow(seq.block_table, seq.num_computed_tokens + take + 1)
+                self.allocate(seq, seq.num_computed_tokens + take + 1)
                 chunks.append(ScheduledChunk(seq, take))
                 left -= take
             for out in self.step(chunks):

@@ -137,7 +137,11 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialised) weight skips nn.Embedding's random init: the weights are loaded
+        # anyway, and on the meta device that init imports torch._dynamo and with it Triton, whose
+        # native objects then leak noisily at exit on a CPU machine that never uses them.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)

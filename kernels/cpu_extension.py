@@ -31,6 +31,10 @@ def load() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load as build
 
+    logger.info(
+        "loading the C++ CPU kernels: the first start on a machine compiles them, about a minute "
+        "(later starts load the cached build)"
+    )
     try:
         return build(
             name="tandem_cpu_kernels",

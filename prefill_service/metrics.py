@@ -52,7 +52,7 @@ class _LiveStateCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}kv_cache_usage_perc",
             "Fraction of the prefill KV pool in use (0 to 1), including computed KV not yet sent.",
-            value=self._engine.block_manager.usage,
+            value=self._engine.kv_usage,
         )
 
 

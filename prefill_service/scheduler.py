@@ -64,8 +64,8 @@ class ChunkedPrefillScheduler:
         return bool(self.running) or (bool(self.waiting) and self._can_admit_head())
 
     def _can_admit_head(self) -> bool:
-        return len(self.running) < self.max_num_seqs and self.engine.block_manager.can_grow(
-            [], self.waiting[0].num_prompt_tokens
+        return len(self.running) < self.max_num_seqs and self.engine.can_allocate(
+            self.waiting[0].seq, self.waiting[0].num_prompt_tokens
         )
 
     def add(self, job: PrefillJob) -> None:
@@ -94,11 +94,10 @@ class ChunkedPrefillScheduler:
     def schedule(self) -> StepPlan:
         """Admit what fits (FIFO, whole prompts), then fill the token budget, oldest prompts first."""
         plan = StepPlan()
-        block_manager = self.engine.block_manager
         now = self._clock()
         while self.waiting and self._can_admit_head():
             job = self.waiting.popleft()
-            block_manager.grow(job.seq.block_table, job.num_prompt_tokens)
+            self.engine.allocate(job.seq, job.num_prompt_tokens)
             job.admitted_time = now
             self.running.append(job)
             plan.admitted.append(job)

@@ -55,8 +55,8 @@ def build_job(
     seq = engine.make_sequence(
         list(request.prompt_token_ids), sampling_params(request.sampling), PREFILL_STOPPING, request_id
     )
-    needed = engine.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
-    pool = engine.block_manager.allocator.num_blocks
+    needed = engine.blocks_for_tokens(seq.num_prompt_tokens)
+    pool = engine.num_blocks
     if needed > pool:
         raise InvalidRequestError(
             f"the prompt needs {needed} KV blocks but this prefill replica's pool has {pool}; "

@@ -48,14 +48,14 @@ def test_manager_grows_one_token_at_a_time_and_releases():
     manager = BlockManager(BlockAllocator(3), block_size=4)
     table: list[int] = []
     for num_tokens in range(1, 13):
-        manager.grow(table, num_tokens)
+        manager.allocate(table, num_tokens)
         assert len(table) == (num_tokens + 3) // 4
     assert manager.num_free_blocks == 0 and manager.usage == 1.0
-    assert not manager.can_grow(table, 13)
+    assert not manager.can_allocate(table, 13)
     with pytest.raises(OutOfBlocksError):
-        manager.grow(table, 13)
+        manager.allocate(table, 13)
     assert len(table) == 3
-    manager.release(table)
+    manager.free(table)
     assert table == [] and manager.num_free_blocks == 3 and manager.usage == 0.0
-    manager.release(table)
+    manager.free(table)
     assert manager.num_free_blocks == 3

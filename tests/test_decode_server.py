@@ -33,6 +33,7 @@ from engine.engine import Engine
 from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving.config import TLSConfig
 
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 128
@@ -66,7 +67,7 @@ class RunningServer:
 
     def pool_is_full(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.hub) == 0
+        return manager.num_free_blocks == manager.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.channel.close()
@@ -328,7 +329,7 @@ def test_deadline_and_queue_full(model):
         next(iter(first))
         second = running.stub.Generate(long_request, timeout=60)
         second_reader = ThreadPoolExecutor(1).submit(lambda: list(second))
-        assert wait_until(lambda: len(running.server.hub) == 2)
+        assert wait_until(lambda: len(running.server.registry) == 2)
         with pytest.raises(grpc.RpcError) as full:
             list(running.stub.Generate(greedy_request([1], 1), timeout=30))
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -406,7 +407,7 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
 
 def test_tls_and_bearer_token_guard_the_public_port(model, tmp_path):
     cert, key = self_signed_certificate(tmp_path)
-    running = start_server(model[0], tls_cert=cert, tls_key=key, auth_token="s3cret")
+    running = start_server(model[0], tls=TLSConfig(cert, key), auth_token="s3cret")
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with grpc.secure_channel(f"localhost:{running.port}", credentials) as channel:

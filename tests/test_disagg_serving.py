@@ -36,10 +36,11 @@ from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_store import model_fingerprint
-from prefill_service.config import PrefillServiceConfig, TLSConfig
+from prefill_service.config import PrefillServiceConfig
 from prefill_service.server import PrefillServer
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving.config import TLSConfig
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -124,7 +125,7 @@ class RunningPrefill:
 
     def pool_is_full(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.registry) == 0
+        return manager.num_free_blocks == manager.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.gate.is_open.set()
@@ -179,7 +180,7 @@ class RunningDecode:
 
     def pool_is_full(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.hub) == 0
+        return manager.num_free_blocks == manager.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.channel.close()

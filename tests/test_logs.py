@@ -35,7 +35,7 @@ from tandem.logs import (
 )
 
 SECRET_PROMPT = "the zebra crossing opens at noon"
-TIER_LOGGERS = ("decode_service", "prefill_service")
+TIER_LOGGERS = ("serving", "decode_service", "prefill_service")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ from engine.params import SamplingParams, StoppingParams
 from kv_transfer import IncompatibleKVError
 from prefill_service.config import PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
-from prefill_service.event_log import EventLog
 from prefill_service.job import Admitted, KVReady, PrefillFailed, PrefillFinished, PrefillJob
 from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.validation import build_job, sampling_params
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
 from serving.errors import DrainingError, QueueFullError
+from serving.event_log import EventLog
 from serving.status import status_for
 from tandem.logs import JsonFormatter, log_event
 

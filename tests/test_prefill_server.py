@@ -36,10 +36,11 @@ from engine.model_runner import ScheduledChunk
 from engine.model_store import model_fingerprint
 from engine.params import SamplingParams, StoppingParams
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash, write_chunk
-from prefill_service.config import PrefillServiceConfig, TLSConfig
+from prefill_service.config import PrefillServiceConfig
 from prefill_service.server import MAX_GRPC_MESSAGE_BYTES, PrefillServer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
+from serving.config import TLSConfig
 from tandem.security import channel_credentials
 
 BLOCK_SIZE = 16
@@ -117,7 +118,7 @@ class RunningServer:
 
     def pool_is_full(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.registry) == 0
+        return manager.num_free_blocks == manager.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.gate.open()
@@ -193,7 +194,7 @@ class LocalDecoder:
         """Reserve the prompt's blocks, write every chunk, and append the first token like decode does."""
         engine = self.engine
         seq = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=max_tokens, ignore_eos=True))
-        engine.block_manager.grow(seq.block_table, len(prompt))
+        engine.allocate(seq, len(prompt))
         for chunk in received.chunks:
             write_chunk(
                 chunk,
@@ -212,7 +213,7 @@ class LocalDecoder:
         running = [s for s in seqs if not s.is_finished]
         while running:
             for seq in running:
-                self.engine.block_manager.grow(seq.block_table, seq.num_tokens)
+                self.engine.allocate(seq, seq.num_tokens)
             self.engine.step([ScheduledChunk(seq, 1) for seq in running])
             running = [s for s in running if not s.is_finished]
 

@@ -1,13 +1,8 @@
-"""A bounded in-process record of what every engine step ran: the batcher's flight recorder.
-
-Tests and the benchmark's batch-occupancy plot read it to see continuous batching happen (who joined
-when, prefill chunks next to decodes, blocks coming back). It is never exposed over the public API.
-"""
+"""What one decode step ran, as the tier's `serving.event_log.EventLog` records it: who joined when,
+prefill chunks next to decodes, preemptions, finishes and blocks coming back."""
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,23 +41,3 @@ class StepRecord:
     @property
     def prefill_ids(self) -> set[str]:
         return {c.request_id for c in self.chunks if c.kind == "prefill"}
-
-
-class EventLog:
-    """Ring buffer of the last `maxlen` steps; appended by the engine thread, read from any thread."""
-
-    def __init__(self, maxlen: int = 4096) -> None:
-        self._records: deque[StepRecord] = deque(maxlen=maxlen)
-        self._lock = threading.Lock()
-
-    def append(self, record: StepRecord) -> None:
-        with self._lock:
-            self._records.append(record)
-
-    def snapshot(self) -> list[StepRecord]:
-        """A copy of the records, oldest first."""
-        with self._lock:
-            return list(self._records)
-
-    def __len__(self) -> int:
-        return len(self._records)

@@ -1,0 +1,186 @@
+"""The flags both tiers share, with the same names, defaults and help, and what they turn into.
+
+`add_engine_arguments` and `add_server_arguments` import nothing heavy, so `tandem --help` stays fast;
+`run_tier` loads torch, the model and gRPC only when a server actually starts. The flags are the CLI
+contract the Helm chart uses. Each tier adds its own flags (batch sizes, queue, policies) next to these.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from serving.config import TLSConfig
+
+# Per connection: generous for a real caller's concurrency (a decode replica multiplexes all its
+# Prefill calls over one connection), a wall against one caller opening thousands.
+DEFAULT_MAX_CONCURRENT_STREAMS = 256
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the engine it runs on: identical on both tiers, so their KV layouts match."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory (safetensors, config, tokenizer) or the default model's name "
+        "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model` first)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default="2GiB",
+        help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: 2GiB)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Address, metrics, drain, logs, stream cap, TLS and auth of a tier's server."""
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=default_port,
+        help=f"gRPC port; 0 picks a free one (default: {default_port})",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics over HTTP on this port (default: 0, off)",
+    )
+    parser.add_argument(
+        "--drain-grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long live calls may take to finish (default: 30)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text for people, json for log pipelines: one object per line (default: text)",
+    )
+    parser.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="also log prompts and generated text (default: only request ids, counts and timings)",
+    )
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_STREAMS,
+        help="concurrent calls one client connection may have open, at most (default: "
+        f"{DEFAULT_MAX_CONCURRENT_STREAMS})",
+    )
+    parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
+    parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
+    parser.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        help="CA (PEM) that signs callers' certificates; requires mutual TLS when given",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        type=Path,
+        default=None,
+        help="file holding the bearer token every call must carry (default: $TANDEM_AUTH_TOKEN; unset: off)",
+    )
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse a size flag below 1, naming the flag as the user typed it."""
+    from engine.errors import ConfigError
+
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe (sizes checked here, where the flag names are known)."""
+    from engine.config import CacheConfig, EngineConfig, parse_dtype, parse_memory_size
+
+    check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens")
+    return EngineConfig(
+        dtype=parse_dtype(args.dtype),
+        device=args.device,
+        cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_memory_size(args.kv_cache_memory)),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
+    """The server's TLS settings, or None for plaintext."""
+    from engine.errors import ConfigError
+    from serving.config import TLSConfig
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ConfigError("--tls-cert and --tls-key go together")
+    return TLSConfig(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+
+
+def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `serving.config.ServerConfig` fields the shared flags set (reads the auth token file, if any)."""
+    from tandem.security import load_auth_token
+
+    return {
+        "host": args.host,
+        "port": args.port,
+        "max_queue": args.max_queue,
+        "drain_grace_seconds": args.drain_grace_seconds,
+        "tls": tls_from_args(args),
+        "auth_token": load_auth_token(args.auth_token_file),
+    }
+
+
+ServeFn = Callable[["Engine", Path, "CollectorRegistry"], Coroutine[Any, Any, int]]
+
+
+def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
+    """Set up logging and threads, load the model, then serve until SIGTERM/SIGINT; the exit status.
+
+    The tier has built (and so checked) its own config before calling this, so a bad flag fails before
+    the slow model load. `serve(engine, model_dir, metrics_registry)` is the tier's coroutine that runs
+    its server until the signal and returns the exit status.
+    """
+    import asyncio
+
+    import torch
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from engine.engine import Engine
+    from engine.model_store import resolve_model
+    from tandem.logs import set_log_prompts, use_log_format
+
+    use_log_format(args.log_format)
+    set_log_prompts(args.log_prompts)
+    check_positive(args, "max_concurrent_streams")
+    engine_config = engine_config_from_args(args)
+    model_dir = resolve_model(args.model)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    metrics_registry = CollectorRegistry()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
+    engine = Engine.from_pretrained(model_dir, engine_config)
+    return asyncio.run(serve(engine, model_dir, metrics_registry))
