@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decode_service.prefill_targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
+from decode_service.remote_prefill.targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
 from engine.errors import ConfigError
 from serving.config import ServerConfig
 
@@ -30,7 +30,7 @@ class DecodeServiceConfig(ServerConfig):
     request that was not, so it is never the victim again while others are (bounded thrash).
 
     Disaggregated prefill: `prefill` lists the prefill tier's targets (`host:port` or
-    `dns:///name:port`, see `prefill_targets`); empty means aggregated. Prompts shorter than
+    `dns:///name:port`, see `remote_prefill.targets`); empty means aggregated. Prompts shorter than
     `local_prefill_threshold` tokens are prefilled here; with `fallback_local`, so is any prompt when
     no prefill replica can take it. `prefill_timeout_s` is the deadline of one `Prefill` call, which
     is tried on up to `prefill_max_attempts` replicas. `prefill_tls_ca` (and for mTLS `prefill_tls_cert`

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from decode_service.prefill_transfer import PrefillTransferStats
+from decode_service.remote_prefill.transfer import PrefillTransferStats
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler
 from engine.engine import Engine

@@ -3,7 +3,7 @@
 Admission reserves the prompt's blocks and hands the request to a stage; when the stage has computed
 the whole history (prompt, plus tokens generated before a preemption) and the next token is sampled,
 the request joins the decode batch. In aggregated mode the stage is local chunked prefill mixed into
-the decode iterations. A remote stage (`remote_prefill.RemotePrefillStage`: a `Prefill` stream writing
+the decode iterations. A remote stage (`remote_prefill.stage.RemotePrefillStage`: a `Prefill` stream writing
 KV into the same reserved blocks) computes outside the step: it reports each finished prompt through
 `collect`, and wakes the engine thread when it has news.
 """

@@ -15,7 +15,7 @@ from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.metrics import DecodeMetrics
 from decode_service.policies import make_policy
-from decode_service.remote_prefill import RemotePrefill
+from decode_service.remote_prefill.stage import RemotePrefill
 from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
 from decode_service.stream_interval import StreamIntervalBuffer

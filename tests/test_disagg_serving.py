@@ -31,7 +31,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
-from decode_service.prefill_pool import ReplicaState
+from decode_service.remote_prefill.pool import ReplicaState
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -283,7 +283,7 @@ def test_incompatible_prefill_replicas_are_refused(model, caplog):
     targets = f"{other_block.address},{other_dtype.address}"
     prompt = prompts_of([90], seed=2)[0]
     try:
-        with caplog.at_level(logging.ERROR, logger="decode_service.prefill_pool"):
+        with caplog.at_level(logging.ERROR, logger="decode_service.remote_prefill.pool"):
             strict = RunningDecode(model_dir, prefill=targets)
         lenient = RunningDecode(model_dir, prefill=targets, fallback_local=True)
         try:

@@ -11,7 +11,8 @@ to this stage, which routes it:
   the reserved blocks, and its outcome comes back to the engine thread through `collect`.
 
 On the engine thread, a completed transfer becomes exactly what a local prefill produces: the sequence
-with every history token computed and the first token appended by `Sequence.append_token` (so stop
+with every history token computed and the first token appended by
+`Engine.append_token_computed_elsewhere`, as `Engine.step` appends what it samples (so stop
 rules, detokenization and finishing apply; the first token may end the request). A transfer whose
 request is aborted or preempted is cancelled: the `Prefill` call is cancelled, so the prefill replica
 frees its blocks, and no write reaches the reserved blocks once they are given back.
@@ -27,10 +28,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from decode_service.config import DecodeServiceConfig
-from decode_service.prefill_client import PrefillClient
-from decode_service.prefill_pool import PrefillPool
 from decode_service.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
-from decode_service.prefill_transfer import (
+from decode_service.remote_prefill.client import PrefillClient
+from decode_service.remote_prefill.pool import PrefillPool
+from decode_service.remote_prefill.transfer import (
     KVTransfer,
     PrefillCompleted,
     PrefillGaveUp,

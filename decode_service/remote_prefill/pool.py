@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_service.prefill_targets import PrefillTarget, resolve_target
+from decode_service.remote_prefill.targets import PrefillTarget, resolve_target
 from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash
 from kv_transfer.errors import KVLayoutMismatchError
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc

@@ -19,8 +19,8 @@ from concurrent.futures import Executor
 
 import grpc
 
-from decode_service.prefill_pool import PrefillPool, PrefillReplica
-from decode_service.prefill_transfer import (
+from decode_service.remote_prefill.pool import PrefillPool, PrefillReplica
+from decode_service.remote_prefill.transfer import (
     KVTransfer,
     PrefillCompleted,
     PrefillGaveUp,
