@@ -97,7 +97,7 @@ def test_a_prefill_process_whose_warm_up_fails_exits_naming_the_error(model_dir)
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert WARM_UP_ERROR in result.stderr
-    assert "serving" not in result.stderr
+    assert "prefill server serving" not in result.stderr
 
 
 def test_both_tiers_share_the_engine_and_server_flags_with_the_same_defaults():
@@ -136,18 +136,21 @@ def test_tandem_serve_starts_with_the_default_model_and_stops_quietly(tier, stop
         [*_tandem_command(), "serve", tier, "--port", str(port)], stderr=subprocess.PIPE, text=True
     )
     log: list[str] = []
-    serving = threading.Event()
+    serving_or_gone = threading.Event()
 
     def read_log() -> None:
         for line in process.stderr:
             log.append(line)
             if f"{tier} server serving" in line:
-                serving.set()
+                serving_or_gone.set()
+        serving_or_gone.set()
 
     reader = threading.Thread(target=read_log, daemon=True)
     reader.start()
     try:
-        assert serving.wait(300), "server did not start:\n" + "".join(log)
+        serving_or_gone.wait(300)
+        assert process.poll() is None, "server exited:\n" + "".join(log)
+        assert any(f"{tier} server serving" in line for line in log), "server did not start:\n" + "".join(log)
         assert "SmolLM2-135M-Instruct" in "".join(log)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
