@@ -64,6 +64,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "first token and the end at once); larger values cut per-message CPU under load (default: 1)",
     )
     _add_prefill_arguments(parser)
+    _add_limit_arguments(parser)
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bounds on what one request or one client may cost; each refusal names its flag."""
+    from decode_service.request_limits import RequestLimits
+
+    defaults = RequestLimits()
+    group = parser.add_argument_group("request limits")
+    group.add_argument(
+        "--max-id-bytes",
+        type=int,
+        default=defaults.max_id_bytes,
+        help="longest request_id and tenant, in UTF-8 bytes; both must be printable "
+        f"(default: {defaults.max_id_bytes})",
+    )
+    group.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=defaults.max_prompt_bytes,
+        help="largest text or chat prompt in UTF-8 bytes, refused before it is tokenized "
+        f"(default: {defaults.max_prompt_bytes}, 1 MiB)",
+    )
+    group.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help=f"stop strings one request may give (default: {defaults.max_stop_strings})",
+    )
+    group.add_argument(
+        "--max-stop-string-length",
+        type=int,
+        default=defaults.max_stop_string_length,
+        help=f"longest stop string, in characters (default: {defaults.max_stop_string_length})",
+    )
+    group.add_argument(
+        "--max-validation-queue",
+        type=int,
+        default=16,
+        help="large prompts (over 16 KiB) waiting to be tokenized, at most; more get RESOURCE_EXHAUSTED "
+        "(default: 16)",
+    )
+    group.add_argument(
+        "--max-stream-buffer",
+        type=int,
+        default=1024,
+        help="messages a stream may hold for a client that is not reading; past it the request is "
+        "cancelled and its KV freed (default: 1024)",
+    )
+    group.add_argument(
+        "--max-idle-tenants",
+        type=int,
+        default=1024,
+        help="wfq: idle tenants whose fair-share lead is remembered, at most (default: 1024)",
+    )
+    group.add_argument(
+        "--tenant-header",
+        default="",
+        help="take each request's tenant from this request header, set by a trusted gateway, instead of "
+        "its tenant field (default: the field, which any client chooses)",
+    )
+    group.add_argument(
+        "--priority-header",
+        default="",
+        help="take each request's priority from this request header, set by a trusted gateway, instead of "
+        "its priority field (default: the field, which any client chooses)",
+    )
 
 
 def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +178,7 @@ def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
 def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
     """The validated DecodeServiceConfig the flags describe (reads the auth token file, if any)."""
     from decode_service.config import DecodeServiceConfig, parse_tenant_weights
+    from decode_service.request_limits import RequestLimits
     from serving.flags import server_settings_from_args
 
     config = DecodeServiceConfig(
@@ -128,6 +196,17 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         prefill_tls_ca=args.prefill_tls_ca,
         prefill_tls_cert=args.prefill_tls_cert,
         prefill_tls_key=args.prefill_tls_key,
+        limits=RequestLimits(
+            max_id_bytes=args.max_id_bytes,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_string_length=args.max_stop_string_length,
+        ),
+        max_validation_queue=args.max_validation_queue,
+        max_stream_buffer=args.max_stream_buffer,
+        max_idle_tenants=args.max_idle_tenants,
+        tenant_header=args.tenant_header.lower(),
+        priority_header=args.priority_header.lower(),
     )
     config.validate()
     return config

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from decode_service.remote_prefill.targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
+from decode_service.request_limits import RequestLimits
 from engine.errors import ConfigError
 from serving.config import ServerConfig
 
@@ -35,6 +36,12 @@ class DecodeServiceConfig(ServerConfig):
     no prefill replica can take it. `prefill_timeout_s` is the deadline of one `Prefill` call, which
     is tried on up to `prefill_max_attempts` replicas. `prefill_tls_ca` (and for mTLS `prefill_tls_cert`
     and `prefill_tls_key`) switch the calls to prefill to TLS.
+
+    Hardening: `limits` bound each request (see `RequestLimits`); at most `max_validation_queue` large
+    prompts wait for the tokenizer; a stream may fall `max_stream_buffer` messages behind before it is
+    cancelled; wfq remembers at most
+    `max_idle_tenants` idle tenants' leads. `tenant_header`/`priority_header` name request headers, set
+    by a trusted gateway, that replace the client's own `tenant`/`priority` fields.
     """
 
     port: int = 50051
@@ -56,6 +63,12 @@ class DecodeServiceConfig(ServerConfig):
     prefill_tls_ca: Path | None = None
     prefill_tls_cert: Path | None = None
     prefill_tls_key: Path | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_validation_queue: int = 16
+    max_stream_buffer: int = 1024
+    max_idle_tenants: int = 1024
+    tenant_header: str = ""
+    priority_header: str = ""
 
     @property
     def disaggregated(self) -> bool:
@@ -83,6 +96,10 @@ class DecodeServiceConfig(ServerConfig):
         if self.static_batch_timeout_s < 0:
             raise ConfigError(f"static_batch_timeout_s must be >= 0, got {self.static_batch_timeout_s}")
         self._validate_prefill()
+        self.limits.validate()
+        for name in ("max_validation_queue", "max_stream_buffer", "max_idle_tenants"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def _validate_prefill(self) -> None:
         try:

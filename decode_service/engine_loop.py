@@ -56,8 +56,15 @@ class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
         """Apply queued submissions and aborts, admit finished remote prefills, then run one step;
         False when there was nothing to run."""
         deltas = self._drain_inbox()
-        deltas.extend(self.scheduler.complete_prefills())
-        plan = self.scheduler.schedule()
+        try:
+            deltas.extend(self.scheduler.complete_prefills())
+            plan = self.scheduler.schedule()
+        except Exception as exc:
+            # Without this, the requests it touched would wait for a next event until their deadline.
+            logger.exception("scheduling failed; ending every live request")
+            deltas.extend(self.scheduler.fail_all(exc))
+            self._deliver_safely(deltas)
+            return False
         if plan.chunks:
             try:
                 outputs = self.engine.step(plan.chunks)

@@ -13,7 +13,8 @@ running request with the largest. Policies see requests, never blocks or the eng
   tokens it was served divided by its weight (prompt tokens charged at first admission, one token per
   generated token); the tenant with the smallest counter goes next. A tenant that comes back from idle
   starts at the smallest counter among backlogged tenants, so it cannot bank credit while away, and a
-  tenant that floods the queue only advances its own counter: it cannot starve another.
+  tenant that floods the queue only advances its own counter: it cannot starve another. Its state is
+  bounded by the live requests plus `max_idle_tenants` (see the class).
 """
 
 from __future__ import annotations
@@ -84,18 +85,35 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
 
 
 class WeightedFairQueuingPolicy(SchedulingPolicy):
+    """WFQ whose state is bounded by live requests, not by every tenant name ever seen.
+
+    Counters are kept for tenants with a live request. A tenant whose last request ends keeps its
+    counter only while it is ahead of the floor (the smallest live counter), because returning would
+    otherwise wipe its lead; at or below the floor it would restart at the floor anyway, so it is
+    forgotten. At most `max_idle_tenants` leads are kept (the smallest are forgotten first), and all
+    of them go when no tenant is live: with nobody waiting there is no one to be fair to.
+    """
+
     name = "wfq"
 
     def __init__(
-        self, tenant_weights: Mapping[str, float] | None = None, default_weight: float = 1.0
+        self,
+        tenant_weights: Mapping[str, float] | None = None,
+        default_weight: float = 1.0,
+        max_idle_tenants: int = 1024,
     ) -> None:
         weights = dict(tenant_weights or {})
         for tenant, weight in [*weights.items(), ("<default>", default_weight)]:
             if not weight > 0:
                 raise ConfigError(f"tenant weight must be > 0, got {tenant}={weight}")
+        if max_idle_tenants < 0:
+            raise ConfigError(f"max_idle_tenants must be >= 0, got {max_idle_tenants}")
         self.tenant_weights = weights
         self.default_weight = default_weight
+        self.max_idle_tenants = max_idle_tenants
+        # Counters of tenants with live requests, and the leads of idle tenants still ahead of the floor.
         self.virtual_tokens: dict[str, float] = {}
+        self.idle_leads: dict[str, float] = {}
         self._live = Counter[str]()
 
     def weight(self, tenant: str) -> float:
@@ -104,12 +122,14 @@ class WeightedFairQueuingPolicy(SchedulingPolicy):
     def rank(self, request: ServedRequest, now: float) -> Rank:
         return (self.virtual_tokens.get(request.tenant, 0.0), request.arrival_index)
 
+    def _floor(self) -> float:
+        return min(self.virtual_tokens.values(), default=0.0)
+
     def on_enqueued(self, request: ServedRequest) -> None:
         tenant = request.tenant
         if self._live[tenant] == 0:
-            backlogged = [self.virtual_tokens.get(t, 0.0) for t, n in self._live.items() if n > 0]
-            floor = min(backlogged, default=0.0)
-            self.virtual_tokens[tenant] = max(self.virtual_tokens.get(tenant, 0.0), floor)
+            floor = self._floor()
+            self.virtual_tokens[tenant] = max(self.idle_leads.pop(tenant, floor), floor)
         self._live[tenant] += 1
 
     def on_admitted(self, request: ServedRequest) -> None:
@@ -121,19 +141,34 @@ class WeightedFairQueuingPolicy(SchedulingPolicy):
         self._charge(request.tenant, 1)
 
     def on_finished(self, request: ServedRequest) -> None:
-        self._live[request.tenant] -= 1
-        if self._live[request.tenant] <= 0:
-            del self._live[request.tenant]
+        tenant = request.tenant
+        self._live[tenant] -= 1
+        if self._live[tenant] > 0:
+            return
+        del self._live[tenant]
+        counter = self.virtual_tokens.pop(tenant)
+        if not self.virtual_tokens:
+            self.idle_leads.clear()
+            return
+        floor = self._floor()
+        if counter > floor:
+            self.idle_leads[tenant] = counter
+        if len(self.idle_leads) > self.max_idle_tenants:
+            ahead = sorted((lead, t) for t, lead in self.idle_leads.items() if lead > floor)
+            self.idle_leads = {t: lead for lead, t in ahead[len(ahead) - self.max_idle_tenants :]}
 
     def _charge(self, tenant: str, num_tokens: int) -> None:
-        self.virtual_tokens[tenant] = self.virtual_tokens.get(tenant, 0.0) + num_tokens / self.weight(tenant)
+        self.virtual_tokens[tenant] += num_tokens / self.weight(tenant)
 
 
 POLICY_NAMES = ("fifo", "priority", "sjf", "wfq")
 
 
 def make_policy(
-    name: str, tenant_weights: Mapping[str, float] | None = None, sjf_aging_tokens_per_second: float = 100.0
+    name: str,
+    tenant_weights: Mapping[str, float] | None = None,
+    sjf_aging_tokens_per_second: float = 100.0,
+    max_idle_tenants: int = 1024,
 ) -> SchedulingPolicy:
     """Build the policy named in the server config."""
     if name == "fifo":
@@ -143,5 +178,5 @@ def make_policy(
     if name == "sjf":
         return ShortestJobFirstPolicy(sjf_aging_tokens_per_second)
     if name == "wfq":
-        return WeightedFairQueuingPolicy(tenant_weights)
+        return WeightedFairQueuingPolicy(tenant_weights, max_idle_tenants=max_idle_tenants)
     raise ConfigError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {name!r}")

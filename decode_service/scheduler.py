@@ -224,27 +224,63 @@ class ContinuousScheduler:
     # -- after the forward ---------------------------------------------------------------------------
 
     def complete_step(self, outputs: list[TokenOutput]) -> list[StreamDelta]:
-        """Turn the step's sampled tokens into stream deltas; free finished sequences right away."""
+        """Turn the step's sampled tokens into stream deltas; free finished sequences right away.
+
+        A request whose bookkeeping raises ends with that error (INTERNAL) and its blocks freed; the
+        others in the step go on.
+        """
         now = self.clock()
         deltas = []
         for out in outputs:
-            request = self._live[out.seq.request_id]
-            if request.state is RequestState.PREFILLING:
-                self.prefill_stage.remove(request)
-                request.state = RequestState.RUNNING
-                self.running.append(request)
-                if request.prefill_done_time is None:
-                    request.prefill_done_time = now
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.policy.on_token_generated(request)
-            logprobs = []
-            if request.seq.sampling.logprobs > 0:
-                logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
-            deltas.append(StreamDelta(request, [out.token_id], out.text, logprobs, out.finish_reason))
-            if out.finish_reason is not None:
-                self._finish(request)
+            request = self._live.get(out.seq.request_id)
+            if request is None:
+                continue
+            try:
+                deltas.append(self._complete_one(request, out, now))
+            except Exception as exc:
+                logger.exception("completing a step of %s failed; ending it", request.request_id)
+                deltas.append(self._fail(request, exc))
         return deltas
+
+    def _complete_one(self, request: ServedRequest, out: TokenOutput, now: float) -> StreamDelta:
+        if request.state is RequestState.PREFILLING:
+            self.prefill_stage.remove(request)
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            if request.prefill_done_time is None:
+                request.prefill_done_time = now
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self.policy.on_token_generated(request)
+        logprobs = []
+        if request.seq.sampling.logprobs > 0:
+            logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
+        delta = StreamDelta(request, [out.token_id], out.text, logprobs, out.finish_reason)
+        if out.finish_reason is not None:
+            self._finish(request)
+        return delta
+
+    def fail_all(self, error: Exception) -> list[StreamDelta]:
+        """Scheduling itself failed, so no request's state can be trusted: end every live one with the
+        error and free its blocks, leaving a clean scheduler for the requests that come next."""
+        return [self._fail(request, error) for request in list(self._live.values())]
+
+    def _fail(self, request: ServedRequest, error: Exception) -> StreamDelta:
+        """End one request with `error`; its blocks are freed even if its bookkeeping is inconsistent."""
+        request.seq.abort()
+        try:
+            self._finish(request)
+        except Exception:
+            logger.exception("finishing %s failed; dropping it", request.request_id)
+            for queue in (self.waiting, self.running):
+                if request in queue:
+                    queue.remove(request)
+            if request in self.prefill_stage.requests:
+                self.prefill_stage.remove(request)
+            self.engine.free(request.seq)
+            self._live.pop(request.request_id, None)
+            request.state = RequestState.FINISHED
+        return StreamDelta(request, error=error)
 
     def complete_prefills(self) -> list[StreamDelta]:
         """Prompts the prefill stage finished outside the step (remote prefill) join the batch now;
@@ -259,14 +295,8 @@ class ContinuousScheduler:
 
     def fail_step(self, plan: StepPlan, error: Exception) -> list[StreamDelta]:
         """The forward failed: end every request in it with the error, freeing its blocks."""
-        deltas = []
-        for chunk in plan.chunks:
-            request = self._live.get(chunk.seq.request_id)
-            if request is not None:
-                chunk.seq.abort()
-                self._finish(request)
-                deltas.append(StreamDelta(request, error=error))
-        return deltas
+        requests = (self._live.get(chunk.seq.request_id) for chunk in plan.chunks)
+        return [self._fail(request, error) for request in requests if request is not None]
 
     def _finish(self, request: ServedRequest) -> None:
         if request.state is RequestState.WAITING:

@@ -7,7 +7,6 @@ It adds to the shell the continuous batcher (scheduler, policy, stream interval,
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry
 
@@ -20,6 +19,7 @@ from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
 from decode_service.stream_interval import StreamIntervalBuffer
 from decode_service.streams import StreamHub
+from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
 from engine.errors import ConfigError
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -51,7 +51,9 @@ class DecodeServer(TierServer):
     ) -> None:
         super().__init__(engine, config, max_concurrent_streams=max_concurrent_streams)
         self.config: DecodeServiceConfig = config
-        policy = make_policy(config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second)
+        policy = make_policy(
+            config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second, config.max_idle_tenants
+        )
         scheduler_type = StaticScheduler if config.batching == "static" else ContinuousScheduler
         # Disaggregated: the prefill tier's KV must match ours, and the model fingerprint is half of that.
         self.remote_prefill: RemotePrefill | None = None
@@ -63,15 +65,16 @@ class DecodeServer(TierServer):
         self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
         self.events = EventLog(config.event_log_size)
         capacity = engine.config.max_num_seqs + config.max_queue
-        self.registry = StreamHub(asyncio.get_running_loop(), capacity)
+        self.registry = StreamHub(asyncio.get_running_loop(), capacity, config.max_stream_buffer)
         self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
         if self.remote_prefill is not None:
             self.metrics.watch_prefill_transfer(self.remote_prefill.stats)
         batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver_threadsafe)
         self.engine_loop = EngineLoop(engine, self.scheduler, self.metrics.observing(batched), self.events)
-        self._validation_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
+        self.registry.abort = self.engine_loop.abort
+        self._validation = ValidationPool(config.max_validation_queue)
         servicer = GenerationServicer(
-            engine, self.engine_loop, self.registry, config, self._validation_executor, server_version()
+            engine, self.engine_loop, self.registry, config, self._validation, self.watchdog, server_version()
         )
         self._serve(
             GENERATION_SERVICE,
@@ -87,7 +90,7 @@ class DecodeServer(TierServer):
             await self.remote_prefill.close()
 
     def _closed(self) -> None:
-        self._validation_executor.shutdown(wait=False, cancel_futures=True)
+        self._validation.shutdown()
 
     def _serving_details(self) -> str:
         mode = "aggregated"

@@ -1,18 +1,16 @@
 """The public `tandem.v1.Generation` service: protobuf in, engine-loop calls, protobuf out.
 
-Handlers never run model work: validation (which may tokenize) runs on a small executor, generation
-runs on the engine thread, and a handler only awaits its stream's queue. Errors become status codes
+Handlers never run model work: cheap limits are checked first, on the loop; validation (which may
+tokenize) runs on `ValidationPool`, generation on the engine thread, and a handler only awaits its
+stream's queue and writes through the stall watchdog. Errors become status codes
 through `status.status_for`, here and nowhere else.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 
 import grpc
 
@@ -20,13 +18,16 @@ from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.streams import StreamHub
-from decode_service.validation import build_sequence
+from decode_service.validation import build_sequence, check_limits, prompt_bytes
+from decode_service.validation_pool import ValidationPool
 from engine.config import dtype_name
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving.errors import StreamStalledError
+from serving.stalls import StallWatchdog
 from serving.status import status_for
 from tandem.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 
@@ -115,39 +116,53 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine_loop: EngineLoop,
         hub: StreamHub,
         config: DecodeServiceConfig,
-        validation_executor: Executor,
+        validation: ValidationPool,
+        watchdog: StallWatchdog,
         server_version: str,
     ) -> None:
         self._engine = engine
         self._engine_loop = engine_loop
         self._hub = hub
         self._config = config
-        self._validation_executor = validation_executor
+        self._validation = validation
+        self._watchdog = watchdog
         self._server_version = server_version
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # Writes go through the stall watchdog rather than `yield`, so a client that stops reading
+        # cannot hold its slot: the write is timed out and the cleanup below runs at once.
         arrival = time.monotonic()
+        try:
+            check_limits(request, self._config.limits, self._engine.max_model_len)
+        except InvalidRequestError as exc:
+            await self._abort_with(context, exc, "-")
         request_id = request.request_id or uuid.uuid4().hex
         bind_request_id(request_id)
+        tenant, priority = self._tenant_and_priority(request, context)
         try:
             self._hub.check_accepting()
             check_max_tokens_cap(request, self._config.max_tokens_cap)
-            seq = await asyncio.get_running_loop().run_in_executor(
-                self._validation_executor,
+            # A slot before any tokenization: an over-capacity request costs nothing.
+            self._hub.reserve(request_id)
+        except Exception as exc:
+            await self._abort_with(context, exc, request_id)
+        try:
+            seq = await self._validation.run(
+                prompt_bytes(request),
                 build_sequence,
                 request,
                 request_id,
                 self._engine,
                 self._config.max_tokens_cap,
             )
-            served = ServedRequest(
-                seq, priority=request.priority, tenant=request.tenant, arrival_time=arrival
-            )
+            served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival)
             queue = self._hub.open(served)
-        except Exception as exc:
-            await self._abort_with(context, exc, request_id, refused=True)
+        except BaseException as exc:
+            # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.
+            self._hub.release(request_id)
+            if not isinstance(exc, Exception):
+                raise
+            await self._abort_with(context, exc, request_id)
         log_event(
             logger,
             logging.INFO,
@@ -155,8 +170,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request_id=request_id,
             prompt_tokens=seq.num_prompt_tokens,
             max_tokens=seq.stopping.max_tokens,
-            priority=request.priority,
-            tenant=request.tenant or "-",
+            priority=priority,
+            tenant=tenant or "-",
             **_prompt_log_fields(request, served),
         )
         completion: list[str] = []
@@ -167,7 +182,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 delta = await queue.get()
                 finished = delta.is_last
                 if delta.error is not None:
-                    await self._abort_with(context, delta.error, request_id, refused=False)
+                    self._end_with(context, delta.error, request_id)
+                    return
                 if log_prompts_enabled():
                     completion.append(delta.text)
                 if delta.finish_reason is not None:
@@ -180,11 +196,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         **_finish_log_fields(served, time.monotonic()),
                         **prompt_fields(completion="".join(completion)),
                     )
-                yield to_response(delta)
+                await self._watchdog.write(context, to_response(delta))
+        except StreamStalledError as exc:
+            finished = False
+            self._end_with(context, exc, request_id)
         finally:
             self._hub.close(served)
             if not finished:
-                # Client cancelled, deadline passed, or the connection dropped: free the blocks now.
+                # Client cancelled or stopped reading, deadline passed, connection dropped: free the blocks.
                 self._engine_loop.abort(served.request_id)
                 log_event(
                     logger,
@@ -194,6 +213,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     completion_tokens=served.seq.num_output_tokens,
                     after_s=time.monotonic() - arrival,
                 )
+
+    def _tenant_and_priority(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[str, int]:
+        """Tenant and priority from the trusted gateway's headers when configured, else from the request."""
+        tenant, priority = request.tenant, request.priority
+        tenant_header, priority_header = self._config.tenant_header, self._config.priority_header
+        if tenant_header or priority_header:
+            metadata = dict(context.invocation_metadata() or ())
+            if tenant_header:
+                tenant = str(metadata.get(tenant_header, ""))
+            if priority_header:
+                try:
+                    priority = int(metadata.get(priority_header, 0))
+                except ValueError:
+                    priority = 0
+        return tenant, priority
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if request.request_id not in self._hub:
@@ -217,17 +253,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     @staticmethod
-    async def _abort_with(
-        context: grpc.aio.ServicerContext, error: Exception, request_id: str, refused: bool
-    ) -> None:
-        """End the call with the error's status; `refused`: before it was accepted, else while streaming."""
+    def _end_with(context: grpc.aio.ServicerContext, error: Exception, request_id: str) -> None:
+        """End a streaming call with the error's status, without waiting for a client that may not read."""
         code, message = status_for(error)
-        if refused:
-            log_event(
-                logger, logging.INFO, "request refused", request_id=request_id, code=code.name, reason=message
-            )
-        else:
-            log_event(logger, logging.WARNING, "request failed", request_id=request_id, code=code.name)
+        log_event(logger, logging.WARNING, "request failed", request_id=request_id, code=code.name)
         if code is grpc.StatusCode.INTERNAL:
             logger.error("request failed: %r", error, exc_info=error)
+        context.set_code(code)
+        context.set_details(message)
+
+    @staticmethod
+    async def _abort_with(context: grpc.aio.ServicerContext, error: Exception, request_id: str) -> None:
+        """Refuse a call before anything was written to it, with the error's status."""
+        code, message = status_for(error)
+        log_event(
+            logger, logging.INFO, "request refused", request_id=request_id, code=code.name, reason=message
+        )
+        if code is grpc.StatusCode.INTERNAL:
+            logger.error("request refused by a bug: %r", error, exc_info=error)
         await context.abort(code, message)

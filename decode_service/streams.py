@@ -2,11 +2,18 @@
 
 The shared part (drain, wait-until-empty, one wake-up per engine step) is
 `serving.registry.LiveCallRegistry`.
+
+Capacity counts work, not connections: a request takes a slot when it is reserved (before its prompt
+is tokenized) and gives it back when the engine is done with it, even if its client has not read the
+last messages yet. What such a client can still hold is bounded by `max_buffer` undelivered messages
+per stream: past it the request is aborted (its blocks freed) and its stream ends with
+RESOURCE_EXHAUSTED; the stall watchdog ends the call itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decode_service.request import ServedRequest, StreamDelta
@@ -15,37 +22,91 @@ from serving.errors import QueueFullError
 from serving.registry import LiveCallRegistry
 
 
-@dataclass
+@dataclass(eq=False)
 class _LiveStream:
-    request: ServedRequest
+    """A reserved slot (`request` None until validated) or a live stream; `working` while it holds a slot."""
+
+    request: ServedRequest | None
     queue: asyncio.Queue[StreamDelta]
+    working: bool = True
 
 
 class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
-    """Registry of live streams (at most `capacity`) and the mailbox each one reads its deltas from."""
+    """Registry of live streams (at most `capacity` with engine work) and the mailbox of each."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        capacity: int,
+        max_buffer: int,
+        abort: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
+        super().__init__(loop, capacity)
+        self.max_buffer = max_buffer
+        # Called with a request id whose client fell too far behind: the engine drops it.
+        self.abort = abort
+        self.num_working = 0
+        self.num_overflowed = 0
+
+    def reserve(self, request_id: str) -> None:
+        """Take a slot for a request about to be validated, or refuse it (draining, duplicate id, full)."""
+        self.check_accepting()
+        if request_id in self._calls:
+            raise InvalidRequestError(f"request_id {request_id!r} is already used by a live request")
+        self._add(request_id, _LiveStream(None, asyncio.Queue()))
+        self.num_working += 1
+
+    def release(self, request_id: str) -> None:
+        """Give back the slot of a reservation that did not become a stream (validation failed)."""
+        stream = self._calls.get(request_id)
+        if stream is not None and stream.request is None:
+            self._forget(request_id, stream)
 
     def open(self, request: ServedRequest) -> asyncio.Queue[StreamDelta]:
-        """Register a validated request; returns the queue its deltas will arrive on."""
-        self.check_accepting()
-        if request.request_id in self._calls:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already used by a live request")
-        stream = _LiveStream(request, asyncio.Queue())
-        self._add(request.request_id, stream)
+        """Turn the request's reservation into a live stream; returns the queue its deltas arrive on."""
+        stream = self._calls[request.request_id]
+        stream.request = request
         return stream.queue
 
     def close(self, request: ServedRequest) -> None:
         stream = self._calls.get(request.request_id)
-        self._remove(request.request_id, stream if stream is not None and stream.request is request else None)
+        if stream is not None and stream.request is request:
+            self._forget(request.request_id, stream)
+
+    def _forget(self, request_id: str, stream: _LiveStream) -> None:
+        self._stop_working(stream)
+        self._remove(request_id, stream)
+
+    def _stop_working(self, stream: _LiveStream) -> None:
+        if stream.working:
+            stream.working = False
+            self.num_working -= 1
 
     def _check_capacity(self) -> None:
-        if len(self._calls) >= self.capacity:
+        if self.num_working >= self.capacity:
             raise QueueFullError(
-                f"the server already holds {len(self._calls)} requests, its limit; retry later"
+                f"the server already holds {self.num_working} requests, its limit; retry later"
             )
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         for delta in deltas:
             stream = self._calls.get(delta.request.request_id)
-            # A stream whose client left (or a newer request reusing its id) no longer wants these.
-            if stream is not None and stream.request is delta.request:
-                stream.queue.put_nowait(delta)
+            # A stream whose client left, that overflowed, or a newer request reusing its id: not wanted.
+            if stream is None or stream.request is not delta.request or not stream.working:
+                continue
+            if delta.is_last:
+                self._stop_working(stream)
+            elif stream.queue.qsize() >= self.max_buffer:
+                self._overflow(stream, delta.request)
+                continue
+            stream.queue.put_nowait(delta)
+
+    def _overflow(self, stream: _LiveStream, request: ServedRequest) -> None:
+        self._stop_working(stream)
+        self.num_overflowed += 1
+        self.abort(request.request_id)
+        error = QueueFullError(
+            f"the client fell {self.max_buffer} messages behind, this server's limit (--max-stream-buffer); "
+            "the request was cancelled"
+        )
+        stream.queue.put_nowait(StreamDelta(request, error=error))

@@ -10,12 +10,35 @@ min_p 0, no seed; `max_tokens` unset means "until the context is full", capped b
 
 from __future__ import annotations
 
+from decode_service.request_limits import RequestLimits
 from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 from protos.tandem.v1 import generation_pb2 as pb
+
+
+def prompt_bytes(request: pb.GenerateRequest) -> int:
+    """UTF-8 size of a text or chat prompt (0 for token ids): what tokenizing it will cost."""
+    size = len(request.prompt.encode())
+    for message in request.messages:
+        size += len(message.role.encode()) + len(message.content.encode())
+    return size
+
+
+def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_len: int) -> None:
+    """The cheap checks: run them on the event loop before the request takes a slot or is tokenized."""
+    if request.request_id:
+        limits.check_id("request_id", request.request_id)
+    if request.tenant:
+        limits.check_id("tenant", request.tenant)
+    limits.check_prompt_bytes(prompt_bytes(request))
+    if len(request.token_ids) > max_model_len:
+        raise InvalidRequestError(
+            f"token_ids has {len(request.token_ids)} tokens, above the context length of {max_model_len}"
+        )
+    limits.check_stop(request.stopping.stop)
 
 
 def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:

@@ -1,13 +1,15 @@
 """Streaming text out of a token stream: incremental detokenization and stop strings.
 
 Both run once per generated token per sequence on the decode hot path, so each call does work
-bounded by a short window of recent tokens (detokenizer) or by the longest stop string (matcher),
-never by the length of the sequence.
+bounded by a short window of recent tokens (detokenizer) or by the new text (matcher), never by the
+length of the sequence or the number of stop strings.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from functools import lru_cache
 
 from engine.tokenizer import Tokenizer
 
@@ -74,22 +76,86 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
+class StopAutomaton:
+    """Aho-Corasick automaton over a set of stop strings, built once per distinct set and shared.
+
+    A state is a trie node: the longest tail of the text seen so far that is a prefix of some stop
+    string. So the state alone says how much text must be held back (its depth) and which stop string
+    ends at the current character (the longest one, `match`). Memory is linear in the total length of
+    the stop strings, and feeding a character costs amortized O(1) whatever their number.
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        # Edges of the trie in one dict keyed by (node, character): far smaller than a dict per node.
+        self._edges: dict[tuple[int, str], int] = {}
+        self.depth = [0]
+        self.match: list[str | None] = [None]
+        for string in stop:
+            node = 0
+            for char in string:
+                child = self._edges.get((node, char))
+                if child is None:
+                    child = len(self.depth)
+                    self._edges[(node, char)] = child
+                    self.depth.append(self.depth[node] + 1)
+                    self.match.append(None)
+                node = child
+            self.match[node] = string
+        self._fail = [0] * len(self.depth)
+        self._link_failures()
+        # Text without any of these characters leaves the root state where it is (the common case).
+        self.alphabet = frozenset(char for _, char in self._edges)
+
+    def _link_failures(self) -> None:
+        """Breadth-first: each node's failure link (longest proper suffix in the trie) and `match`
+        (the longest stop string ending here: its own, else its failure link's)."""
+        children: list[list[tuple[str, int]]] = [[] for _ in self.depth]
+        for (parent, char), child in self._edges.items():
+            children[parent].append((char, child))
+        queue = deque(child for _, child in children[0])
+        while queue:
+            node = queue.popleft()
+            for char, child in children[node]:
+                self._fail[child] = self.step(self._fail[node], char)
+                if self.match[child] is None:
+                    self.match[child] = self.match[self._fail[child]]
+                queue.append(child)
+
+    def step(self, node: int, char: str) -> int:
+        """The state after reading `char` in state `node`."""
+        edges, fail = self._edges, self._fail
+        while True:
+            child = edges.get((node, char))
+            if child is not None:
+                return child
+            if node == 0:
+                return 0
+            node = fail[node]
+
+
+@lru_cache(maxsize=64)
+def stop_automaton(stop: tuple[str, ...]) -> StopAutomaton:
+    """The shared automaton of a stop set: most requests of a service send the same few stop lists."""
+    return StopAutomaton(stop)
+
+
 class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that could still begin one.
 
     The output never contains a stop string or anything after the first one (OpenAI/vLLM
     semantics). When several stop strings complete in the same delta, the one that ends first wins
     (ties: the longer one), which is the one a character-by-character stream would have hit first.
-    After a match the matcher is spent: it emits nothing more.
+    After a match the matcher is spent: it emits nothing more. A match fed with `can_stop=False`
+    (before `min_tokens`) is not taken: its text is emitted and the matcher stays armed.
+
+    Each `feed` costs amortized O(len(delta)) plus copying at most the longest stop string.
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._stop = tuple(stop)
-        self._max_len = max((len(s) for s in self._stop), default=0)
-        # Every proper prefix of a stop string: a buffer tail among them may still grow into a match.
-        self._prefixes = frozenset(s[:i] for s in self._stop for i in range(1, len(s)))
+        self._automaton = stop_automaton(tuple(stop)) if stop else None
+        self._node = 0
         self._held = ""
         self._matched: str | None = None
 
@@ -98,49 +164,30 @@ class StopStringMatcher:
         """The stop string that ended the text, once one has."""
         return self._matched
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, can_stop: bool = True) -> tuple[str, str | None]:
         """Take the next text delta; return (text safe to emit now, matched stop string or None)."""
         if self._matched is not None:
             return "", None
-        if not self._stop:
+        automaton = self._automaton
+        if automaton is None:
+            return delta, None
+        node = self._node
+        if node == 0 and automaton.alphabet.isdisjoint(delta):
             return delta, None
         text = self._held + delta
-        match = self._earliest_match(text, search_from=max(0, len(self._held) - self._max_len + 1))
-        if match is not None:
-            start, stop = match
-            self._matched = stop
-            self._held = ""
-            return text[:start], stop
-        hold = self._held_back_length(text)
+        match = automaton.match
+        for index in range(len(self._held), len(text)):
+            node = automaton.step(node, text[index])
+            stop = match[node]
+            if stop is not None and can_stop:
+                self._matched, self._held, self._node = stop, "", 0
+                return text[: index + 1 - len(stop)], stop
+        self._node = node
+        hold = automaton.depth[node]
         self._held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], None
 
     def flush(self) -> str:
         """Release the held-back text when the sequence ends for another reason."""
-        held, self._held = self._held, ""
+        held, self._held, self._node = self._held, "", 0
         return held
-
-    def _earliest_match(self, text: str, search_from: int) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first in `text`, or None.
-
-        Matches can only end in the new delta (the held text was checked before), so the search
-        starts no earlier than one stop-string length before it.
-        """
-        best: tuple[int, int, str] | None = None  # (end, -length, stop)
-        for stop in self._stop:
-            start = text.find(stop, search_from)
-            if start >= 0:
-                candidate = (start + len(stop), -len(stop), stop)
-                if best is None or candidate < best:
-                    best = candidate
-        if best is None:
-            return None
-        end, _, stop = best
-        return end - len(stop), stop
-
-    def _held_back_length(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        for length in range(min(len(text), self._max_len - 1), 0, -1):
-            if text[len(text) - length :] in self._prefixes:
-                return length
-        return 0

@@ -88,8 +88,11 @@ class Sequence:
                 return self._finish(FinishReason.STOP, token_id)
         text = self.detokenizer.add(token_id) if self.detokenizer is not None else ""
         if self.stop_matcher is not None:
-            text, matched = self.stop_matcher.feed(text)
-            if matched is not None and self.num_output_tokens >= stopping.min_tokens:
+            # Before min_tokens a stop string is not a stop: its text goes out and the matcher stays armed.
+            text, matched = self.stop_matcher.feed(
+                text, can_stop=self.num_output_tokens >= stopping.min_tokens
+            )
+            if matched is not None:
                 self.finish_reason, self.matched_stop = FinishReason.STOP, matched
                 return text
         if self.num_output_tokens >= stopping.max_tokens or self.num_tokens >= max_model_len:

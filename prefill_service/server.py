@@ -77,7 +77,7 @@ class PrefillServer(TierServer):
         self.sender = KVSender(engine.kv_cache, self.layout, engine.device)
         self.metrics = PrefillMetrics(scheduler, engine, metrics_registry)
         servicer = PrefillServicer(
-            engine, self.engine_loop, self.registry, self.sender, self.info, self.metrics
+            engine, self.engine_loop, self.registry, self.sender, self.info, self.metrics, self.watchdog
         )
         self._serve(
             PREFILL_SERVICE, lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)

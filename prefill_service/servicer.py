@@ -23,6 +23,8 @@ from prefill_service.registry import JobRegistry
 from prefill_service.validation import build_job
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
+from serving.errors import StreamStalledError
+from serving.stalls import StallWatchdog
 from serving.status import status_for
 from tandem.logs import bind_request_id, log_event, prompt_fields
 
@@ -69,6 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         sender: KVSender,
         info: prefill_pb2.PrefillInfo,
         metrics: PrefillMetrics,
+        watchdog: StallWatchdog,
     ) -> None:
         self._engine = engine
         self._engine_loop = engine_loop
@@ -76,6 +79,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self._sender = sender
         self._info = info
         self._metrics = metrics
+        self._watchdog = watchdog
 
     async def GetInfo(
         self, request: prefill_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
@@ -84,9 +88,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         info.CopyFrom(self._info)
         return info
 
-    async def Prefill(
-        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        # Written through the stall watchdog, not yielded: a caller that stops reading cannot pin blocks.
         arrival = time.monotonic()
         bind_request_id(request.request_id or "-")
         try:
@@ -110,10 +113,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self._engine_loop.submit(job)
             try:
                 async for response in self._responses(job, stats):
-                    yield response
+                    await self._watchdog.write(context, response)
+            except StreamStalledError as exc:
+                # Counted and logged as cancelled below; the caller sees why if it ever reads again.
+                code, message = status_for(exc)
+                context.set_code(code)
+                context.set_details(message)
+                return
             except Exception as exc:
                 stats.over = True
-                await self._fail(context, job, stats, exc)
+                self._fail(context, job, stats, exc)
+                return
             stats.over = True
             log_event(
                 logger,
@@ -168,9 +178,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             elif isinstance(event, PrefillFailed):
                 raise event.error
 
-    async def _fail(
+    def _fail(
         self, context: grpc.aio.ServicerContext, job: PrefillJob, stats: _StreamStats, error: Exception
     ) -> None:
+        """End the call with the error's status without waiting: the caller may not be reading."""
         code, message = status_for(error)
         self._metrics.call_failed(stats.kv_bytes)
         log_event(
@@ -184,7 +195,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if code is grpc.StatusCode.INTERNAL:
             logger.error("prefill %s failed: %r", job.request_id, error, exc_info=error)
-        await context.abort(code, message)
+        context.set_code(code)
+        context.set_details(message)
 
     @staticmethod
     async def _refuse(

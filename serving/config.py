@@ -39,6 +39,8 @@ class ServerConfig:
     warm_up: bool = True
     tls: TLSConfig | None = None
     auth_token: str | None = field(default=None, repr=False)
+    # A streaming call whose caller reads nothing for this long is ended and what it holds freed.
+    stream_stall_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,5 +49,7 @@ class ServerConfig:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.drain_grace_seconds < 0:
             raise ConfigError(f"drain_grace_seconds must be >= 0, got {self.drain_grace_seconds}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ConfigError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s}")
         if self.event_log_size < 1:
             raise ConfigError(f"event_log_size must be >= 1, got {self.event_log_size}")

@@ -14,3 +14,7 @@ class DrainingError(TandemError):
 
 class TierUnavailableError(TandemError):
     """A tier this one depends on cannot do the work right now (maps to UNAVAILABLE: retry later)."""
+
+
+class StreamStalledError(TandemError):
+    """The client read nothing for longer than the server waits (maps to DEADLINE_EXCEEDED)."""

@@ -85,6 +85,13 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         help="concurrent calls one client connection may have open, at most (default: "
         f"{DEFAULT_MAX_CONCURRENT_STREAMS})",
     )
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one stream message may wait for a caller that is not reading before the call is "
+        "ended with DEADLINE_EXCEEDED and what it holds (slot, KV blocks) freed (default: 30)",
+    )
     parser.add_argument("--tls-cert", type=Path, default=None, help="server certificate (PEM); enables TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="server private key (PEM)")
     parser.add_argument(
@@ -150,6 +157,7 @@ def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "drain_grace_seconds": args.drain_grace_seconds,
         "tls": tls_from_args(args),
         "auth_token": load_auth_token(args.auth_token_file),
+        "stream_stall_timeout_s": args.stream_stall_timeout,
     }
 
 

@@ -25,7 +25,9 @@ from grpc_reflection.v1alpha import reflection
 from engine.engine import Engine
 from serving.config import ServerConfig
 from serving.engine_thread import EngineThread
+from serving.malformed import MalformedRequestInterceptor
 from serving.registry import LiveCallRegistry
+from serving.stalls import StallWatchdog
 from tandem.security import BearerTokenInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,9 @@ class TierServer:
         self.engine = engine
         self.config = config
         self.health = HealthServicer()
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if config.auth_token:
+            interceptors.insert(0, BearerTokenInterceptor(config.auth_token))
         options: list[tuple[str, int]] = []
         if max_message_bytes is not None:
             options += [
@@ -78,6 +82,8 @@ class TierServer:
             # A hard cap on concurrent streams per connection, so one caller cannot open unbounded calls.
             options.append(("grpc.max_concurrent_streams", max_concurrent_streams))
         self._server = grpc.aio.server(interceptors=interceptors, options=options)
+        # Every streaming handler writes through it: a caller that stops reading cannot hold what it holds.
+        self.watchdog = StallWatchdog(config.stream_stall_timeout_s, "--stream-stall-timeout")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._health_services: tuple[str, ...] = ("",)
         self.port = 0
@@ -103,6 +109,12 @@ class TierServer:
                 address, server_credentials(tls.cert, tls.key, tls.client_ca)
             )
         await self._server.start()
+        self.watchdog.start()
+        if self.config.auth_token and tls is None:
+            logger.warning(
+                "a bearer token is configured without TLS: it crosses the network in clear text, where "
+                "anyone on the path can read and replay it; add --tls-cert/--tls-key or terminate TLS first"
+            )
         await self._start_dependencies()
         self.engine_loop.start(warm_up=self.config.warm_up)
         await asyncio.to_thread(self.engine_loop.wait_ready)
@@ -149,6 +161,7 @@ class TierServer:
         # Let the final messages of still-live calls reach their callers before the port closes.
         await self.registry.wait_empty(1.0)
         await self._server.stop(grace=1.0)
+        await self.watchdog.stop()
         self._closed()
         logger.info("%s server stopped", self.tier)
 

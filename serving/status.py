@@ -6,7 +6,7 @@ import grpc
 
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from kv_transfer import IncompatibleKVError
-from serving.errors import DrainingError, QueueFullError, TierUnavailableError
+from serving.errors import DrainingError, QueueFullError, StreamStalledError, TierUnavailableError
 
 # First match wins, so more specific classes go first.
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -16,6 +16,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (TierUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (StreamStalledError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 

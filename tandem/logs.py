@@ -74,9 +74,12 @@ def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> 
 def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}"
-    if isinstance(value, str) and (not value or any(c.isspace() or c in '"=' for c in value)):
-        # Quoted so that `key=value` pairs stay splittable when a value has spaces (prompts, reasons).
-        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str) and (
+        not value or not value.isprintable() or any(c.isspace() or c in '"=' for c in value)
+    ):
+        # Quoted so that `key=value` pairs stay splittable when a value has spaces (prompts, reasons);
+        # escaped so that a client's newline or control character can never forge a line of its own.
+        return json.dumps(value, ensure_ascii=not value.isprintable())
     return str(value)
 
 
@@ -89,8 +92,8 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         request_id = getattr(record, "request_id", None)
-        if request_id is not None and f"request_id={request_id}" not in line:
-            line += f" request_id={request_id}"
+        if request_id is not None and f"request_id={_format(request_id)}" not in line:
+            line += f" request_id={_format(request_id)}"
         return line
 
 

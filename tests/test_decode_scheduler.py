@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
@@ -224,6 +225,56 @@ def test_wfq_token_shares_follow_weights_when_one_tenant_floods(hf_model):
     assert abs(share_a - 2 / 3) <= 0.1 * 2 / 3, f"tenant a got {share_a:.2f} of the tokens, weight says 0.67"
 
 
+def test_wfq_forgets_tenants_without_live_requests(hf_model):
+    """Issue 13 item 8: 200 finished requests from 200 tenant names once left 200 counters behind."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    harness = Harness(engine, policy="wfq")
+    prompt = random_prompts(1, 31, min_len=4, max_len=4)[0]
+    harness.submit("anchor", prompt, 400, tenant="steady")
+    for i in range(200):
+        harness.submit(f"r{i}", prompt, 1, tenant=f"tenant-{i}")
+        while f"r{i}" not in harness.finish:
+            harness.loop.step_once()
+    policy = harness.scheduler.policy
+    # Only the live tenant has a counter; the others' leads are bounded and go once nobody is live.
+    assert set(policy.virtual_tokens) == {"steady"}
+    assert len(policy.idle_leads) <= policy.max_idle_tenants
+    harness.run()
+    assert policy.virtual_tokens == {} and policy.idle_leads == {}
+
+
+def fake_request(tenant: str, index: int, prompt_tokens: int = 10) -> SimpleNamespace:
+    seq = SimpleNamespace(num_prompt_tokens=prompt_tokens)
+    return SimpleNamespace(tenant=tenant, arrival_index=index, num_preemptions=0, seq=seq)
+
+
+def test_wfq_a_tenant_ahead_keeps_its_lead_across_idle_gaps():
+    """Leaving and coming back must not reset a tenant that was served more than the others."""
+    policy = make_policy("wfq", max_idle_tenants=1)
+    slow, fast = fake_request("slow", 0, prompt_tokens=1), fake_request("fast", 1, prompt_tokens=50)
+    for request in (slow, fast):
+        policy.on_enqueued(request)
+        policy.on_admitted(request)
+    policy.on_finished(fast)
+    assert policy.idle_leads == {"fast": 51.0}  # it arrived at the floor, 1
+    back = fake_request("fast", 2)
+    policy.on_enqueued(back)
+    assert policy.rank(back, 0.0) == (51.0, 2)
+    # A tenant at or below the floor restarts at the floor: nothing to remember.
+    other = fake_request("other", 3, prompt_tokens=0)
+    policy.on_enqueued(other)
+    policy.on_finished(other)
+    assert "other" not in policy.idle_leads
+    # The bound keeps the biggest leads.
+    policy.on_admitted(back)
+    policy.on_finished(back)
+    third = fake_request("third", 4, prompt_tokens=200)
+    policy.on_enqueued(third)
+    policy.on_admitted(third)
+    policy.on_finished(third)
+    assert policy.idle_leads == {"third": 201.0}
+
+
 @pytest.mark.parametrize(("aging", "admitted"), [(5.0, True), (0.0, False)])
 def test_sjf_aging_admits_a_long_job_despite_a_stream_of_short_ones(hf_model, aging, admitted):
     engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
@@ -381,3 +432,49 @@ def test_a_failed_warm_up_is_reported_instead_of_ready(hf_model, monkeypatch):
         harness.loop.wait_ready(30)
     assert engine.block_manager.num_free_blocks == 16
     harness.loop.stop()
+
+
+def test_a_failure_in_step_bookkeeping_ends_that_request_and_frees_its_blocks(hf_model, monkeypatch):
+    """Issue 13: an exception in complete_step was only logged; its requests hung until their deadline."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = Harness(engine)
+    prompts = random_prompts(2, 41, min_len=4, max_len=9)
+    harness.submit("bad", prompts[0], 6)
+    harness.submit("good", prompts[1], 6)
+    on_token = harness.scheduler.policy.on_token_generated
+
+    def fail_for_bad(request):
+        if request.request_id == "bad":
+            raise RuntimeError("bookkeeping bug")
+        on_token(request)
+
+    monkeypatch.setattr(harness.scheduler.policy, "on_token_generated", fail_for_bad)
+    harness.run()
+    assert isinstance(harness.errors["bad"], RuntimeError)
+    assert harness.finish["good"] is FinishReason.LENGTH and len(harness.tokens["good"]) == 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_failure_in_schedule_ends_every_live_request_and_the_loop_goes_on(hf_model, monkeypatch):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = Harness(engine)
+    prompts = random_prompts(3, 42, min_len=4, max_len=9)
+    harness.submit("a", prompts[0], 20)
+    harness.loop.step_once()
+    harness.submit("b", prompts[1], 20)
+    admit = harness.scheduler._admit
+    calls = []
+
+    def fail_once(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("scheduling bug")
+        admit(now)
+
+    monkeypatch.setattr(harness.scheduler, "_admit", fail_once)
+    harness.loop.step_once()
+    assert set(harness.errors) == {"a", "b"}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    harness.submit("c", prompts[2], 3)
+    harness.run()
+    assert harness.finish["c"] is FinishReason.LENGTH and "c" not in harness.errors

@@ -367,3 +367,25 @@ def test_transfer_needs_the_prompt_blocks_reserved():
     k, v = caches(8, seed=7)
     with pytest.raises(ValueError, match="blocks reserved"):
         transfer_for(10, [1, 2], k, v)
+
+
+def test_a_timeout_does_not_eject_the_only_ready_replica():
+    """Issue 13 item 6: one DEADLINE_EXCEEDED from an overloaded replica put the only replica in a
+    growing backoff, so every following request failed at once. Slow is not dead: with no other ready
+    replica it stays; with another one ready, the slow one sits out."""
+    stubs = {"a:1": FakeStub(info_for(LAYOUT)), "b:1": FakeStub(info_for(LAYOUT))}
+    alone = FakePool("a:1", {"a:1": stubs["a:1"]}, Clock())
+    pair = FakePool("a:1,b:1", stubs, Clock())
+
+    async def scenario() -> None:
+        await alone.refresh()
+        await pair.refresh()
+        (only,) = alone.replicas
+        alone.report_slow(only, "no PrefillDone within the 1 s prefill timeout")
+        assert only.state is ReplicaState.READY and alone.acquire() is only
+        slow = pair.replicas[0]
+        pair.report_slow(slow, "no PrefillDone within the 1 s prefill timeout")
+        assert slow.state is ReplicaState.BACKOFF
+        assert pair.acquire() is pair.replicas[1]
+
+    asyncio.run(scenario())

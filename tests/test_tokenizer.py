@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from tiny_tokenizer import (
     build_tiny_tokenizer,
 )
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
 from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.params import SamplingParams, StoppingParams
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 
 ENGLISH = "Hello, world! The quick brown fox jumps over the lazy dog; 42 robots count stars."
@@ -329,3 +332,108 @@ def test_stop_matching_is_independent_of_delta_boundaries(
     emitted, matched = run_matcher(stop, deltas)
     assert (emitted, matched) == reference_stop(text, stop)
     assert not any(s in emitted for s in stop)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stop=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    min_chars=st.integers(0, 30),
+)
+def test_matches_before_the_minimum_are_emitted_and_the_matcher_stays_armed(
+    text: str, stop: list[str], cuts: list[int], min_chars: int
+) -> None:
+    """Stop strings ending before `min_chars` characters are text like any other (min_tokens)."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    matcher = StopStringMatcher(stop)
+    emitted = []
+    matched = None
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        chunk, matched = matcher.feed(text[a:b], can_stop=b >= min_chars)
+        emitted.append(chunk)
+        if matched is not None:
+            break
+    out = "".join(emitted) + ("" if matched else matcher.flush())
+    # Reference: the earliest-ending (then longest) occurrence whose last character came in a delta
+    # fed with can_stop=True.
+    delta_end = {e: next(b for b in bounds[1:] if b >= e) for e in range(1, len(text) + 1)}
+    allowed = [
+        (start + len(s), -len(s), start, s)
+        for s in stop
+        for start in range(len(text) - len(s) + 1)
+        if text.startswith(s, start) and delta_end[start + len(s)] >= min_chars
+    ]
+    if not allowed:
+        assert (out, matched) == (text, None)
+    else:
+        _, _, start, first = min(allowed)
+        assert (out, matched) == (text[:start], first)
+
+
+# --- stop strings: cost (issue 13, item 1) ----------------------------------------------------------
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length() -> None:
+    """One 4000-character stop string once stored all its prefixes (8 M characters); now its trie."""
+    stop_automaton.cache_clear()
+    tracemalloc.start()
+    try:
+        StopStringMatcher(["ab" * 2000])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 1024 * 1024
+
+
+def test_feeding_text_costs_steps_linear_in_the_text_not_in_the_stop_strings(monkeypatch) -> None:
+    stop = [f"stop-{i:04d}-x" for i in range(300)]
+    automaton = stop_automaton(tuple(stop))
+    steps = []
+    real_step = automaton.step
+    monkeypatch.setattr(automaton, "step", lambda node, char: steps.append(char) or real_step(node, char))
+    matcher = StopStringMatcher(stop)
+    text = "the stop-0012 and stop-99 are not stops; " * 50
+    for i in range(0, len(text), 3):
+        assert matcher.feed(text[i : i + 3]) == (text[i : i + 3], None) or matcher.matched is None
+    assert len(steps) <= len(text)
+    assert matcher.feed("stop-0299-x") == ("", "stop-0299-x")
+
+
+def test_a_shared_stop_set_is_compiled_once() -> None:
+    stop = ("<|im_end|>", "\n\nUser:")
+    assert StopStringMatcher(stop)._automaton is StopStringMatcher(list(stop))._automaton
+
+
+# --- min_tokens with a stop string (issue 13, item 5) -----------------------------------------------
+
+
+def generate_text(tokenizer: Tokenizer, text: str, stopping: StoppingParams) -> tuple[str, Sequence]:
+    """Feed `text`'s tokens through a Sequence as if sampled; the streamed text and the sequence."""
+    seq = Sequence("r", [], SamplingParams(), stopping, IncrementalDetokenizer(tokenizer, []))
+    out = []
+    for token_id in tokenizer.encode(text):
+        out.append(seq.append_token(token_id, eos_token_ids=(), max_model_len=10_000))
+        if seq.is_finished:
+            break
+    return "".join(out), seq
+
+
+def test_a_stop_string_before_min_tokens_keeps_the_text(tokenizer: Tokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog"
+    num_tokens = len(tokenizer.encode(text))
+    alone, seq = generate_text(tokenizer, text, StoppingParams(max_tokens=num_tokens, stop=("qu",)))
+    assert (alone, seq.finish_reason, seq.matched_stop) == ("The ", FinishReason.STOP, "qu")
+    streamed, seq = generate_text(
+        tokenizer, text, StoppingParams(max_tokens=num_tokens, stop=("qu",), min_tokens=num_tokens - 1)
+    )
+    assert (streamed, seq.finish_reason) == (text, FinishReason.LENGTH)
+
+
+def test_a_stop_string_after_min_tokens_still_stops(tokenizer: Tokenizer) -> None:
+    text = "one dog, two dog, three dog, four dog"
+    first_dog = len(tokenizer.encode("one dog"))
+    streamed, seq = generate_text(
+        tokenizer, text, StoppingParams(max_tokens=100, stop=("dog",), min_tokens=first_dog + 1)
+    )
+    assert (streamed, seq.finish_reason, seq.matched_stop) == ("one dog, two ", FinishReason.STOP, "dog")

@@ -187,6 +187,8 @@ class PrefillClient:
             return AttemptFailedError(reason, request_refused=True)
         if code is grpc.StatusCode.FAILED_PRECONDITION:
             self.pool.report_incompatible(replica, error.details() or "compatibility hash refused")
+        elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.pool.report_slow(replica, reason)
         elif code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
             # A full queue is a busy replica, not a broken one: try another without backing off.
             self._penalize(replica, reason)

@@ -271,6 +271,21 @@ class PrefillPool:
         if replica.state is ReplicaState.READY:
             self._back_off(replica, reason)
 
+    def report_slow(self, replica: PrefillReplica, reason: str) -> None:
+        """A call to the replica timed out: slow (overloaded), not necessarily dead.
+
+        Backing off from the only ready replica would turn one slow prompt into UNAVAILABLE for every
+        request until the backoff ends, so slowness ejects a replica only when another is ready to
+        take its calls; a dead one shows up as UNAVAILABLE (and in the handshake) all the same.
+        """
+        others = any(r is not replica and r.state is ReplicaState.READY for r in self._replicas.values())
+        if others:
+            self.report_failure(replica, reason)
+        else:
+            logger.warning(
+                "prefill replica %s is slow (%s); kept: it is the only ready one", replica.address, reason
+            )
+
     def report_success(self, replica: PrefillReplica) -> None:
         """The replica delivered a whole prefill: its failure streak ends."""
         replica.consecutive_failures = 0

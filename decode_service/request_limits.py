@@ -1,0 +1,65 @@
+"""Limits on what one public request may ask for, checked before any expensive work.
+
+Each check takes plain values, so both front doors (gRPC and HTTP) call the same functions, and each
+refusal names the server flag that sets the limit, so a client knows what to ask its operator for.
+The checks are cheap by design: they run on the event loop, before a request takes a slot and before
+its prompt is tokenized (tokenizing costs ~300 bytes of memory per prompt byte).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.errors import ConfigError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds; the defaults suit the default model and are raised by flags.
+
+    `max_id_bytes` bounds request ids and tenant names (printable text only: they are echoed in every
+    stream message and written to logs). `max_prompt_bytes` bounds a text or chat prompt's UTF-8 size
+    before it is tokenized. `max_stop_strings` and `max_stop_string_length` (characters) bound the
+    stop-string matcher, which runs on the engine thread for every token.
+    """
+
+    max_id_bytes: int = 1024
+    max_prompt_bytes: int = 1024 * 1024
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+
+    def validate(self) -> None:
+        for name in ("max_id_bytes", "max_prompt_bytes", "max_stop_strings", "max_stop_string_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def check_id(self, field: str, value: str) -> None:
+        """An identifier the server echoes and logs: printable, and at most `max_id_bytes` of UTF-8."""
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > self.max_id_bytes:
+            raise InvalidRequestError(
+                f"{field} is {size} bytes, above this server's limit of {self.max_id_bytes} (--max-id-bytes)"
+            )
+        if not value.isprintable():
+            raise InvalidRequestError(f"{field} must be printable text (no newlines or control characters)")
+
+    def check_prompt_bytes(self, size: int) -> None:
+        if size > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"the prompt is {size} bytes, above this server's limit of {self.max_prompt_bytes} "
+                "(--max-prompt-bytes)"
+            )
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"stop has {len(stop)} strings, above this server's limit of {self.max_stop_strings} "
+                "(--max-stop-strings)"
+            )
+        longest = max((len(s) for s in stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise InvalidRequestError(
+                f"a stop string has {longest} characters, above this server's limit of "
+                f"{self.max_stop_string_length} (--max-stop-string-length)"
+            )

@@ -1,0 +1,388 @@
+"""Issue 13's attacks, replayed scaled down against real servers on 127.0.0.1 (tiny random model).
+
+Each test reproduces one attack as the review ran it and checks that the attacker gets a clear error
+naming the limit's flag, or loses what it held, while the server goes on serving everyone else and
+every KV block comes back. Stop-string cost and min_tokens (items 1 and 5) are also covered at unit
+level in test_tokenizer.py, WFQ state (item 8) and step failures in test_decode_scheduler.py, the
+prefill timeout policy (item 6) in test_disagg_units.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import save_tiny_model, wait_until
+from test_decode_server import RunningServer, start_server
+from test_disagg_serving import LoopThread
+
+from decode_service.request_limits import RequestLimits
+from decode_service.validation_pool import SHORT_PROMPT_BYTES
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from engine.model_store import model_fingerprint
+from prefill_service.config import PrefillServiceConfig
+from prefill_service.server import PrefillServer
+from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.v1 import generation_pb2 as pb
+from tandem.logs import TextFormatter, log_event
+
+# A client that never reads: no BDP probing, so its HTTP/2 window stays at the 64 KiB default.
+NEVER_READ_OPTIONS = [("grpc.http2.bdp_probe", 0)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-hardening-model")
+    save_tiny_model(directory, 13)
+    return directory
+
+
+def hello(max_tokens: int = 4, stop: tuple[str, ...] = (), **kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt="Hello",
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True, stop=stop),
+        **kwargs,
+    )
+
+
+def refusal(server: RunningServer, request: pb.GenerateRequest, metadata=None) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        list(server.stub.Generate(request, timeout=60, metadata=metadata))
+    return refused.value
+
+
+def still_serves(server: RunningServer) -> None:
+    responses = list(server.stub.Generate(hello(), timeout=60))
+    assert responses[-1].finish_reason == pb.LENGTH
+    assert wait_until(server.pool_is_full)
+
+
+class CountingTokenizer:
+    """Counts `encode` calls of a server's tokenizer; prompts above `gate_bytes` wait for `gate`."""
+
+    def __init__(self, engine: Engine, gate_bytes: int | None = None) -> None:
+        self._encode = engine.tokenizer.encode
+        self.calls = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.gate_bytes = gate_bytes
+        self.waiting = 0
+        engine.tokenizer.encode = self
+
+    def __call__(self, text: str, *args, **kwargs):
+        self.calls += 1
+        if self.gate_bytes is not None and len(text.encode()) > self.gate_bytes:
+            self.waiting += 1
+            self.gate.wait(60)
+        return self._encode(text, *args, **kwargs)
+
+
+class StepPause:
+    """Holds the engine thread before each step while `paused`; a server with live, stuck requests."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._step = engine.step
+        self.running = threading.Event()
+        self.running.set()
+        engine.step = self
+
+    def __call__(self, chunks):
+        self.running.wait(60)
+        return self._step(chunks)
+
+
+@pytest.fixture(scope="module")
+def limited(model_dir):
+    """A decode server with small limits, so each attack is cheap to replay."""
+    limits = RequestLimits(
+        max_id_bytes=64, max_prompt_bytes=64 * 1024, max_stop_strings=4, max_stop_string_length=16
+    )
+    server = start_server(model_dir, max_num_seqs=2, max_queue=2, limits=limits, max_validation_queue=1)
+    yield server
+    server.close()
+
+
+# --- item 1: stop strings -----------------------------------------------------------------------------
+
+
+def test_stop_strings_beyond_the_limits_are_refused_by_name(limited):
+    """The review's 59 KiB stop list and its 300k stop strings: refused before any work, by flag name."""
+    many = hello(stop=[f"s{i}" for i in range(5)])
+    error = refusal(limited, many)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-strings" in error.details()
+    long = hello(stop=["x" * 17])
+    error = refusal(limited, long)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-stop-string-length" in error.details()
+    at_limit = hello(stop=["x" * 16] * 4)
+    assert list(limited.stub.Generate(at_limit, timeout=60))[-1].finish_reason == pb.LENGTH
+    still_serves(limited)
+
+
+# --- item 7: request ids ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("request_id", "x" * 65, "--max-id-bytes"),
+        ("request_id", "ok\n2026-11-30 ERROR admin login", "printable"),
+        ("tenant", "t" * 65, "--max-id-bytes"),
+        ("tenant", "gold\x1b[2J", "printable"),
+    ],
+)
+def test_ids_are_bounded_and_printable(limited, field, value, expected):
+    error = refusal(limited, hello(**{field: value}))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details() and expected in error.details()
+    still_serves(limited)
+
+
+def test_an_id_at_the_limit_is_echoed(limited):
+    request_id = "é" * 32  # 64 bytes of UTF-8
+    responses = list(limited.stub.Generate(hello(request_id=request_id), timeout=60))
+    assert {r.request_id for r in responses} == {request_id}
+
+
+def test_a_newline_in_a_logged_value_cannot_forge_a_line():
+    logger = logging.getLogger("tandem.test.forge")
+    record_holder = []
+    handler = logging.Handler()
+    handler.emit = record_holder.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log_event(logger, logging.INFO, "request refused", reason="x\n2026-11-30 ERROR admin login\u2028")
+    finally:
+        logger.removeHandler(handler)
+    line = TextFormatter().format(record_holder[0])
+    assert "\n" not in line and "\u2028" not in line and "admin login" in line
+
+
+# --- item 10: malformed protobuf ---------------------------------------------------------------------
+
+
+def test_a_prompt_that_is_not_utf8_gets_invalid_argument(limited):
+    raw = pb.GenerateRequest(prompt="Hi!", stopping=pb.StoppingParams(max_tokens=2)).SerializeToString()
+    generate = limited.channel.unary_stream("/tandem.v1.Generation/Generate")
+    with pytest.raises(grpc.RpcError) as refused:
+        list(generate(raw.replace(b"Hi!", b"H\xff!"), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in refused.value.details() and "\n" not in refused.value.details()
+    still_serves(limited)
+
+
+# --- item 4: validation -------------------------------------------------------------------------------
+
+
+def test_an_oversized_prompt_is_refused_before_it_is_tokenized(limited):
+    counter = CountingTokenizer(limited.engine)
+    try:
+        error = refusal(limited, pb.GenerateRequest(prompt="a" * (64 * 1024 + 1)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in error.details()
+        chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="b" * 64 * 1024)])
+        assert "--max-prompt-bytes" in refusal(limited, chat).details()
+        assert counter.calls == 0
+    finally:
+        limited.engine.tokenizer.encode = counter._encode
+
+
+def test_a_full_server_refuses_before_tokenizing(limited):
+    """Capacity 4 (2 running + 2 queued) held by stuck requests: the 5th costs no tokenization."""
+    pause = StepPause(limited.engine)
+    pause.running.clear()
+    counter = CountingTokenizer(limited.engine)
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            holders = [
+                pool.submit(
+                    lambda i=i: list(limited.stub.Generate(hello(request_id=f"hold-{i}"), timeout=60))
+                )
+                for i in range(4)
+            ]
+            assert wait_until(lambda: limited.server.registry.num_working == 4)
+            calls_before = counter.calls
+            error = refusal(limited, pb.GenerateRequest(prompt="c" * 30_000))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert counter.calls == calls_before
+            pause.running.set()
+            for holder in holders:
+                assert holder.result(60)[-1].finish_reason == pb.LENGTH
+    finally:
+        pause.running.set()
+        limited.engine.step = pause._step
+        limited.engine.tokenizer.encode = counter._encode
+    still_serves(limited)
+
+
+def test_large_prompts_queue_apart_and_bounded_while_short_ones_pass(limited):
+    """Three clients looping on huge prompts once delayed 'Hello' by seconds; now huge prompts wait on
+    their own thread, at most --max-validation-queue of them, and 'Hello' does not wait behind them."""
+    counter = CountingTokenizer(limited.engine, gate_bytes=SHORT_PROMPT_BYTES)
+    counter.gate.clear()
+    big = pb.GenerateRequest(prompt="d" * (SHORT_PROMPT_BYTES + 1), stopping=pb.StoppingParams(max_tokens=1))
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(lambda: refusal(limited, big))
+            assert wait_until(lambda: counter.waiting == 1)
+            error = refusal(limited, big)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-validation-queue" in error.details()
+            # The long-prompt thread is stuck, and a short prompt still goes through.
+            assert list(limited.stub.Generate(hello(), timeout=60))[-1].finish_reason == pb.LENGTH
+            counter.gate.set()
+            # Too many tokens for the context: refused after tokenizing, and its slot comes back.
+            assert first.result(60).code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        counter.gate.set()
+        limited.engine.tokenizer.encode = counter._encode
+    still_serves(limited)
+
+
+def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_slot_back(limited):
+    counter = CountingTokenizer(limited.engine, gate_bytes=SHORT_PROMPT_BYTES)
+    counter.gate.clear()
+    big = pb.GenerateRequest(prompt="e" * (SHORT_PROMPT_BYTES + 1), stopping=pb.StoppingParams(max_tokens=1))
+    try:
+        with pytest.raises(grpc.RpcError) as gave_up:
+            list(limited.stub.Generate(big, timeout=1.0))
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert counter.waiting == 1
+    finally:
+        counter.gate.set()
+        limited.engine.tokenizer.encode = counter._encode
+    hub = limited.server.registry
+    assert wait_until(lambda: hub.num_working == 0 and len(hub) == 0)
+    still_serves(limited)
+
+
+# --- item 3: clients that never read ------------------------------------------------------------------
+
+
+def never_read(server: RunningServer, request_id: str, max_tokens: int) -> tuple[grpc.Channel, object]:
+    """Start a Generate whose client never reads: 1 KiB ids make each message fill the window fast."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READ_OPTIONS)
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=[5, 6, 7],
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+    call = channel.unary_stream("/tandem.v1.Generation/Generate", pb.GenerateRequest.SerializeToString)(
+        request, timeout=120
+    )
+    return channel, call
+
+
+def test_finished_but_unread_streams_free_their_slots_and_stalled_calls_end(model_dir):
+    """Capacity 2 and two never-read streams: every new client once got RESOURCE_EXHAUSTED for as long as
+    the readers slept. Now the engine's finished work frees the slots at once, and past
+    --stream-stall-timeout the calls themselves end, their buffers freed."""
+    server = start_server(model_dir, max_num_seqs=2, max_queue=0, stream_stall_timeout_s=2.0)
+    stalled = [never_read(server, f"{i}" * 1024, max_tokens=200) for i in range(2)]
+    try:
+        assert wait_until(lambda: len(server.server.registry) == 2)
+        assert wait_until(lambda: not server.server.scheduler.has_work)
+        # The engine is done with both; their clients have read nothing.
+        assert len(server.server.registry) == 2
+        assert list(server.stub.Generate(hello(), timeout=60))[-1].finish_reason == pb.LENGTH
+        assert wait_until(lambda: len(server.server.registry) == 0, timeout=30)
+        assert server.server.watchdog.num_stalled == 2
+        assert server.pool_is_full()
+        for channel, call in stalled:
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "--stream-stall-timeout" in ended.value.details()
+            channel.close()
+        still_serves(server)
+    finally:
+        for channel, _ in stalled:
+            channel.close()
+        server.close()
+
+
+def test_a_stream_that_falls_too_far_behind_is_cancelled_and_its_blocks_freed(model_dir):
+    server = start_server(model_dir, max_num_seqs=2, max_stream_buffer=4, stream_stall_timeout_s=60.0)
+    channel, call = never_read(server, "z" * 1024, max_tokens=200)
+    try:
+        assert wait_until(lambda: server.server.registry.num_overflowed == 1)
+        # Cancelled in the engine while its call is still open: the blocks are back.
+        assert wait_until(lambda: not server.server.scheduler.has_work)
+        manager = server.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+        assert server.server.registry.num_working == 0
+        call.cancel()
+        still_serves(server)
+    finally:
+        channel.close()
+        server.close()
+
+
+# --- the 'also' list: trusted tenant and priority, bearer token without TLS --------------------------
+
+
+def test_tenant_and_priority_come_from_the_gateway_headers_when_configured(model_dir, caplog):
+    caplog.set_level(logging.INFO)
+    server = start_server(
+        model_dir, tenant_header="x-tenant", priority_header="x-priority", auth_token="secret-token"
+    )
+    try:
+        assert any("bearer token is configured without TLS" in r.getMessage() for r in caplog.records)
+        metadata = [("authorization", "Bearer secret-token"), ("x-tenant", "gold"), ("x-priority", "3")]
+        request = hello(tenant="i-say-i-am-gold", priority=100, request_id="from-gateway")
+        list(server.stub.Generate(request, timeout=60, metadata=metadata))
+        accepted = [r for r in caplog.records if getattr(r, "event", "") == "request accepted"]
+        (line,) = [r for r in accepted if r.request_id == "from-gateway"]
+        assert (line.tenant, line.priority) == ("gold", 3)
+    finally:
+        server.close()
+
+
+# --- item 6: an unread Prefill -------------------------------------------------------------------------
+
+
+def test_an_unread_prefill_call_frees_its_blocks(model_dir):
+    """A Prefill nobody reads once pinned its blocks with no server-side limit."""
+    engine = Engine.from_pretrained(
+        model_dir,
+        EngineConfig(
+            cache=CacheConfig(block_size=16, num_blocks=64),
+            max_model_len=1024,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+        ),
+    )
+    runner = LoopThread()
+    config = PrefillServiceConfig(host="127.0.0.1", port=0, stream_stall_timeout_s=1.0)
+    server = runner.call(_prefill_server(engine, model_fingerprint(model_dir), config))
+    port = runner.call(server.start())
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READ_OPTIONS)
+    try:
+        stub = prefill_pb2_grpc.PrefillStub(channel)
+        info = stub.GetInfo(prefill_pb2.GetInfoRequest(), timeout=30)
+        request = prefill_pb2.PrefillRequest(
+            request_id="unread",
+            prompt_token_ids=[(7 * i) % 300 + 3 for i in range(600)],
+            sampling=pb.SamplingParams(temperature=0.0),
+            compatibility_hash=info.compatibility_hash,
+        )
+        call = stub.Prefill(request, timeout=120)
+        manager = engine.block_manager
+        assert wait_until(lambda: len(server.registry) == 1)
+        assert wait_until(lambda: len(server.registry) == 0, timeout=30)
+        assert wait_until(lambda: manager.num_free_blocks == manager.num_blocks)
+        assert server.watchdog.num_stalled == 1
+        call.cancel()
+    finally:
+        channel.close()
+        runner.call(server.stop())
+        runner.close()
+
+
+async def _prefill_server(engine: Engine, fingerprint: str, config: PrefillServiceConfig) -> PrefillServer:
+    return PrefillServer(engine, fingerprint, config)
