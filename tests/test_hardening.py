@@ -4,7 +4,8 @@ Each test reproduces one attack as the review ran it and checks that the attacke
 naming the limit's flag, or loses what it held, while the server goes on serving everyone else and
 every KV block comes back. Stop-string cost and min_tokens (items 1 and 5) are also covered at unit
 level in test_tokenizer.py, WFQ state (item 8) and step failures in test_decode_scheduler.py, the
-prefill timeout policy (item 6) in test_disagg_units.py.
+prefill timeout policy (item 6) in test_disagg_units.py; a prefill process whose engine cannot warm up
+exits non-zero naming the error (item 9) in test_serving_shell.py; everything at once in test_soak.py.
 """
 
 from __future__ import annotations

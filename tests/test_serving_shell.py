@@ -107,7 +107,7 @@ def test_both_tiers_share_the_engine_and_server_flags_with_the_same_defaults():
     shared = (
         "model dtype device block_size kv_cache_memory max_model_len threads host metrics_port "
         "drain_grace_seconds log_format log_prompts max_concurrent_streams tls_cert tls_key tls_client_ca "
-        "auth_token_file max_queue"
+        "auth_token_file max_queue stream_stall_timeout"
     ).split()
     assert {name: decode[name] for name in shared} == {name: prefill[name] for name in shared}
     assert decode["model"] is None, "both tiers default to the default model"
