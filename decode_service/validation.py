@@ -68,8 +68,8 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
     return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams with the server defaults for unset fields; validated."""
+def sampling_params(request: pb.GenerateRequest, vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams with the server defaults for unset fields; validated (logit_bias ids below vocab)."""
     proto = request.sampling
     params = SamplingParams(
         temperature=proto.temperature if proto.HasField("temperature") else 1.0,
@@ -78,8 +78,12 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         min_p=proto.min_p if proto.HasField("min_p") else 0.0,
         seed=proto.seed if proto.HasField("seed") else None,
         logprobs=proto.logprobs,
+        presence_penalty=proto.presence_penalty if proto.HasField("presence_penalty") else 0.0,
+        frequency_penalty=proto.frequency_penalty if proto.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(proto.logit_bias),
     )
-    params.validate()
+    params.validate(vocab_size)
     return params
 
 
@@ -110,7 +114,7 @@ def build_sequence(
 
     Tokenizes text and chat prompts, so call it off the event loop.
     """
-    sampling = sampling_params(request)
+    sampling = sampling_params(request, engine.vocab_size)
     ids = prompt_token_ids(request, engine)
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
     seq = engine.make_sequence(ids, sampling, stopping, request_id)

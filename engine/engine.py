@@ -24,7 +24,7 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, TokenHistory
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 from kernels import cpu_linear
@@ -166,6 +166,7 @@ class Engine:
             [s.sampling for s in sampled],
             [s.num_tokens for s in sampled],
             [s.suppressed_token_ids(self.eos_token_ids) for s in sampled],
+            [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in sampled],
         )
         token_ids = result.token_ids.tolist()
         logprobs = result.logprobs.tolist()

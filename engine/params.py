@@ -14,6 +14,10 @@ from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], logit bias in [-100, 100].
+MAX_ADDITIVE_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+
 # Temperatures below this are treated as greedy: dividing logits by them overflows fp32 and the
 # distribution is a point mass on the argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -49,9 +53,21 @@ class SamplingParams:
     min_p: float = 0.0  # [0, 1]
     seed: int | None = None  # per-request seed: same seed and position => same token
     logprobs: int = 0  # number of top logprobs to return, 0..MAX_LOGPROBS
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
 
-    def validate(self) -> None:
-        """Raise InvalidRequestError naming the first field that is out of range."""
+    def __post_init__(self) -> None:
+        # JSON and protobuf hand over a mapping; keep a sorted tuple so the params stay hashable.
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first field that is out of range.
+
+        With `vocab_size`, logit_bias keys must also be below it.
+        """
         temperature = _require_real("temperature", self.temperature)
         if temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -69,6 +85,34 @@ class SamplingParams:
             _require_int("seed", self.seed)
         if not 0 <= _require_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if abs(_require_real(name, value)) > MAX_ADDITIVE_PENALTY:
+                raise InvalidRequestError(
+                    f"{name} must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}], got {value!r}"
+                )
+        if _require_real("repetition_penalty", self.repetition_penalty) <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if not isinstance(self.logit_bias, tuple):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias:
+            _require_int("logit_bias token id", token_id)
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                limit = f" and < {vocab_size}" if vocab_size is not None else ""
+                raise InvalidRequestError(f"logit_bias token ids must be >= 0{limit}, got {token_id!r}")
+            if abs(_require_real("logit_bias value", bias)) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r} for token {token_id}"
+                )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when the sampler must look at this row's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:

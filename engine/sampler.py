@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched next-token sampling: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, logprobs.
 
 Everything runs in fp32 over the whole [B, V] batch with one pass per mask, so the cost does not grow
 with the number of distinct parameter combinations in the batch. Sampling uses the exponential race
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +33,74 @@ def row_seed(seed: int, position: int) -> int:
     """The generator seed for one (request seed, position) pair; stable across processes and versions
     (unlike `hash()`), and below 2**63 so every torch backend accepts it."""
     return _splitmix64(_splitmix64(seed & _MASK_64) ^ (position & _MASK_64)) >> 1
+
+
+class TokenHistory(NamedTuple):
+    """One row's tokens so far (prompt then generated), which the penalties look at."""
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+
+def penalize(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+) -> torch.Tensor:
+    """Return `logits` [B, V] with each row's logit bias, then its penalties, applied (OpenAI/vLLM semantics).
+
+    Bias is added first. Repetition penalty r then touches every token in the prompt or the output: a
+    positive logit is divided by r, a negative one multiplied by it (so r > 1 always discourages).
+    Finally, over the generated tokens only, frequency penalty subtracts once per occurrence and presence
+    penalty once per distinct token. Rows without bias or penalties are left as they are.
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    bias_rows = [row for row, p in enumerate(params) if p.logit_bias]
+    if bias_rows:
+        rows = [row for row in bias_rows for token_id, _ in params[row].logit_bias if token_id < vocab]
+        cols = [token_id for row in bias_rows for token_id, _ in params[row].logit_bias if token_id < vocab]
+        bias = [b for row in bias_rows for token_id, b in params[row].logit_bias if token_id < vocab]
+        logits = logits.index_put(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(bias, dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+    penalized = [row for row, p in enumerate(params) if p.has_penalties]
+    if not penalized:
+        return logits
+    output_counts = torch.zeros((len(penalized), vocab), dtype=logits.dtype, device=device)
+    seen = torch.zeros((len(penalized), vocab), dtype=torch.bool, device=device)
+    out_rows: list[int] = []
+    out_cols: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_cols: list[int] = []
+    for i, row in enumerate(penalized):
+        history = histories[row]
+        generated = history.token_ids[history.num_prompt_tokens :]
+        out_rows.extend([i] * len(generated))
+        out_cols.extend(generated)
+        if params[row].repetition_penalty != 1:
+            prompt = history.token_ids[: history.num_prompt_tokens]
+            prompt_rows.extend([i] * len(prompt))
+            prompt_cols.extend(prompt)
+    if out_rows:
+        index = (torch.tensor(out_rows, device=device), torch.tensor(out_cols, device=device))
+        output_counts.index_put_(index, torch.ones(len(out_rows), dtype=logits.dtype, device=device), True)
+    if prompt_rows:
+        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_cols, device=device)] = True
+    seen |= output_counts > 0
+
+    def column(name: str) -> torch.Tensor:
+        values = [getattr(params[row], name) for row in penalized]
+        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+    index = torch.tensor(penalized, device=device)
+    rows_logits = logits.index_select(0, index)
+    repetition = column("repetition_penalty")
+    repeated = torch.where(rows_logits > 0, rows_logits / repetition, rows_logits * repetition)
+    rows_logits = torch.where(seen, repeated, rows_logits)
+    rows_logits -= column("frequency_penalty") * output_counts
+    rows_logits -= column("presence_penalty") * (output_counts > 0).to(logits.dtype)
+    return logits.index_copy(0, index, rows_logits)
 
 
 @dataclass
@@ -61,13 +131,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         positions: Sequence[int],
         suppress_token_ids: Sequence[Collection[int]] | None = None,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V].
 
         `positions[i]` is how many tokens row i's sequence holds before the sampled one; with the seed
         it fixes the row's randomness. `suppress_token_ids[i]` are ids row i must not produce (ids
-        outside the vocabulary are ignored: they cannot be produced anyway). Logprobs are always of the
-        raw logits, before suppression, temperature or any mask.
+        outside the vocabulary are ignored: they cannot be produced anyway). `histories[i]` is row i's
+        token history, needed when its params have penalties. Logprobs are always of the raw logits,
+        before bias, penalties, suppression, temperature or any mask.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -76,9 +148,12 @@ class Sampler:
             raise ValueError(f"{batch} logits rows but {len(params)} params and {len(positions)} positions")
         if suppress_token_ids is not None and len(suppress_token_ids) != batch:
             raise ValueError(f"{batch} logits rows but {len(suppress_token_ids)} suppress sets")
+        if any(p.has_penalties for p in params) and (histories is None or len(histories) != batch):
+            raise ValueError("penalties need one token history per logits row")
 
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = penalize(logits, params, histories or ())
         if suppress_token_ids is not None:
             logits = self._suppress(logits, suppress_token_ids)
 

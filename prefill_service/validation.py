@@ -21,7 +21,7 @@ from protos.tandem.v1 import generation_pb2
 PREFILL_STOPPING = StoppingParams(max_tokens=1, ignore_eos=True)
 
 
-def sampling_params(proto: generation_pb2.SamplingParams) -> SamplingParams:
+def sampling_params(proto: generation_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams with the public API's defaults for unset fields (as the decode tier reads them)."""
     params = SamplingParams(
         temperature=proto.temperature if proto.HasField("temperature") else 1.0,
@@ -30,8 +30,12 @@ def sampling_params(proto: generation_pb2.SamplingParams) -> SamplingParams:
         min_p=proto.min_p if proto.HasField("min_p") else 0.0,
         seed=proto.seed if proto.HasField("seed") else None,
         logprobs=proto.logprobs,
+        presence_penalty=proto.presence_penalty if proto.HasField("presence_penalty") else 0.0,
+        frequency_penalty=proto.frequency_penalty if proto.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(proto.logit_bias),
     )
-    params.validate()
+    params.validate(vocab_size)
     return params
 
 
@@ -53,7 +57,10 @@ def build_job(
     # The decode tier names every prefill; a hand-made call (grpcurl) may not, and still gets a log id.
     request_id = request.request_id or f"prefill-{uuid.uuid4().hex}"
     seq = engine.make_sequence(
-        list(request.prompt_token_ids), sampling_params(request.sampling), PREFILL_STOPPING, request_id
+        list(request.prompt_token_ids),
+        sampling_params(request.sampling, engine.vocab_size),
+        PREFILL_STOPPING,
+        request_id,
     )
     needed = engine.blocks_for_tokens(seq.num_prompt_tokens)
     pool = engine.num_blocks

@@ -237,6 +237,31 @@ BAD_INPUTS = [
     ("logprobs above 20", _with(VALID, lambda r: setattr(r.sampling, "logprobs", 21)), "logprobs must be in"),
     ("negative logprobs", _with(VALID, lambda r: setattr(r.sampling, "logprobs", -1)), "logprobs must be in"),
     (
+        "presence_penalty above 2",
+        _with(VALID, lambda r: setattr(r.sampling, "presence_penalty", 2.5)),
+        "presence_penalty must be in [-2, 2]",
+    ),
+    (
+        "frequency_penalty below -2",
+        _with(VALID, lambda r: setattr(r.sampling, "frequency_penalty", -3.0)),
+        "frequency_penalty must be in [-2, 2]",
+    ),
+    (
+        "repetition_penalty 0",
+        _with(VALID, lambda r: setattr(r.sampling, "repetition_penalty", 0.0)),
+        "repetition_penalty must be > 0",
+    ),
+    (
+        "logit_bias token past the vocab",
+        _with(VALID, lambda r: r.sampling.logit_bias.__setitem__(TINY_VOCAB_SIZE, 1.0)),
+        "logit_bias token ids",
+    ),
+    (
+        "logit_bias value above 100",
+        _with(VALID, lambda r: r.sampling.logit_bias.__setitem__(3, 101.0)),
+        "logit_bias values must be in [-100, 100]",
+    ),
+    (
         "unknown chat role",
         pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
         "role must be one of",

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from conftest import engine_for, tiny_hf_model
 
+from decode_service.prefill_client import sampling_proto
 from engine.config import parse_memory_size
 from engine.errors import ConfigError, InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
@@ -208,6 +209,28 @@ def test_sampling_defaults_follow_the_public_api():
     params = sampling_params(proto)
     assert (params.temperature, params.top_k, params.seed, params.logprobs) == (0.0, 4, 2**63, 5)
     assert params.top_p == pytest.approx(0.5) and params.min_p == pytest.approx(0.1)
+    penalized = generation_pb2.SamplingParams(
+        presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias={3: -100.0}
+    )
+    assert sampling_params(penalized) == SamplingParams(
+        presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias={3: -100.0}
+    )
+    with pytest.raises(InvalidRequestError, match="logit_bias token ids"):
+        sampling_params(generation_pb2.SamplingParams(logit_bias={12: 1.0}), vocab_size=12)
+
+
+def test_decode_sends_every_sampling_field_to_prefill():
+    params = SamplingParams(
+        temperature=0.5,
+        top_k=3,
+        seed=9,
+        logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.25,
+        logit_bias={3: -100.0, 1: 2.0},
+    )
+    assert sampling_params(sampling_proto(params)) == params
 
 
 @pytest.mark.parametrize(

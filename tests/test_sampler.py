@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
 from engine.params import MAX_LOGPROBS, SamplingParams, StoppingParams
-from engine.sampler import Sampler, row_seed
+from engine.sampler import Sampler, TokenHistory, penalize, row_seed
 
 
 def random_logits(batch: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -293,11 +293,22 @@ def test_mismatched_lengths_are_rejected() -> None:
         (SamplingParams(seed=1.5), "seed"),  # type: ignore[arg-type]
         (SamplingParams(logprobs=-1), "logprobs"),
         (SamplingParams(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(presence_penalty=float("nan")), "presence_penalty"),
+        (SamplingParams(frequency_penalty=-2.01), "frequency_penalty"),
+        (SamplingParams(frequency_penalty="high"), "frequency_penalty"),  # type: ignore[arg-type]
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(repetition_penalty=float("inf")), "repetition_penalty"),
+        (SamplingParams(logit_bias={3: 100.5}), "logit_bias values"),
+        (SamplingParams(logit_bias={-1: 1.0}), "logit_bias token ids"),
+        (SamplingParams(logit_bias={"3": 1.0}), "logit_bias token id"),
+        (SamplingParams(logit_bias={3: float("nan")}), "logit_bias value"),
+        (SamplingParams(logit_bias={10: 1.0}), "logit_bias token ids must be >= 0 and < 10"),
     ],
 )
 def test_bad_sampling_params_name_the_field(params: SamplingParams, field: str) -> None:
     with pytest.raises(InvalidRequestError, match=field):
-        params.validate()
+        params.validate(vocab_size=10)
 
 
 @pytest.mark.parametrize(
@@ -335,6 +346,119 @@ def test_good_params_validate_and_lists_become_tuples() -> None:
     hash(stopping)
 
 
+def test_penalty_params_in_range_validate_and_bias_becomes_a_sorted_tuple() -> None:
+    params = SamplingParams(
+        presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, logit_bias={7: -100, 2: 100}
+    )
+    params.validate(vocab_size=8)
+    assert params.logit_bias == ((2, 100), (7, -100))
+    assert params.has_penalties
+    hash(params)
+    assert not SamplingParams(logit_bias={1: 5.0}).has_penalties
+
+
 def test_is_greedy() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=0.7).is_greedy
+
+
+# --- logit bias and penalties ---------------------------------------------------------------------
+
+
+def reference_penalties(
+    logits: list[float], params: SamplingParams, token_ids: list[int], num_prompt: int
+) -> list[float]:
+    """The OpenAI/vLLM formula, one token at a time: bias; repetition over prompt+output (divide
+    positive, multiply negative); minus frequency x output count; minus presence if generated."""
+    out = list(logits)
+    for token_id, bias in params.logit_bias:
+        out[token_id] += bias
+    generated = token_ids[num_prompt:]
+    for token_id in range(len(out)):
+        if token_id in token_ids:
+            r = params.repetition_penalty
+            out[token_id] = out[token_id] / r if out[token_id] > 0 else out[token_id] * r
+        count = generated.count(token_id)
+        out[token_id] -= params.frequency_penalty * count
+        out[token_id] -= params.presence_penalty * (1 if count else 0)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+    repetition=st.floats(0.2, 3.0),
+    prompt=st.lists(st.integers(0, 11), min_size=1, max_size=8),
+    generated=st.lists(st.integers(0, 11), max_size=10),
+    bias=st.dictionaries(st.integers(0, 11), st.floats(-100, 100), max_size=3),
+)
+def test_penalties_match_the_reference_formula(
+    presence: float, frequency: float, repetition: float, prompt: list[int], generated: list[int], bias: dict
+) -> None:
+    vocab = 12
+    logits = random_logits(3, vocab, seed=len(prompt) + len(generated))
+    params = SamplingParams(
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition, logit_bias=bias
+    )
+    plain = SamplingParams()
+    tokens = prompt + generated
+    histories = [TokenHistory([1, 2], 2), TokenHistory(tokens, len(prompt)), TokenHistory([3], 1)]
+    out = penalize(logits, [plain, params, plain], histories)
+    expected = reference_penalties(logits[1].tolist(), params, tokens, len(prompt))
+    assert torch.allclose(out[1], torch.tensor(expected), rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+
+
+def test_presence_and_frequency_count_only_generated_tokens() -> None:
+    logits = torch.zeros(1, 5)
+    history = [TokenHistory([1, 1, 2, 3, 3, 3], 3)]  # prompt 1 1 2, generated 3 3 3
+    out = penalize(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], history)
+    assert out[0].tolist() == [0.0, 0.0, 0.0, -0.5 - 0.75, 0.0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    out = penalize(logits, [SamplingParams(repetition_penalty=2.0)], [TokenHistory([0, 1], 1)])
+    assert out[0].tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_penalties_change_greedy_choice_and_logit_bias_can_ban_or_force() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+    sampler = Sampler(seed=0)
+    history = [TokenHistory([2, 0], 1)]  # token 0 was generated once
+    greedy = SamplingParams(temperature=0.0)
+    assert sampler(logits, [greedy], [2], histories=history).token_ids.item() == 0
+    penalized = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert sampler(logits, [penalized], [2], histories=history).token_ids.item() == 1
+    forced = SamplingParams(temperature=0.0, logit_bias={3: 100.0})
+    assert sampler(logits, [forced], [2]).token_ids.item() == 3
+    banned = SamplingParams(temperature=1.0, seed=1, logit_bias={0: -100.0, 1: -100.0})
+    assert all(sampler(logits, [banned], [p]).token_ids.item() in (2, 3) for p in range(50))
+
+
+def test_logprobs_stay_raw_under_penalties_and_bias() -> None:
+    logits = random_logits(1, 20, seed=4)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.7, logit_bias={5: 30.0}, logprobs=2)
+    out = Sampler()(logits, [params], [3], histories=[TokenHistory([1, 2, 3], 3)])
+    assert out.token_ids.item() == 5
+    assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 5].item(), abs=1e-6)
+
+
+def test_penalized_seeded_rows_do_not_depend_on_batch_composition() -> None:
+    vocab = 200
+    flat = random_logits(1, vocab, seed=6, scale=0.5)
+    params = SamplingParams(seed=42, presence_penalty=1.0, repetition_penalty=1.2, logit_bias={7: 3.0})
+    history = TokenHistory(list(range(0, 60, 3)), 10)
+    alone = Sampler()(flat, [params], [20], histories=[history]).token_ids.item()
+    others = random_logits(3, vocab, seed=7)
+    batch = torch.cat([others[:1], flat, others[1:]])
+    batch_params = [SamplingParams(frequency_penalty=2.0), params, SamplingParams(), SamplingParams(seed=1)]
+    histories = [TokenHistory([1, 2, 3], 1), history, TokenHistory([4], 1), TokenHistory([5], 1)]
+    out = Sampler(seed=3)(batch, batch_params, [9, 20, 4, 7], histories=histories)
+    assert out.token_ids[1].item() == alone
+
+
+def test_penalties_without_histories_are_rejected() -> None:
+    with pytest.raises(ValueError, match="history"):
+        Sampler()(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [0])

@@ -54,6 +54,10 @@ def sampling_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
         top_k=params.top_k,
         min_p=params.min_p,
         logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         proto.seed = params.seed
