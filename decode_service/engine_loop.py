@@ -101,8 +101,10 @@ class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
         return deltas
 
     def _abort_now(self, request_id: str) -> list[StreamDelta]:
-        aborted = self.scheduler.abort(request_id)
-        return [] if aborted is None else [StreamDelta(aborted, finish_reason=FinishReason.ABORT)]
+        return [
+            StreamDelta(aborted, finish_reason=FinishReason.ABORT)
+            for aborted in self.scheduler.abort(request_id)
+        ]
 
     def _record(self, plan: StepPlan, deltas: list[StreamDelta]) -> None:
         chunks = tuple(

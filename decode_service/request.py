@@ -42,10 +42,21 @@ class ServedRequest:
     admitted_time: float | None = None
     prefill_done_time: float | None = None
     first_token_time: float | None = None
+    # Choices the client asked for. The scheduler forks choices 1..n-1 off this one (choice 0) once its
+    # prompt is prefilled, so they share its prompt KV; `forked` says that happened.
+    n: int = 1
+    index: int = 0
+    parent: ServedRequest | None = None
+    forked: bool = False
 
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    @property
+    def stream_owner(self) -> ServedRequest:
+        """Choice 0, whose stream every choice's deltas go to."""
+        return self.parent if self.parent is not None else self
 
     @property
     def estimated_remaining_tokens(self) -> int:

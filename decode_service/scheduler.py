@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.policies import Rank, SchedulingPolicy
@@ -27,6 +27,7 @@ from decode_service.step_record import ChunkKind
 from engine.engine import Engine, TokenOutput
 from engine.errors import ConfigError, InvalidRequestError
 from engine.model_runner import ScheduledChunk
+from engine.sampler import SEED_MASK
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class ContinuousScheduler:
         self.waiting: list[ServedRequest] = []
         self.running: list[ServedRequest] = []
         self.num_preemptions = 0
-        self._live: dict[str, ServedRequest] = {}
+        # request_id -> its live choices (one unless the request asked for n > 1).
+        self._live: dict[str, list[ServedRequest]] = {}
         self._next_arrival_index = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------------
@@ -113,18 +115,21 @@ class ContinuousScheduler:
         request.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         request.state = RequestState.WAITING
-        self._live[request.request_id] = request
+        self._live[request.request_id] = [request]
         self.waiting.append(request)
         self.policy.on_enqueued(request)
 
-    def abort(self, request_id: str) -> ServedRequest | None:
-        """Remove a live request wherever it is and free its blocks; None when no such request."""
-        request = self._live.get(request_id)
-        if request is None:
-            return None
-        request.seq.abort()
-        self._finish(request)
-        return request
+    def abort(self, request_id: str) -> list[ServedRequest]:
+        """Remove every live choice of a request wherever it is and free its blocks; returns them."""
+        choices = list(self._live.get(request_id, ()))
+        for request in choices:
+            request.seq.abort()
+            self._finish(request)
+        return choices
+
+    def _choice_of(self, seq: Sequence) -> ServedRequest | None:
+        """The live request (choice) that runs `seq`."""
+        return next((r for r in self._live.get(seq.request_id, ()) if r.seq is seq), None)
 
     def idle_wait_seconds(self) -> float | None:
         """How long the loop may sleep for new input when `schedule` found nothing to run (None: forever)."""
@@ -232,7 +237,7 @@ class ContinuousScheduler:
         now = self.clock()
         deltas = []
         for out in outputs:
-            request = self._live.get(out.seq.request_id)
+            request = self._choice_of(out.seq)
             if request is None:
                 continue
             try:
@@ -249,6 +254,8 @@ class ContinuousScheduler:
             self.running.append(request)
             if request.prefill_done_time is None:
                 request.prefill_done_time = now
+            if request.n > 1 and not request.forked:
+                self._fork_choices(request, now)
         if request.first_token_time is None:
             request.first_token_time = now
         self.policy.on_token_generated(request)
@@ -263,7 +270,9 @@ class ContinuousScheduler:
     def fail_all(self, error: Exception) -> list[StreamDelta]:
         """Scheduling itself failed, so no request's state can be trusted: end every live one with the
         error and free its blocks, leaving a clean scheduler for the requests that come next."""
-        return [self._fail(request, error) for request in list(self._live.values())]
+        return [
+            self._fail(request, error) for choices in list(self._live.values()) for request in list(choices)
+        ]
 
     def _fail(self, request: ServedRequest, error: Exception) -> StreamDelta:
         """End one request with `error`; its blocks are freed even if its bookkeeping is inconsistent."""
@@ -278,7 +287,11 @@ class ContinuousScheduler:
             if request in self.prefill_stage.requests:
                 self.prefill_stage.remove(request)
             self.engine.free(request.seq)
-            self._live.pop(request.request_id, None)
+            choices = self._live.get(request.request_id, [])
+            if request in choices:
+                choices.remove(request)
+            if not choices:
+                self._live.pop(request.request_id, None)
             request.state = RequestState.FINISHED
         return StreamDelta(request, error=error)
 
@@ -295,7 +308,7 @@ class ContinuousScheduler:
 
     def fail_step(self, plan: StepPlan, error: Exception) -> list[StreamDelta]:
         """The forward failed: end every request in it with the error, freeing its blocks."""
-        requests = (self._live.get(chunk.seq.request_id) for chunk in plan.chunks)
+        requests = (self._choice_of(chunk.seq) for chunk in plan.chunks)
         return [self._fail(request, error) for request in requests if request is not None]
 
     def _finish(self, request: ServedRequest) -> None:
@@ -307,8 +320,47 @@ class ContinuousScheduler:
             self.running.remove(request)
         self.engine.free(request.seq)
         request.state = RequestState.FINISHED
-        del self._live[request.request_id]
+        choices = self._live[request.request_id]
+        choices.remove(request)
+        if not choices:
+            del self._live[request.request_id]
         self.policy.on_finished(request)
+
+    def _fork_choices(self, request: ServedRequest, now: float) -> None:
+        """Start choices 1..n-1 of a request whose prompt was just prefilled (choice 0 has its first token).
+
+        Each shares the prompt's KV and joins the decode batch at once while seats and blocks last;
+        the rest wait with no blocks and are prefilled like preempted requests. With a seed, choice i
+        samples with seed + i, so the choices differ yet stay reproducible.
+        """
+        request.forked = True
+        block_manager = self.engine.block_manager
+        for index in range(1, request.n):
+            sampling = request.seq.sampling
+            if sampling.seed is not None:
+                sampling = replace(sampling, seed=(sampling.seed + index) & SEED_MASK)
+            seats = self.max_num_seqs - len(self.running) - len(self.prefill_stage)
+            share = seats > 0 and block_manager.num_free_blocks > self.watermark_blocks
+            child = ServedRequest(
+                self.engine.fork(request.seq, sampling, share_kv=share),
+                priority=request.priority,
+                tenant=request.tenant,
+                arrival_time=request.arrival_time,
+                arrival_index=request.arrival_index,
+                admitted_time=request.admitted_time if share else None,
+                prefill_done_time=now if share else None,
+                n=request.n,
+                index=index,
+                parent=request,
+                forked=True,
+            )
+            self._live[request.request_id].append(child)
+            self.policy.on_enqueued(child)
+            if share:
+                child.state = RequestState.RUNNING
+                self.running.append(child)
+            else:
+                self.waiting.append(child)
 
 
 class StaticScheduler(ContinuousScheduler):

@@ -18,7 +18,7 @@ from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.streams import StreamHub
-from decode_service.validation import build_sequence, check_limits, prompt_bytes
+from decode_service.validation import build_sequence, check_limits, num_choices, prompt_bytes
 from decode_service.validation_pool import ValidationPool
 from engine.config import dtype_name
 from engine.engine import Engine
@@ -47,7 +47,9 @@ def _since(start: float | None, end: float | None) -> float:
 def to_response(delta: StreamDelta) -> pb.GenerateResponse:
     """The stream message for one delta; the last one carries finish reason, stop, usage and timings."""
     request = delta.request
-    response = pb.GenerateResponse(request_id=request.request_id, token_ids=delta.token_ids, text=delta.text)
+    response = pb.GenerateResponse(
+        request_id=request.request_id, token_ids=delta.token_ids, text=delta.text, index=request.index
+    )
     for logprob in delta.logprobs:
         response.logprobs.append(
             pb.TokenLogprob(
@@ -155,7 +157,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self._engine,
                 self._config.max_tokens_cap,
             )
-            served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival)
+            served = ServedRequest(
+                seq,
+                priority=priority,
+                tenant=tenant,
+                arrival_time=arrival,
+                n=num_choices(request, self._engine),
+            )
             queue = self._hub.open(served)
         except BaseException as exc:
             # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.
@@ -176,17 +184,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         completion: list[str] = []
         finished = False
+        choices_left = served.n
         try:
             self._engine_loop.submit(served)
             while not finished:
                 delta = await queue.get()
-                finished = delta.is_last
+                if delta.is_last:
+                    # A request aborted before its prompt was prefilled never forked its other choices.
+                    choices_left = choices_left - 1 if served.forked else 0
+                finished = choices_left == 0
                 if delta.error is not None:
                     self._end_with(context, delta.error, request_id)
                     return
                 if log_prompts_enabled():
                     completion.append(delta.text)
-                if delta.finish_reason is not None:
+                if finished and delta.finish_reason is not None:
                     log_event(
                         logger,
                         logging.INFO,

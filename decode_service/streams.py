@@ -29,6 +29,8 @@ class _LiveStream:
     request: ServedRequest | None
     queue: asyncio.Queue[StreamDelta]
     working: bool = True
+    # Choices whose last delta has not arrived yet (a request with n > 1 holds its slot until all end).
+    choices_left: int = 1
 
 
 class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
@@ -66,6 +68,7 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         """Turn the request's reservation into a live stream; returns the queue its deltas arrive on."""
         stream = self._calls[request.request_id]
         stream.request = request
+        stream.choices_left = request.n
         return stream.queue
 
     def close(self, request: ServedRequest) -> None:
@@ -90,14 +93,18 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         for delta in deltas:
-            stream = self._calls.get(delta.request.request_id)
+            owner = delta.request.stream_owner
+            stream = self._calls.get(owner.request_id)
             # A stream whose client left, that overflowed, or a newer request reusing its id: not wanted.
-            if stream is None or stream.request is not delta.request or not stream.working:
+            if stream is None or stream.request is not owner or not stream.working:
                 continue
             if delta.is_last:
-                self._stop_working(stream)
+                # A request aborted before its prompt was prefilled never forked its other choices.
+                stream.choices_left = stream.choices_left - 1 if owner.forked and delta.error is None else 0
+                if stream.choices_left == 0:
+                    self._stop_working(stream)
             elif stream.queue.qsize() >= self.max_buffer:
-                self._overflow(stream, delta.request)
+                self._overflow(stream, owner)
                 continue
             stream.queue.put_nowait(delta)
 

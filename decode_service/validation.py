@@ -107,6 +107,14 @@ def stopping_params(
     return params
 
 
+def num_choices(request: pb.GenerateRequest, engine: Engine) -> int:
+    """How many completions the request asks for: n, with 0 (unset) meaning 1, at most max_num_seqs."""
+    limit = engine.config.max_num_seqs
+    if request.n < 0 or request.n > limit:
+        raise InvalidRequestError(f"n must be in [1, {limit}] (this server's max_num_seqs), got {request.n}")
+    return request.n or 1
+
+
 def build_sequence(
     request: pb.GenerateRequest, request_id: str, engine: Engine, max_tokens_cap: int
 ) -> Sequence:

@@ -147,6 +147,32 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
         return Sequence(request_id or uuid.uuid4().hex, prompt_token_ids, sampling, stopping, detok)
 
+    def fork(self, parent: Sequence, sampling: SamplingParams, share_kv: bool) -> Sequence:
+        """Another completion of `parent`'s prompt (a choice of a request with n > 1).
+
+        With `share_kv` the child reuses the parent's computed prompt KV: it takes a reference to every
+        full block before the last prompt token and a private copy of the block holding that token,
+        which it recomputes (one token, like a decode step) to get logits of its own. Without it the
+        child holds no blocks and its prompt is prefilled like a new request's. Raises
+        OutOfBlocksError when sharing needs a block the pool does not have.
+        """
+        prompt = parent.token_ids[: parent.num_prompt_tokens]
+        detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer else None
+        child = Sequence(parent.request_id, prompt, sampling, parent.stopping, detok, parent.arrival_time)
+        if not share_kv:
+            return child
+        if parent.num_computed_tokens < parent.num_prompt_tokens:
+            raise ValueError(f"{parent.request_id}: cannot share a prompt whose KV is not computed yet")
+        last = parent.num_prompt_tokens - 1
+        num_shared = last // self.block_size
+        [copy] = self.block_manager.allocator.allocate(1)
+        for block in parent.block_table[:num_shared]:
+            self.block_manager.allocator.share(block)
+        self.kv_cache.copy_block(parent.block_table[num_shared], copy)
+        child.block_table = [*parent.block_table[:num_shared], copy]
+        child.num_computed_tokens = last
+        return child
+
     def step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
         """Run one forward over the chunks and sample a token for every sequence it completes.
 

@@ -29,3 +29,8 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k[0].shape[1]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V, in every layer (a forked sequence's own copy of a shared block)."""
+        for cache in (*self.k, *self.v):
+            cache[dst].copy_(cache[src])

@@ -19,6 +19,7 @@ import torch
 from engine.params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
+SEED_MASK = _MASK_64  # seeds are uint64 on the wire; derived seeds wrap around
 
 
 def _splitmix64(value: int) -> int:

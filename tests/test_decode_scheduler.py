@@ -478,3 +478,81 @@ def test_a_failure_in_schedule_ends_every_live_request_and_the_loop_goes_on(hf_m
     harness.submit("c", prompts[2], 3)
     harness.run()
     assert harness.finish["c"] is FinishReason.LENGTH and "c" not in harness.errors
+
+
+# --- n > 1: choices forked off the prefilled prompt ----------------------------------------------
+
+
+class ChoiceHarness(Harness):
+    """A harness that keeps each choice's tokens apart: keys are (request_id, index)."""
+
+    def _deliver(self, deltas: list[StreamDelta]) -> None:
+        for delta in deltas:
+            key = (delta.request.request_id, delta.request.index)
+            self.tokens[key].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finish[key] = delta.finish_reason
+
+    def submit_choices(self, request_id: str, prompt: list[int], max_tokens: int, sampling, n: int):
+        stopping = StoppingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = ServedRequest(self.engine.make_sequence(prompt, sampling, stopping, request_id), n=n)
+        self.loop.submit(request)
+        return request
+
+
+def sampled_alone(hf_model, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> list[int]:
+    engine = engine_for(hf_model, block_size=8, num_blocks=64)
+    harness = Harness(engine)
+    stopping = StoppingParams(max_tokens=max_tokens, ignore_eos=True)
+    harness.loop.submit(ServedRequest(engine.make_sequence(prompt, sampling, stopping, "alone")))
+    harness.run()
+    return harness.tokens["alone"]
+
+
+@pytest.mark.parametrize("prompt_len", [21, 24])  # last prompt token in a partial block / in a full one
+def test_choices_share_the_prompt_prefill_and_sample_with_seed_plus_index(hf_model, prompt_len):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = ChoiceHarness(engine)
+    prompt = random_prompts(1, 35, min_len=prompt_len, max_len=prompt_len)[0]
+    sampling = SamplingParams(temperature=1.0, seed=1000)
+    harness.submit_choices("multi", prompt, 6, sampling, n=3)
+    harness.loop.step_once()  # prefill, choice 0's first token, fork
+    prompt_blocks = -(-prompt_len // 8)
+    shared = [b for b in range(64) if engine.block_manager.allocator.refcount(b) == 3]
+    assert len(shared) == (prompt_len - 1) // 8, "the full blocks before the last prompt token are shared"
+    assert engine.block_manager.num_free_blocks == 64 - prompt_blocks - 2  # one private block per child
+    events = harness.run()
+
+    prefilled = sum(c.num_tokens for e in events for c in e.chunks if c.kind == "prefill")
+    assert prefilled == prompt_len, "the prompt was prefilled once, not once per choice"
+    for index in range(3):
+        choice_sampling = SamplingParams(temperature=1.0, seed=1000 + index)
+        assert harness.tokens[("multi", index)] == sampled_alone(hf_model, prompt, 6, choice_sampling)
+        assert harness.finish[("multi", index)] is FinishReason.LENGTH
+    assert len({tuple(harness.tokens[("multi", i)]) for i in range(3)}) > 1
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_greedy_choices_match_hf_and_choices_without_a_seat_are_prefilled_later(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    harness = ChoiceHarness(engine)
+    prompt = random_prompts(1, 36, min_len=13, max_len=13)[0]
+    harness.submit_choices("greedy", prompt, 5, GREEDY, n=3)
+    harness.run()
+    for index in range(3):
+        assert harness.tokens[("greedy", index)] == hf_greedy(hf_model, prompt, 5)
+    assert engine.block_manager.num_free_blocks == 64 and not harness.scheduler.has_work
+
+
+def test_abort_ends_every_choice_and_frees_shared_blocks(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = ChoiceHarness(engine)
+    prompt = random_prompts(1, 37, min_len=30, max_len=30)[0]
+    harness.submit_choices("doomed", prompt, 50, GREEDY, n=3)
+    harness.loop.step_once()
+    harness.loop.step_once()
+    assert engine.block_manager.num_free_blocks < 64
+    harness.loop.abort("doomed")
+    harness.loop.step_once()
+    assert harness.finish == {("doomed", i): FinishReason.ABORT for i in range(3)}
+    assert engine.block_manager.num_free_blocks == 64 and not harness.scheduler.has_work
