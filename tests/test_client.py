@@ -41,6 +41,7 @@ from tandem.client import (
     Usage,
 )
 from tandem.client.errors import error_for_status
+from tandem.client.generate_command import NO_CHAT_TEMPLATE
 from tandem.client.requests import build_request
 
 TOKEN = "s3cret-token"
@@ -51,6 +52,7 @@ SAFETY_TIMEOUT = 20.0
 SLOW = "slow"
 WAIT_FOR_ABORT = "wait-for-abort"
 BAD = "bad"
+NO_TEMPLATE = "model without a chat template"
 FULL = "full"
 
 
@@ -72,14 +74,18 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         request_id = self._request_id(request)
-        if request.prompt == BAD:
+        # `tandem generate` sends PROMPT as the last chat message unless --raw.
+        text = request.messages[-1].content if request.messages else request.prompt
+        if request.messages and text == NO_TEMPLATE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{NO_CHAT_TEMPLATE}; send a plain prompt")
+        if text == BAD:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
-        if request.prompt == FULL:
+        if text == FULL:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
         try:
-            if request.prompt == SLOW:
+            if text == SLOW:
                 await asyncio.sleep(SAFETY_TIMEOUT)
-            if request.prompt == WAIT_FOR_ABORT:
+            if text == WAIT_FOR_ABORT:
                 aborted = self._abort_events.setdefault(request_id, asyncio.Event())
                 yield pb.GenerateResponse(request_id=request_id, token_ids=[7], text="first")
                 await asyncio.wait_for(aborted.wait(), SAFETY_TIMEOUT)
@@ -193,8 +199,18 @@ def closed_port() -> int:
 def test_build_request_leaves_unset_options_unset():
     request = build_request("hi")
     assert request.prompt == "hi" and not request.token_ids and not request.messages
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         assert not request.sampling.HasField(name), name
+    assert not request.sampling.logit_bias and request.n == 0
     assert not request.stopping.HasField("max_tokens")
 
 
@@ -215,8 +231,20 @@ def test_build_request_maps_every_option():
         request_id="r",
         priority=-3,
         tenant="acme",
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        logit_bias={7: -100.0},
+        n=3,
     )
     assert list(request.token_ids) == [1, 2, 3]
+    sampling = request.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (
+        0.5,
+        -0.5,
+        1.25,
+    )
+    assert dict(sampling.logit_bias) == {7: -100.0} and request.n == 3
     assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
     assert request.sampling.top_k == 5 and request.sampling.seed == 2**63 and request.sampling.logprobs == 2
     assert request.stopping.max_tokens == 7 and list(request.stopping.stop) == ["\n"], "a str is one stop"
@@ -242,7 +270,8 @@ def test_final_delta_carries_stop_token_usage_and_timings():
     delta = GenerationDelta.from_proto(message)
     assert delta.is_final and delta.finish_reason == "stop" and delta.matched_stop == 9
     assert delta.usage == Usage(5, 0) and delta.timings == ServerTimings(0.25, 0.5, 0.75)
-    assert delta.raw is message
+    assert delta.raw is message and delta.index == 0
+    assert GenerationDelta.from_proto(pb.GenerateResponse(request_id="r", index=2)).index == 2
 
 
 def test_intermediate_delta_has_no_final_fields():
@@ -427,8 +456,29 @@ def test_cli_streams_text_and_reports_usage_and_ttft(server, capsys):
     assert "finish: stop (matched '!')" in err and "usage: 3 prompt + 4 completion tokens" in err
     assert "ttft:" in err and "(server 0.750 s)" in err
     request = server.servicer.requests[-1]
-    assert request.prompt == "hi" and request.stopping.max_tokens == 4
+    assert [(m.role, m.content) for m in request.messages] == [("user", "hi")], "a chat turn by default"
+    assert not request.prompt and request.stopping.max_tokens == 4
     assert request.sampling.HasField("temperature") and not request.sampling.HasField("top_p")
+
+
+def test_cli_raw_sends_plain_text(server, capsys):
+    code, _, _ = run_cli(capsys, "hi", "--raw", "--target", server.target)
+    assert code == 0
+    request = server.servicer.requests[-1]
+    assert request.prompt == "hi" and not request.messages
+
+
+def test_cli_falls_back_to_the_raw_prompt_when_the_model_has_no_chat_template(server, capsys):
+    code, out, err = run_cli(capsys, NO_TEMPLATE, "--target", server.target)
+    assert code == 0 and out == "Hello, world\n"
+    assert "no chat template; sending the prompt raw" in err
+    chat, raw = server.servicer.requests[-2:]
+    assert chat.messages[-1].content == NO_TEMPLATE and raw.prompt == NO_TEMPLATE and not raw.messages
+
+
+def test_cli_explicit_chat_does_not_fall_back(server, capsys):
+    code, out, err = run_cli(capsys, NO_TEMPLATE, "--chat", "--target", server.target)
+    assert code == 1 and out == "" and "INVALID_ARGUMENT: " + NO_CHAT_TEMPLATE in err
 
 
 def test_cli_json_prints_one_json_object_per_message(server, capsys):
@@ -504,8 +554,10 @@ def test_cli_chat_reads_the_prompt_from_stdin(server, capsys, monkeypatch):
         ["--token-ids", "1,x"],
         [],
         ["hi", "--token-ids", "1"],
-        ["hi", "--system", "s"],
+        ["hi", "--raw", "--system", "s"],
+        ["hi", "--raw", "--chat"],
         ["--chat", "--token-ids", "1"],
+        ["--system", "s", "--token-ids", "1"],
     ],
 )
 def test_cli_usage_errors_exit_2(argv, capsys):

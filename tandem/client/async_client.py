@@ -6,7 +6,7 @@ Create it inside the event loop that will use it (grpc.aio channels belong to on
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -68,6 +68,11 @@ class AsyncTandemClient:
         min_p: float | None = None,
         seed: int | None = None,
         logprobs: int = 0,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        n: int = 0,
         max_tokens: int | None = None,
         stop: Iterable[str] = (),
         stop_token_ids: Iterable[int] = (),
@@ -90,6 +95,11 @@ class AsyncTandemClient:
             min_p=min_p,
             seed=seed,
             logprobs=logprobs,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=logit_bias,
+            n=n,
             max_tokens=max_tokens,
             stop=stop,
             stop_token_ids=stop_token_ids,
@@ -116,7 +126,8 @@ class AsyncTandemClient:
             call.cancel()
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        """Run `generate()` with the same arguments to the end and return the whole completion."""
+        """Run `generate()` with the same arguments to the end and return the whole completion (n = 1;
+        for n > 1, group `generate()`'s deltas by `index`)."""
         builder = CompletionBuilder()
         async for delta in self.generate(prompt, **kwargs):
             builder.add(delta)

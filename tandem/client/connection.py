@@ -6,6 +6,7 @@ channel creation differs (`grpc` vs `grpc.aio`).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,32 @@ from tandem.security import PathLike, bearer_metadata, channel_credentials
 logger = logging.getLogger(__name__)
 
 Metadata = Mapping[str, str] | Iterable[tuple[str, str]]
+
+# Spread calls over every address the target resolves to (the pods behind a headless Service, or an
+# `ipv4:` list), and retry a call that fails with UNAVAILABLE before any response arrives (a draining or
+# vanished replica) on another address. The README shows this JSON for clients in other languages.
+ROUND_ROBIN_SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [
+        {
+            "name": [{"service": "tandem.v1.Generation"}],
+            "retryPolicy": {
+                "maxAttempts": 3,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+}
+# Targets whose resolver may return several replicas; a plain host:port keeps gRPC's pick_first.
+MULTI_ADDRESS_SCHEMES = ("dns:", "ipv4:", "ipv6:")
+
+
+def balances_load(target: str) -> bool:
+    """True for targets that name a resolver explicitly (`dns:///decode-headless:50051`, `ipv4:a,b`)."""
+    return target.startswith(MULTI_ADDRESS_SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -42,10 +69,15 @@ class ConnectionSettings:
         timeout: float | None = None,
         options: Iterable[tuple[str, Any]] = (),
     ) -> ConnectionSettings:
-        """Any certificate path (or `tls=True`, which trusts the system's CAs) makes the channel TLS."""
+        """Any certificate path (or `tls=True`, which trusts the system's CAs) makes the channel TLS.
+
+        A `dns:///`, `ipv4:` or `ipv6:` target gets round-robin load balancing over its addresses.
+        """
         secure = tls or any(p is not None for p in (ca_cert, client_cert, client_key))
         credentials = channel_credentials(ca_cert, client_cert, client_key) if secure else None
         channel_options = list(options)
+        if balances_load(target) and not any(name == "grpc.service_config" for name, _ in channel_options):
+            channel_options.append(("grpc.service_config", json.dumps(ROUND_ROBIN_SERVICE_CONFIG)))
         if tls_server_name:
             # Verify the server's certificate against this name instead of the host in `target`.
             channel_options.append(("grpc.ssl_target_name_override", tls_server_name))

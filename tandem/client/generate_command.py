@@ -1,5 +1,9 @@
 """`tandem generate`: stream one completion from a decode server to the terminal.
 
+PROMPT goes to the model as a user message, through its chat template, as `ollama run` and `vllm chat`
+do: an instruct model given a raw prompt at temperature 1 tends to ramble or stop at once. A model
+without a chat template gets the raw prompt instead; `--raw` asks for plain completion explicitly.
+
 stdout carries only the generated text (or, with --json, one JSON object per stream message), so it
 can be piped; the closing summary (finish reason, usage, time to first token) and errors go to stderr.
 Exit status: 0 when generation finished (stop or length), 1 on a server error or an aborted request,
@@ -16,7 +20,7 @@ from typing import Any, TextIO
 
 from google.protobuf import json_format
 
-from tandem.client.errors import TandemError
+from tandem.client.errors import InvalidArgument, TandemError
 from tandem.client.results import FinishReason, GenerationDelta
 from tandem.client.sync_client import TandemClient
 from tandem.security import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
@@ -25,6 +29,8 @@ DEFAULT_TARGET = "localhost:50051"
 STDIN_PROMPT = "-"
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+# The start of the server's INVALID_ARGUMENT message for chat messages sent to a model without a template.
+NO_CHAT_TEMPLATE = "this model's tokenizer has no chat template"
 
 
 def _int_list(text: str) -> list[int]:
@@ -41,8 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt", nargs="?", metavar="PROMPT", help=f"prompt text; {STDIN_PROMPT!r} reads it from stdin"
     )
     prompt = parser.add_argument_group("prompt")
-    prompt.add_argument("--chat", action="store_true", help="send PROMPT as a user message (chat template)")
-    prompt.add_argument("--system", metavar="TEXT", help="with --chat: a system message before PROMPT")
+    form = prompt.add_mutually_exclusive_group()
+    form.add_argument(
+        "--chat",
+        action="store_true",
+        help="require the chat template (default: use it when the model has one, else send PROMPT raw)",
+    )
+    form.add_argument(
+        "--raw", action="store_true", help="send PROMPT as plain text, without the chat template"
+    )
+    prompt.add_argument("--system", metavar="TEXT", help="a system message before PROMPT (not with --raw)")
     prompt.add_argument(
         "--token-ids", type=_int_list, metavar="IDS", help="token ids instead of PROMPT, e.g. 1,2,3"
     )
@@ -111,15 +125,15 @@ def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.token_ids is not None:
         if args.prompt is not None:
             usage_error("give either PROMPT or --token-ids, not both")
-        if args.chat:
-            usage_error("--chat needs PROMPT text, not --token-ids")
+        if args.chat or args.system is not None:
+            usage_error("--chat and --system need PROMPT text, not --token-ids")
         return {"token_ids": args.token_ids}
     if args.prompt is None:
         usage_error(f"give a PROMPT ({STDIN_PROMPT!r} reads it from stdin) or --token-ids")
-    if args.system is not None and not args.chat:
-        usage_error("--system needs --chat")
+    if args.system is not None and args.raw:
+        usage_error("--system needs the chat template; drop --raw")
     text = _read_prompt(args)
-    if not args.chat:
+    if args.raw:
         return {"prompt": text}
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     return {"messages": [*system, {"role": "user", "content": text}]}
@@ -193,6 +207,13 @@ def _stream(client: TandemClient, kwargs: dict[str, Any], as_json: bool, out: Te
     return EXIT_FAILED if final.finish_reason is FinishReason.ABORT else 0
 
 
+def _may_fall_back_to_raw(args: argparse.Namespace, error: InvalidArgument) -> bool:
+    """The default chat form was refused for want of a template: retry with the raw prompt (the refusal
+    comes before any output, so nothing was printed twice)."""
+    implicit_chat = not (args.chat or args.raw or args.token_ids is not None or args.system is not None)
+    return implicit_chat and NO_CHAT_TEMPLATE in str(error)
+
+
 def run(args: argparse.Namespace) -> int:
     """Send the request and stream the answer; returns the exit status."""
     kwargs = _request_kwargs(args)
@@ -211,7 +232,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     with client:
         try:
-            return _stream(client, kwargs, args.json, sys.stdout, sys.stderr)
+            try:
+                return _stream(client, kwargs, args.json, sys.stdout, sys.stderr)
+            except InvalidArgument as exc:
+                if not _may_fall_back_to_raw(args, exc):
+                    raise
+                print("note: the model has no chat template; sending the prompt raw", file=sys.stderr)
+                raw = dict(kwargs)
+                raw["prompt"] = raw.pop("messages")[-1]["content"]
+                return _stream(client, raw, args.json, sys.stdout, sys.stderr)
         except TandemError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED

@@ -35,6 +35,11 @@ def build_request(
     min_p: float | None = None,
     seed: int | None = None,
     logprobs: int = 0,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    n: int = 0,
     max_tokens: int | None = None,
     stop: Iterable[str] = (),
     stop_token_ids: Iterable[int] = (),
@@ -48,13 +53,16 @@ def build_request(
     if isinstance(stop, str):
         # A bare string would otherwise become one stop string per character.
         stop = (stop,)
-    sampling = pb.SamplingParams(logprobs=logprobs)
+    sampling = pb.SamplingParams(logprobs=logprobs, logit_bias=dict(logit_bias or {}))
     for name, value in (
         ("temperature", temperature),
         ("top_p", top_p),
         ("top_k", top_k),
         ("min_p", min_p),
         ("seed", seed),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
     ):
         if value is not None:
             setattr(sampling, name, value)
@@ -72,4 +80,5 @@ def build_request(
         stopping=stopping,
         priority=priority,
         tenant=tenant,
+        n=n,
     )

@@ -71,6 +71,7 @@ class GenerationDelta:
     matched_stop: str | int | None = None
     usage: Usage | None = None
     timings: ServerTimings | None = None
+    index: int = 0  # the choice this message belongs to, when the request asked for n > 1
     raw: pb.GenerateResponse | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -99,6 +100,7 @@ class GenerationDelta:
             timings=ServerTimings(timings.queue_seconds, timings.prefill_seconds, timings.first_token_seconds)
             if message.HasField("timings")
             else None,
+            index=message.index,
             raw=message,
         )
 

@@ -7,7 +7,7 @@ request and free its KV blocks at once instead of generating into the void.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -76,6 +76,11 @@ class TandemClient:
         min_p: float | None = None,
         seed: int | None = None,
         logprobs: int = 0,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        n: int = 0,
         max_tokens: int | None = None,
         stop: Iterable[str] = (),
         stop_token_ids: Iterable[int] = (),
@@ -102,6 +107,11 @@ class TandemClient:
             min_p=min_p,
             seed=seed,
             logprobs=logprobs,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=logit_bias,
+            n=n,
             max_tokens=max_tokens,
             stop=stop,
             stop_token_ids=stop_token_ids,
@@ -128,7 +138,8 @@ class TandemClient:
             call.cancel()
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        """Run `generate()` with the same arguments to the end and return the whole completion."""
+        """Run `generate()` with the same arguments to the end and return the whole completion (n = 1;
+        for n > 1, group `generate()`'s deltas by `index`)."""
         builder = CompletionBuilder()
         for delta in self.generate(prompt, **kwargs):
             builder.add(delta)
