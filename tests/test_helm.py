@@ -26,6 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "tandem"
+INFERENCE_POOL_CRD = ROOT / "tests" / "schemas" / "inference.networking.k8s.io_inferencepools.v1.6.0.yaml"
 CI_VALUES = {path.name.removesuffix("-values.yaml"): path for path in sorted(CHART.glob("ci/*-values.yaml"))}
 VARIANTS = ["default", *CI_VALUES]
 RELEASE = "tandem"
@@ -169,6 +170,7 @@ def test_ci_values_cover_every_optional_feature(rendered: dict[str, list[dict]])
         "PersistentVolumeClaim",
         "ConfigMap",
         "ServiceAccount",
+        "InferencePool",
     } <= kinds
     assert len(by_kind(rendered["all-features"], "ServiceMonitor")) == 2
 
@@ -182,8 +184,8 @@ def test_manifests_pass_kubernetes_validate_strict(
 
     checked = 0
     for doc in rendered[variant]:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue  # a CRD kubernetes-validate has no schema for: see test_service_monitors_scrape_...
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "inference.networking.k8s.io/")):
+            continue  # CRDs kubernetes-validate has no schema for: see the ServiceMonitor/InferencePool tests
         try:
             kubernetes_validate.validate(doc, kube_version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -319,7 +321,87 @@ def test_decode_has_a_client_service_and_a_headless_twin(rendered: dict[str, lis
         assert selects(service["spec"]["selector"], decode_labels)
         grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
         assert grpc["appProtocol"] == "grpc" and grpc["port"] == 50051
-    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc"}, "metrics stay off the public Service"
+    assert {p["name"] for p in client["spec"]["ports"]} == {"grpc", "http"}, (
+        "metrics stay off the public Service"
+    )
+
+
+# ---------------------------------------------------------------- the OpenAI HTTP port and InferencePool
+
+
+def strict_crd_schema(crd: dict, version: str) -> dict:
+    """The CRD's openAPIV3Schema for `version`, with unknown spec fields refused (the API server prunes
+    them silently, which would hide a misspelt key); jsonschema skips the Kubernetes-only keywords."""
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = served["schema"]["openAPIV3Schema"]
+
+    def close(node: object) -> None:
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for child in node.values():
+                close(child)
+        elif isinstance(node, list):
+            for child in node:
+                close(child)
+
+    close(schema["properties"]["spec"])
+    return schema
+
+
+def test_inference_pool_validates_against_its_crd_schema(rendered: dict[str, list[dict]]) -> None:
+    import jsonschema
+
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+    (pool,) = by_kind(rendered["all-features"], "InferencePool")
+    group, version = pool["apiVersion"].split("/")
+    assert group == crd["spec"]["group"] and pool["kind"] == crd["spec"]["names"]["kind"]
+    jsonschema.validate(pool, strict_crd_schema(crd, version))
+    picker = pool["spec"]["endpointPickerRef"]
+    assert "port" in picker, "CEL rule of the CRD: port is required when kind is Service (the default)"
+    manifests = rendered["all-features"]
+    assert selects(pool["spec"]["selector"]["matchLabels"], pod_labels(manifests, "decode"))
+    assert not selects(pool["spec"]["selector"]["matchLabels"], pod_labels(manifests, "prefill"))
+    assert pool["spec"]["targetPorts"] == [{"number": port_named(container(manifests, "decode"), "http")}]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            {**pool, "spec": {**pool["spec"], "targetPort": 8000}}, strict_crd_schema(crd, version)
+        )
+
+
+def test_inference_pool_is_off_by_default_and_has_no_picker_unless_named(helm: Path, tmp_path: Path) -> None:
+    assert not by_kind(parse_manifests(run_helm(helm, *template_args(CHART)).stdout), "InferencePool")
+    values = write_values(tmp_path, {"inferencePool": {"enabled": True}})
+    (pool,) = by_kind(parse_manifests(run_helm(helm, *template_args(CHART, values)).stdout), "InferencePool")
+    assert "endpointPickerRef" not in pool["spec"]
+
+
+def test_decode_serves_the_http_port_on_both_services(rendered: dict[str, list[dict]]) -> None:
+    manifests = rendered["default"]
+    decode = container(manifests, "decode")
+    assert arg_value(decode["args"], "--http-port") == str(port_named(decode, "http")) == "8000"
+    assert "--served-model-name" not in decode["args"]
+    assert "http" not in {p["name"] for p in container(manifests, "prefill")["ports"]}
+    for name in (f"{RELEASE}-decode", f"{RELEASE}-decode-headless"):
+        (http,) = [p for p in named(manifests, "Service", name)["spec"]["ports"] if p["name"] == "http"]
+        assert (http["port"], http["targetPort"], http["appProtocol"]) == (8000, "http", "http")
+
+
+def test_served_model_name_and_http_node_port_follow_values(helm: Path, tmp_path: Path) -> None:
+    values = {
+        "decode": {
+            "servedModelName": "smol",
+            "httpPort": 8080,
+            "service": {"type": "NodePort", "httpNodePort": 30080},
+        }
+    }
+    manifests = parse_manifests(run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout)
+    decode = container(manifests, "decode")
+    assert arg_value(decode["args"], "--served-model-name") == "smol"
+    assert arg_value(decode["args"], "--http-port") == "8080" and port_named(decode, "http") == 8080
+    service = named(manifests, "Service", f"{RELEASE}-decode")
+    (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert (http["port"], http["nodePort"]) == (8080, 30080)
 
 
 def test_one_image_runs_both_tiers_with_different_args(rendered: dict[str, list[dict]]) -> None:
@@ -527,6 +609,8 @@ def test_notes_tell_how_to_call_the_decode_service(helm: Path, tmp_path: Path) -
     notes = wrapper["data"]["notes"]
     assert f"port-forward service/{RELEASE}-decode 50051:50051" in notes
     assert "tandem generate" in notes and "tandem.v1.Generation/Generate" in notes
+    assert f"port-forward service/{RELEASE}-decode 8000:8000" in notes
+    assert "curl http://localhost:8000/v1/chat/completions" in notes
 
 
 # ---------------------------------------------------------------- the helm fetcher

@@ -13,6 +13,12 @@
 - 0.0.0.0
 - --port
 - {{ $d.port | quote }}
+- --http-port
+- {{ $d.httpPort | quote }}
+{{- with $d.servedModelName }}
+- --served-model-name
+- {{ . | quote }}
+{{- end }}
 - --metrics-port
 - {{ $d.metricsPort | quote }}
 - --kv-cache-memory

@@ -93,6 +93,11 @@ spec:
             - name: grpc
               containerPort: {{ $tier.port }}
               protocol: TCP
+            {{- with $tier.httpPort }}
+            - name: http
+              containerPort: {{ . }}
+              protocol: TCP
+            {{- end }}
             {{- if $root.Values.metrics.enabled }}
             - name: metrics
               containerPort: {{ $tier.metricsPort }}
