@@ -1,0 +1,61 @@
+"""Failures of HTTP requests → OpenAI error bodies, `{"error": {message, type, param, code}}`, and statuses.
+
+Errors shared with gRPC go through `serving.status.status_for` first, so a request refused over HTTP is
+refused for the same reason, with the same message, as over gRPC; only the gRPC code is translated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from engine.errors import TandemError
+from serving.status import status_for
+
+logger = logging.getLogger(__name__)
+
+
+class ModelNotServedError(TandemError):
+    """The request names a model this server does not serve (404, as OpenAI answers)."""
+
+
+class UnauthorizedError(TandemError):
+    """The bearer token is missing or wrong (401)."""
+
+
+class BodyTooLargeError(TandemError):
+    """The request body exceeds the server's message size limit (413)."""
+
+
+# HTTP status, OpenAI error type and code for each gRPC status the servers use.
+_BY_GRPC_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (500, "server_error"),
+    grpc.StatusCode.INTERNAL: (500, "server_error"),
+}
+_HTTP_ONLY: tuple[tuple[type[TandemError], int, str, str], ...] = (
+    (ModelNotServedError, 404, "not_found_error", "model_not_found"),
+    (UnauthorizedError, 401, "authentication_error", "invalid_api_key"),
+    (BodyTooLargeError, 413, "invalid_request_error", "request_too_large"),
+)
+
+
+def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def http_error(error: Exception) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body for an error raised while serving a request."""
+    for error_type, status, kind, code in _HTTP_ONLY:
+        if isinstance(error, error_type):
+            return status, error_body(str(error), kind, code)
+    grpc_code, message = status_for(error)
+    status, kind = _BY_GRPC_STATUS.get(grpc_code, (500, "server_error"))
+    if status == 500:
+        logger.error("request failed: %r", error, exc_info=error)
+    return status, error_body(message, kind, grpc_code.name.lower(), getattr(error, "param", None))

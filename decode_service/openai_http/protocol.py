@@ -1,0 +1,323 @@
+"""OpenAI request bodies → the public `GenerateRequest`, so HTTP and gRPC share one validation path.
+
+This module only checks what JSON can get wrong and protobuf cannot hold (a string where a number
+belongs, a field tandem does not implement); every range and limit is checked later, by the same code
+that checks gRPC requests. Fields set to null count as absent, as the OpenAI API treats them. A field
+tandem does not implement is refused with a 400 that names it, never ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampler import SEED_MASK
+from protos.tandem.v1 import generation_pb2 as pb
+
+# OpenAI's completions API defaults max_tokens to 16 (vLLM follows it); chat runs to the context's end.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+        "frequency_penalty", "logit_bias", "logprobs", "user", "stream", "stream_options",
+        # vLLM's extras
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
+        "priority",
+    }
+)  # fmt: skip
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+
+# Fields tandem accepts only with the value that means "feature off".
+_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "modalities": (["text"],),
+    "store": (False,),
+    "parallel_tool_calls": (False, True),  # meaningless without tools, which are refused
+    "service_tier": ("auto", "default"),
+    "echo": (False,),
+    "suffix": ("",),
+}
+
+
+class Endpoint(enum.Enum):
+    CHAT = "chat.completion"
+    COMPLETION = "text_completion"
+
+
+class FieldError(InvalidRequestError):
+    """A request field of the wrong JSON type; `param` names it for the error body."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnsupportedFieldError(FieldError):
+    """A request field tandem does not implement (a 400 naming it, as OpenAI clients expect)."""
+
+    def __init__(self, param: str, detail: str = "is not supported by this server") -> None:
+        super().__init__(param, f"{param} {detail}")
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """What a handler needs: the translated request and how to shape the answer."""
+
+    endpoint: Endpoint
+    generate: pb.GenerateRequest
+    model: str | None
+    stream: bool
+    include_usage: bool
+    # None: no logprobs in the answer; else how many alternatives per token to report.
+    top_logprobs: int | None
+
+
+_INT32 = range(-(2**31), 2**31)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FieldError(name, f"{name} must be a number, got {value!r}")
+    return value
+
+
+def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    """An integer field; the wire's fields are int32, so larger values cannot be meant."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise FieldError(name, f"{name} must be an integer, got {value!r}")
+    if value not in _INT32:
+        raise FieldError(name, f"{name} is out of range, got {value!r}")
+    return value
+
+
+def _boolean(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise FieldError(name, f"{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _string(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise FieldError(name, f"{name} must be a string, got {value!r}")
+    return value
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Refuse every field that would change the answer in a way tandem does not implement."""
+    for name, value in body.items():
+        if value is None or name in allowed:
+            continue
+        if name in _NEUTRAL_VALUES and value in _NEUTRAL_VALUES[name]:
+            continue
+        raise UnsupportedFieldError(name)
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise FieldError("stop", f"stop must be a string or a list of strings, got {stop!r}")
+
+
+def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(v) and v in _INT32 for v in value):
+        raise FieldError(name, f"{name} must be a list of integers, got {value!r}")
+    return value
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """JSON object keys are strings: {"50256": -100} means token 50256."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise FieldError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+    converted = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            token_id = None
+        if token_id is None or token_id not in _INT32:
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise FieldError("logit_bias", f"logit_bias values must be numbers, got {value!r}")
+        converted[token_id] = value
+    return converted
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    """Whether to send a final usage chunk; the only stream option tandem knows is include_usage."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise FieldError("stream_options", f"stream_options must be an object, got {options!r}")
+    for name in options:
+        if name != "include_usage":
+            raise UnsupportedFieldError(f"stream_options.{name}")
+    return _boolean(options, "include_usage")
+
+
+def _message_content(index: int, content: object) -> str:
+    """A message's text: a string, or an array of text parts (joined by newlines)."""
+    if isinstance(content, str):
+        return content
+    param = f"messages[{index}].content"
+    if not isinstance(content, list):
+        raise FieldError(param, f"{param} must be a string or an array of text parts, got {content!r}")
+    texts = []
+    for position, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UnsupportedFieldError(
+                f"{param}[{position}]", f"is a {kind!r} part; only text parts are supported"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("messages", "messages must be a non-empty array of {role, content} objects")
+    converted = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise FieldError(
+                f"messages[{index}]", f"messages[{index}] must be an object with role and content"
+            )
+        for name, value in message.items():
+            if name not in ("role", "content") and value is not None:
+                raise UnsupportedFieldError(f"messages[{index}].{name}")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise FieldError(f"messages[{index}].role", f"messages[{index}].role must be a string")
+        converted.append(pb.ChatMessage(role=role, content=_message_content(index, message.get("content"))))
+    return converted
+
+
+def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+    """A string or token ids; a batch of several prompts is refused (send one request per prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t in _INT32 for t in prompt):
+        request.token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise UnsupportedFieldError("prompt", "holds several prompts; send one request per prompt")
+    else:
+        raise FieldError("prompt", f"prompt must be a non-empty string or array of token ids, got {prompt!r}")
+
+
+def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+    sampling = request.sampling
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = _number(body, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    top_k = _integer(body, "top_k")
+    if top_k is not None:
+        sampling.top_k = top_k
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+            raise FieldError("seed", f"seed must be a 64-bit integer, got {seed!r}")
+        # OpenAI seeds are signed; the wire's are uint64. The mapping is one-to-one, so still reproducible.
+        sampling.seed = seed & SEED_MASK
+    sampling.logit_bias.update(_logit_bias(body))
+
+
+def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
+    """How many alternatives to report per token; None when logprobs were not asked for."""
+    if endpoint is Endpoint.COMPLETION:
+        return _integer(body, "logprobs")
+    top = _integer(body, "top_logprobs")
+    if not _boolean(body, "logprobs"):
+        if top:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+        return None
+    return top or 0
+
+
+def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
+    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for."""
+    if not isinstance(body, dict):
+        raise FieldError("body", "the request body must be a JSON object")
+    _check_fields(body, _CHAT_FIELDS if endpoint is Endpoint.CHAT else _COMPLETION_FIELDS)
+    request = pb.GenerateRequest()
+    if endpoint is Endpoint.CHAT:
+        request.messages.extend(_messages(body))
+    else:
+        _prompt(body, request)
+    _sampling(body, request)
+    top_logprobs = _top_logprobs(body, endpoint)
+    if top_logprobs is not None:
+        # The engine returns the chosen token's logprob only alongside >= 1 alternative; extra ones are cut.
+        request.sampling.logprobs = max(top_logprobs, 1) if top_logprobs >= 0 else top_logprobs
+    max_tokens = _integer(body, "max_completion_tokens") if endpoint is Endpoint.CHAT else None
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is None and endpoint is Endpoint.COMPLETION:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None:
+        request.stopping.max_tokens = max_tokens
+    request.stopping.stop.extend(_stop(body))
+    request.stopping.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
+    request.stopping.ignore_eos = _boolean(body, "ignore_eos")
+    request.stopping.min_tokens = _integer(body, "min_tokens") or 0
+    request.n = _integer(body, "n") or 1
+    request.priority = _integer(body, "priority") or 0
+    request.tenant = _string(body, "user") or ""
+    cache_salt = _string(body, "cache_salt")
+    if cache_salt:
+        if "cache_salt" not in pb.GenerateRequest.DESCRIPTOR.fields_by_name:
+            raise UnsupportedFieldError("cache_salt", "is not supported by this server (no prefix caching)")
+        request.cache_salt = cache_salt
+    stream = _boolean(body, "stream")
+    return OpenAIRequest(
+        endpoint=endpoint,
+        generate=request,
+        model=_string(body, "model"),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        top_logprobs=top_logprobs,
+    )

@@ -1,0 +1,182 @@
+"""The stream's `GenerateResponse`s → OpenAI response bodies and SSE chunks.
+
+It reads the very messages the gRPC API sends, so both front doors report the same text, tokens, finish
+reasons and usage. One builder serves one request: `chunks()` per message when streaming, `add()` per
+message then `body()` otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from decode_service.openai_http.protocol import Endpoint, OpenAIRequest
+from protos.tandem.v1 import generation_pb2 as pb
+
+# "abort" is vLLM's word for a request the server ended (drain, shutdown); OpenAI has none.
+_FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class _Choice:
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    text_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ResponseBuilder:
+    """Shapes one request's answer for its endpoint (chat or text completion)."""
+
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        request_id: str,
+        model: str,
+        token_text: TokenText,
+        created: int | None = None,
+    ) -> None:
+        self._request = request
+        self._chat = request.endpoint is Endpoint.CHAT
+        self.id = f"{'chatcmpl' if self._chat else 'cmpl'}-{request_id}"
+        self._model = model
+        self._token_text = token_text
+        self._created = int(time.time()) if created is None else created
+        self._choices: dict[int, _Choice] = {}
+        self._prompt_tokens = 0
+        self._completion_tokens = 0
+
+    # -- streaming -----------------------------------------------------------------------------------
+
+    def chunks(self, message: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The SSE chunks for one stream message (a chat choice's first one is preceded by its role)."""
+        first = message.index not in self._choices
+        choice = self._choice(message)
+        logprobs = self._logprobs(message, choice)
+        out = []
+        if self._chat and first:
+            out.append(self._chunk({"index": message.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}))  # fmt: skip
+        if not (message.text or logprobs or choice.finish_reason):
+            return out
+        entry: dict[str, Any] = {"index": message.index}
+        if self._chat:
+            entry["delta"] = {"content": message.text} if message.text else {}
+        else:
+            entry["text"] = message.text
+        entry["logprobs"] = logprobs
+        entry["finish_reason"] = choice.finish_reason
+        if choice.finish_reason is not None:
+            entry["stop_reason"] = choice.stop_reason
+        out.append(self._chunk(entry))
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: no choices, the whole usage."""
+        return {**self._envelope(chunk=True), "choices": [], "usage": self.usage()}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._envelope(chunk=True), "choices": [choice]}
+        if self._request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # -- whole answer --------------------------------------------------------------------------------
+
+    def add(self, message: pb.GenerateResponse) -> None:
+        choice = self._choice(message)
+        choice.texts.append(message.text)
+        logprobs = self._logprobs(message, choice)
+        if logprobs is not None:
+            choice.logprobs.append(logprobs)
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            text = "".join(choice.texts)
+            entry: dict[str, Any] = {"index": index}
+            if self._chat:
+                entry["message"] = {"role": "assistant", "content": text}
+            else:
+                entry["text"] = text
+            entry["logprobs"] = self._merged_logprobs(choice.logprobs)
+            entry["finish_reason"] = choice.finish_reason
+            entry["stop_reason"] = choice.stop_reason
+            choices.append(entry)
+        return {**self._envelope(chunk=False), "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self._prompt_tokens, self._completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # -- shared --------------------------------------------------------------------------------------
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = self._request.endpoint.value
+        if chunk and self._chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self._created, "model": self._model}
+
+    def _choice(self, message: pb.GenerateResponse) -> _Choice:
+        """The choice `message` belongs to, with its finish and the request's usage recorded."""
+        choice = self._choices.setdefault(message.index, _Choice())
+        if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            choice.finish_reason = _FINISH_REASONS[message.finish_reason]
+            stop = message.WhichOneof("matched_stop")
+            choice.stop_reason = getattr(message, stop) if stop else None
+            self._prompt_tokens = message.usage.prompt_tokens
+            self._completion_tokens += message.usage.completion_tokens
+        return choice
+
+    def _logprobs(self, message: pb.GenerateResponse, choice: _Choice) -> dict[str, Any] | None:
+        """This message's logprobs in the endpoint's format; None when they were not asked for."""
+        top = self._request.top_logprobs
+        if top is None or not message.logprobs:
+            return None
+        if self._chat:
+            return {
+                "content": [
+                    self._chat_entry(lp.token_id, lp.logprob, lp.top[:top]) for lp in message.logprobs
+                ]
+            }
+        tokens = [self._token_text(lp.token_id) for lp in message.logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in message.logprobs],
+            "top_logprobs": [
+                {self._token_text(t.token_id): t.logprob for t in lp.top[:top]} for lp in message.logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token_id: int, logprob: float, top: Any) -> dict[str, Any]:
+        return {
+            **self._chat_token(token_id, logprob),
+            "top_logprobs": [self._chat_token(t.token_id, t.logprob) for t in top],
+        }
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _merged_logprobs(self, parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if self._request.top_logprobs is None:
+            return None
+        merged: dict[str, list[Any]] = {}
+        for part in parts:
+            for key, values in part.items():
+                merged.setdefault(key, []).extend(values)
+        if merged:
+            return merged
+        keys = ("content",) if self._chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        return {key: [] for key in keys}
