@@ -3,8 +3,9 @@
     tandem bench serve --target localhost:50051 --num-prompts 64 --output-len uniform:16:256 \\
         --request-rate 4 --goodput ttft:1000 tpot:100 --result-file result.json
 
-Targets a tandem decode server (gRPC) or, with `--backend llama-server --target http://host:port`,
-llama.cpp's server. Prints a table and writes the JSON result (see bench.report).
+Targets a tandem decode server over gRPC, or with `--backend openai --target http://host:port` any
+OpenAI-compatible server (tandem's HTTP API, vLLM, ...), or with `--backend llama-server` llama.cpp's
+server through the same OpenAI client. Prints a table and writes the JSON result (see bench.report).
 """
 
 from __future__ import annotations
@@ -83,9 +84,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem bench serve`."""
     parser.add_argument(
-        "--target", default="localhost:50051", help="host:port (llama-server: http://host:port)"
+        "--target", default="localhost:50051", help="host:port (openai, llama-server: http://host:port)"
     )
-    parser.add_argument("--backend", default="tandem", choices=["tandem", "llama-server"])
+    parser.add_argument(
+        "--backend",
+        default="tandem",
+        choices=["tandem", "openai", "llama-server"],
+        help="tandem: gRPC; openai: any OpenAI-compatible HTTP server, tandem's included (default: tandem)",
+    )
     parser.add_argument("--label", default=None, help="system name in the table and JSON (default: backend)")
     add_workload_arguments(parser)
     parser.add_argument(
@@ -109,10 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_backend(kind: str, target: str, label: str | None = None) -> StreamingBackend:
+    url = target if target.startswith("http") else f"http://{target}"
     if kind == "llama-server":
         from bench.backends.llama_server import LlamaServerBackend
 
-        return LlamaServerBackend(target if target.startswith("http") else f"http://{target}", label or kind)
+        return LlamaServerBackend(url, label or kind)
+    if kind == "openai":
+        from bench.backends.openai_http import OpenAIBackend
+
+        return OpenAIBackend(url, label or kind)
     from bench.backends.tandem_grpc import TandemBackend
 
     return TandemBackend(target, label or kind)

@@ -25,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve decode`."""
     add_engine_arguments(parser)
     add_server_arguments(parser, default_port=50051)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health) on this port, same host, TLS and token (default: off)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name the HTTP API answers to and lists in /v1/models (default: the model's name)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -183,6 +195,8 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
 
     config = DecodeServiceConfig(
         **server_settings_from_args(args),
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
         policy=args.policy,
         tenant_weights=parse_tenant_weights(args.tenant_weights),
         batching=args.batching,

@@ -45,6 +45,10 @@ class DecodeServiceConfig(ServerConfig):
     """
 
     port: int = 50051
+    # The OpenAI-compatible HTTP API on the same host, process and engine; None: off.
+    http_port: int | None = None
+    # The model name the HTTP API answers to; None: the engine's model name.
+    served_model_name: str | None = None
     policy: str = "fifo"
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     sjf_aging_tokens_per_second: float = 100.0
@@ -86,6 +90,10 @@ class DecodeServiceConfig(ServerConfig):
         if self.batching not in BATCHING_MODES:
             raise ConfigError(f"batching must be one of {', '.join(BATCHING_MODES)}, not {self.batching!r}")
         super().validate()
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("served_model_name must not be empty")
         if self.max_preemptions < 0:
             raise ConfigError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
         for name in ("max_tokens_cap", "stream_interval"):

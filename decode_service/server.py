@@ -1,18 +1,24 @@
 """The decode server: the Generation service and its engine loop, on the shared `serving.server` shell.
 
-It adds to the shell the continuous batcher (scheduler, policy, stream interval, metrics) and, when
-`config.prefill` names a prefill tier, remote prefill (started before the engine thread, closed after).
+It adds to the shell the continuous batcher (scheduler, policy, stream interval, metrics), the
+OpenAI-compatible HTTP API when `config.http_port` is set (on this loop, over the same `Generations`
+as the gRPC service) and, when `config.prefill` names a prefill tier, remote prefill (both started
+before the engine thread, closed after it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from prometheus_client import CollectorRegistry
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
+from decode_service.generation import Generations
 from decode_service.metrics import DecodeMetrics
+from decode_service.openai_http.app import OpenAIRoutes
+from decode_service.openai_http.server import HttpServer
 from decode_service.policies import make_policy
 from decode_service.remote_prefill.stage import RemotePrefill
 from decode_service.scheduler import ContinuousScheduler, StaticScheduler
@@ -26,7 +32,11 @@ from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from serving.event_log import EventLog
 from serving.server import TierServer, serve_until_signalled, server_version
 
+logger = logging.getLogger(__name__)
+
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# gRPC's default limit on a received message, applied to HTTP request bodies too.
+MAX_HTTP_BODY_BYTES = 4 * 1024 * 1024
 
 
 class DecodeServer(TierServer):
@@ -73,21 +83,47 @@ class DecodeServer(TierServer):
         self.engine_loop = EngineLoop(engine, self.scheduler, self.metrics.observing(batched), self.events)
         self.registry.abort = self.engine_loop.abort
         self._validation = ValidationPool(config.max_validation_queue)
-        servicer = GenerationServicer(
-            engine, self.engine_loop, self.registry, config, self._validation, self.watchdog, server_version()
-        )
+        self.generations = Generations(engine, self.engine_loop, self.registry, config, self._validation)
+        servicer = GenerationServicer(self.generations, self.watchdog, server_version())
         self._serve(
             GENERATION_SERVICE,
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),
         )
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None
+        self._http_serving = False
+        if config.http_port is not None:
+            routes = OpenAIRoutes(
+                self.generations,
+                config.served_model_name or engine.model_name,
+                config.auth_token,
+                MAX_HTTP_BODY_BYTES,
+                lambda: self._http_serving,
+            )
+            self.http = HttpServer(routes.app(), config.host, config.http_port, config.tls)
+
+    async def start(self) -> int:
+        port = await super().start()
+        self._http_serving = True
+        return port
+
+    async def drain(self, grace_seconds: float | None = None) -> bool:
+        self._http_serving = False
+        return await super().drain(grace_seconds)
 
     async def _start_dependencies(self) -> None:
+        if self.http is not None:
+            # Bound before warm-up like the gRPC port; /health says 503 until the engine is ready.
+            self.http_port = await self.http.start()
+            logger.info("OpenAI-compatible HTTP API on %s:%d", self.config.host, self.http_port)
         if self.remote_prefill is not None:
             await self.remote_prefill.start()
 
     async def _close_dependencies(self) -> None:
         if self.remote_prefill is not None:
             await self.remote_prefill.close()
+        if self.http is not None:
+            await self.http.stop()
 
     def _closed(self) -> None:
         self._validation.shutdown()

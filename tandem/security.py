@@ -134,26 +134,39 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler | None, message: str) -> g
     return grpc.unary_unary_rpc_method_handler(reject)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls whose `authorization: Bearer <token>` metadata is missing or wrong.
+class BearerTokens:
+    """The bearer-token check both front doors (gRPC metadata, HTTP headers) share.
 
     `token` may be several tokens (any of them is accepted), so a secret can be rotated without
     downtime: roll out old+new, move the clients, then roll out new alone. Comparison is constant-time
-    so response timing does not leak how much of a guess was right. Methods of `open_methods` (whole
-    services or single '/pkg.Service/Method' names) need no token.
+    so response timing does not leak how much of a guess was right.
     """
 
-    def __init__(self, token: str | Iterable[str], open_methods: Iterable[str] = OPEN_SERVICES) -> None:
+    def __init__(self, token: str | Iterable[str]) -> None:
         tokens = [token] if isinstance(token, str) else list(token)
         if not tokens or any(not t for t in tokens):
             raise CredentialsError("a bearer token must be a non-empty string")
         self._tokens = [t.encode("utf-8") for t in tokens]
-        self._open_methods = tuple(open_methods)
 
-    def _accepts(self, presented: bytes) -> bool:
+    def rejection(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """Why the `authorization` entry of `metadata` (or HTTP headers) is refused; None when accepted."""
+        presented = _presented_token(metadata)
+        if presented is None:
+            return "missing bearer token"
         # Compare against every token, without stopping early, to keep timing independent of which matched.
         matches = [hmac.compare_digest(presented, expected) for expected in self._tokens]
-        return any(matches)
+        return None if any(matches) else "invalid bearer token"
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose `authorization: Bearer <token>` metadata is missing or wrong (see
+    `BearerTokens`). Methods of `open_methods` (whole services or single '/pkg.Service/Method' names)
+    need no token.
+    """
+
+    def __init__(self, token: str | Iterable[str], open_methods: Iterable[str] = OPEN_SERVICES) -> None:
+        self._tokens = BearerTokens(token)
+        self._open_methods = tuple(open_methods)
 
     async def intercept_service(
         self,
@@ -163,9 +176,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if _is_open(method, self._open_methods):
             return await continuation(handler_call_details)
-        presented = _presented_token(handler_call_details.invocation_metadata)
-        if presented is not None and self._accepts(presented):
+        reason = self._tokens.rejection(handler_call_details.invocation_metadata)
+        if reason is None:
             return await continuation(handler_call_details)
-        reason = "missing bearer token" if presented is None else "invalid bearer token"
         logger.info("rejected %s: %s", method, reason)
         return _rejecting_handler(await continuation(handler_call_details), reason)

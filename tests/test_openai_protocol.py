@@ -159,6 +159,7 @@ def test_unsupported_fields_are_refused_by_name(endpoint, fields, param):
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"max_tokens": 2**40}, "max_tokens"),
         ({"n": "2"}, "n"),
+        ({"n": 0}, "n"),
         ({"seed": 2**70}, "seed"),
         ({"stop": ["a", 1]}, "stop"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),

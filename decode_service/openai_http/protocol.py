@@ -304,7 +304,11 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
     request.stopping.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
     request.stopping.ignore_eos = _boolean(body, "ignore_eos")
     request.stopping.min_tokens = _integer(body, "min_tokens") or 0
-    request.n = _integer(body, "n") or 1
+    n = _integer(body, "n")
+    if n == 0:
+        # The wire's n = 0 means "unset" (one choice); an explicit 0 here is a mistake to report, not 1.
+        raise FieldError("n", "n must be >= 1, got 0")
+    request.n = 1 if n is None else n
     request.priority = _integer(body, "priority") or 0
     request.tenant = _string(body, "user") or ""
     cache_salt = _string(body, "cache_salt")

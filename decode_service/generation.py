@@ -1,0 +1,287 @@
+"""One request's way through the decode tier, whichever front door it came in by (gRPC or HTTP).
+
+`Generations.start` checks a `GenerateRequest`'s cheap limits on the loop, takes a slot, validates it
+(on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine thread;
+`Generation.responses` yields the stream's `GenerateResponse`s.
+Both front doors translate their request into a `GenerateRequest` and their answer from these messages,
+so the rules, limits, logs and deltas are the same for both. Leaving a stream early (client gone,
+deadline, disconnect) aborts the request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from decode_service.config import DecodeServiceConfig
+from decode_service.engine_loop import EngineLoop
+from decode_service.request import ServedRequest, StreamDelta
+from decode_service.streams import StreamHub
+from decode_service.validation import build_sequence, check_limits, num_choices, prompt_bytes
+from decode_service.validation_pool import ValidationPool
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.sequence import FinishReason
+from protos.tandem.v1 import generation_pb2 as pb
+from serving.status import status_for
+from tandem.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.ABORT: pb.ABORT,
+}
+
+
+def _since(start: float | None, end: float | None) -> float:
+    return end - start if start is not None and end is not None else 0.0
+
+
+def to_response(delta: StreamDelta) -> pb.GenerateResponse:
+    """The stream message for one delta; the last one carries finish reason, stop, usage and timings."""
+    request = delta.request
+    response = pb.GenerateResponse(
+        request_id=request.request_id, token_ids=delta.token_ids, text=delta.text, index=request.index
+    )
+    for logprob in delta.logprobs:
+        response.logprobs.append(
+            pb.TokenLogprob(
+                token_id=logprob.token_id,
+                logprob=logprob.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
+            )
+        )
+    if delta.finish_reason is None:
+        return response
+    seq = request.seq
+    response.finish_reason = _FINISH_REASONS[delta.finish_reason]
+    if delta.finish_reason is FinishReason.STOP:
+        if isinstance(seq.matched_stop, str):
+            response.stop_string = seq.matched_stop
+        elif isinstance(seq.matched_stop, int) and seq.matched_stop in seq.stopping.stop_token_ids:
+            response.stop_token_id = seq.matched_stop
+    response.usage.prompt_tokens = seq.num_prompt_tokens
+    response.usage.completion_tokens = seq.num_output_tokens
+    response.timings.queue_seconds = _since(request.arrival_time, request.admitted_time)
+    response.timings.prefill_seconds = _since(request.admitted_time, request.prefill_done_time)
+    response.timings.first_token_seconds = _since(request.arrival_time, request.first_token_time)
+    return response
+
+
+def check_max_tokens_cap(request: pb.GenerateRequest, max_tokens_cap: int) -> None:
+    """Refuse, rather than clip, a max_tokens above the server's cap.
+
+    A silently shortened answer would look like a model that stopped early; an INVALID_ARGUMENT tells
+    the client what to change. An unset max_tokens is filled in (up to the cap) by validation.
+    """
+    if request.stopping.HasField("max_tokens") and request.stopping.max_tokens > max_tokens_cap:
+        raise InvalidRequestError(
+            f"stopping.max_tokens is {request.stopping.max_tokens}, "
+            f"above this server's cap of {max_tokens_cap}"
+        )
+
+
+def _prompt_log_fields(request: pb.GenerateRequest, served: ServedRequest) -> dict[str, object]:
+    """The prompt as the client sent it, for `--log-prompts` only (empty otherwise)."""
+    return prompt_fields(
+        prompt=request.prompt or None,
+        messages=[{"role": m.role, "content": m.content} for m in request.messages] or None,
+        prompt_token_ids=served.seq.token_ids[: served.seq.num_prompt_tokens],
+    )
+
+
+def _finish_log_fields(request: ServedRequest, now: float) -> dict[str, object]:
+    """Counts and timings of a request that just ended, for its `request finished` line."""
+    return {
+        "prompt_tokens": request.seq.num_prompt_tokens,
+        "completion_tokens": request.seq.num_output_tokens,
+        "preemptions": request.num_preemptions,
+        "queue_s": _since(request.arrival_time, request.admitted_time),
+        "ttft_s": _since(request.arrival_time, request.first_token_time),
+        "e2e_s": _since(request.arrival_time, now),
+    }
+
+
+def tenant_and_priority(
+    request: pb.GenerateRequest, headers: Mapping[str, str], config: DecodeServiceConfig
+) -> tuple[str, int]:
+    """Tenant and priority from the trusted gateway's headers (gRPC metadata or HTTP headers) when
+    configured, else from the request."""
+    tenant, priority = request.tenant, request.priority
+    if config.tenant_header:
+        tenant = str(headers.get(config.tenant_header, ""))
+    if config.priority_header:
+        try:
+            priority = int(headers.get(config.priority_header, 0))
+        except ValueError:
+            priority = 0
+    return tenant, priority
+
+
+def _log_refused(request_id: str, error: Exception) -> None:
+    code, message = status_for(error)
+    log_event(logger, logging.INFO, "request refused", request_id=request_id, code=code.name, reason=message)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("request refused by a bug: %r", error, exc_info=error)
+
+
+class Generations:
+    """The way in for both front doors, over one engine loop and one registry of live streams."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        engine_loop: EngineLoop,
+        hub: StreamHub,
+        config: DecodeServiceConfig,
+        validation: ValidationPool,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self._engine_loop = engine_loop
+        self._hub = hub
+        self._validation = validation
+
+    async def start(
+        self, request: pb.GenerateRequest, arrival: float, tenant: str, priority: int
+    ) -> Generation:
+        """Check, register and validate `request` and submit it to the engine; raises why it was refused.
+
+        Cheap limits come first, then a slot is reserved before any tokenization, so an oversized or
+        over-capacity request costs nothing; the slot is given back if validation fails.
+        """
+        try:
+            check_limits(request, self.config.limits, self.engine.max_model_len)
+        except InvalidRequestError as exc:
+            _log_refused("-", exc)  # the id itself may be what is too long
+            raise
+        request_id = request.request_id or uuid.uuid4().hex
+        bind_request_id(request_id)
+        try:
+            self._hub.check_accepting()
+            check_max_tokens_cap(request, self.config.max_tokens_cap)
+            n = num_choices(request, self.engine)
+            self._hub.reserve(request_id)
+        except Exception as exc:
+            _log_refused(request_id, exc)
+            raise
+        try:
+            seq = await self._validation.run(
+                prompt_bytes(request),
+                build_sequence,
+                request,
+                request_id,
+                self.engine,
+                self.config.max_tokens_cap,
+            )
+            served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
+            queue = self._hub.open(served)
+        except BaseException as exc:
+            # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.
+            self._hub.release(request_id)
+            if isinstance(exc, Exception):
+                _log_refused(request_id, exc)
+            raise
+        log_event(
+            logger,
+            logging.INFO,
+            "request accepted",
+            request_id=request_id,
+            prompt_tokens=seq.num_prompt_tokens,
+            max_tokens=seq.stopping.max_tokens,
+            n=n,
+            priority=priority,
+            tenant=tenant or "-",
+            **_prompt_log_fields(request, served),
+        )
+        self._engine_loop.submit(served)
+        return Generation(served, queue, self._hub, self._engine_loop, arrival)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request by id (the Abort RPC); False when no such request is live."""
+        if request_id not in self._hub:
+            return False
+        self._engine_loop.abort(request_id)
+        return True
+
+
+class Generation:
+    """One accepted request's stream: iterate `responses()`, or `close()` it if that never happens."""
+
+    def __init__(
+        self,
+        served: ServedRequest,
+        queue: asyncio.Queue[StreamDelta],
+        hub: StreamHub,
+        engine_loop: EngineLoop,
+        arrival: float,
+    ) -> None:
+        self.served = served
+        self._queue = queue
+        self._hub = hub
+        self._engine_loop = engine_loop
+        self._arrival = arrival
+        self._finished = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self.served.request_id
+
+    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The stream's messages, every choice's last one included; raises the error the engine hit."""
+        served = self.served
+        completion: list[str] = []
+        choices_left = served.n
+        try:
+            while not self._finished:
+                delta = await self._queue.get()
+                if delta.is_last:
+                    # A request aborted before its prompt was prefilled never forked its other choices.
+                    choices_left = choices_left - 1 if served.forked else 0
+                self._finished = choices_left == 0
+                if delta.error is not None:
+                    code, _ = status_for(delta.error)
+                    log_event(
+                        logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name
+                    )
+                    raise delta.error
+                if log_prompts_enabled():
+                    completion.append(delta.text)
+                if self._finished and delta.finish_reason is not None:
+                    log_event(
+                        logger,
+                        logging.INFO,
+                        "request finished",
+                        request_id=self.request_id,
+                        finish_reason=delta.finish_reason.value,
+                        **_finish_log_fields(served, time.monotonic()),
+                        **prompt_fields(completion="".join(completion)),
+                    )
+                yield to_response(delta)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Leave the stream; a request not finished yet is aborted and its blocks freed at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hub.close(self.served)
+        if not self._finished:
+            self._engine_loop.abort(self.request_id)
+            log_event(
+                logger,
+                logging.INFO,
+                "request cancelled",
+                request_id=self.request_id,
+                completion_tokens=self.served.seq.num_output_tokens,
+                after_s=time.monotonic() - self._arrival,
+            )

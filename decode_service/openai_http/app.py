@@ -1,0 +1,198 @@
+"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, GET /health.
+
+Each request is translated (`protocol`), run through the same `Generations` as a gRPC call, and answered
+from its `GenerateResponse`s (`responses`), as one JSON body or as server-sent events ending with
+`data: [DONE]`. A client that disconnects, mid-stream or while waiting for a whole answer, aborts its
+request at once. The bearer token and body size limit are the gRPC port's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from decode_service.generation import Generation, Generations
+from decode_service.openai_http.errors import (
+    BodyTooLargeError,
+    ModelNotServedError,
+    UnauthorizedError,
+    http_error,
+)
+from decode_service.openai_http.protocol import Endpoint, FieldError, OpenAIRequest, translate
+from decode_service.openai_http.responses import ResponseBuilder
+from tandem.security import BearerTokens
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _read_json(request: Request, max_bytes: int) -> object:
+    """The body as JSON, refusing one larger than `max_bytes` before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLargeError(
+            f"the request body has {declared} bytes; this server takes at most {max_bytes}"
+        )
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > max_bytes:
+            raise BodyTooLargeError(f"the request body exceeds this server's limit of {max_bytes} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise FieldError("body", f"the request body is not valid JSON: {exc}") from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body is already read, so only a disconnect can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIRoutes:
+    """The handlers, bound to one decode server's `Generations`."""
+
+    def __init__(
+        self,
+        generations: Generations,
+        served_model_name: str,
+        auth_token: str | None,
+        max_body_bytes: int,
+        is_serving: Callable[[], bool],
+    ) -> None:
+        self._generations = generations
+        self.model = served_model_name
+        self._tokens = BearerTokens(auth_token) if auth_token else None
+        self._max_body_bytes = max_body_bytes
+        self._is_serving = is_serving
+        self._created = int(time.time())
+        tokenizer = generations.engine.tokenizer
+        decode = tokenizer.decode if tokenizer is not None else None
+        # Logprob entries name their tokens; a small cache keeps repeated tokens from re-decoding.
+        self._token_text = lru_cache(maxsize=65536)(
+            lambda token_id: decode([token_id], skip_special_tokens=False) if decode else str(token_id)
+        )
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return app
+
+    async def health(self) -> Response:
+        """200 once warmed up and until draining: what a load balancer's readiness check wants."""
+        return Response(status_code=200 if self._is_serving() else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except UnauthorizedError as exc:
+            return self._error(exc)
+        engine = self._generations.engine
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "tandem",
+            "root": engine.model_name,
+            "max_model_len": engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            openai_request = translate(await _read_json(request, self._max_body_bytes), endpoint)
+            if openai_request.model is not None and openai_request.model != self.model:
+                raise ModelNotServedError(
+                    f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
+                )
+            openai_request.generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+            generation = await self._generations.start(openai_request.generate, arrival)
+        except Exception as exc:
+            return self._error(exc)
+        builder = ResponseBuilder(openai_request, generation.request_id, self.model, self._token_text)
+        if openai_request.stream:
+            return StreamingResponse(
+                self._events(generation, builder, openai_request),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                # Closes the stream even if the client left before the first chunk was asked for.
+                background=BackgroundTask(generation.close),
+            )
+        return await self._whole_answer(request, generation, builder)
+
+    async def _events(
+        self, generation: Generation, builder: ResponseBuilder, request: OpenAIRequest
+    ) -> AsyncIterator[bytes]:
+        """SSE chunks, then the usage chunk if asked, then [DONE]; an engine error becomes an error event.
+        Starlette cancels this generator when the client disconnects, which aborts the request."""
+        try:
+            async for message in generation.responses():
+                for chunk in builder.chunks(message):
+                    yield _sse(chunk)
+            if request.include_usage:
+                yield _sse(builder.usage_chunk())
+        except Exception as exc:
+            yield _sse(http_error(exc)[1])
+        finally:
+            generation.close()
+        yield b"data: [DONE]\n\n"
+
+    async def _whole_answer(
+        self, request: Request, generation: Generation, builder: ResponseBuilder
+    ) -> Response:
+        async def collect() -> None:
+            async for message in generation.responses():
+                builder.add(message)
+
+        collecting = asyncio.ensure_future(collect())
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait((collecting, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnected.cancel()
+            if not collecting.done():
+                collecting.cancel()
+            generation.close()
+        if collecting.cancelled():
+            return Response(status_code=499)  # nobody is listening; the request was aborted
+        if collecting.exception() is not None:
+            return self._error(collecting.exception())
+        return JSONResponse(builder.body())
+
+    def _authorize(self, request: Request) -> None:
+        if self._tokens is None:
+            return
+        reason = self._tokens.rejection(request.headers.items())
+        if reason is not None:
+            raise UnauthorizedError(reason)
+
+    @staticmethod
+    def _error(error: BaseException) -> JSONResponse:
+        status, body = http_error(error)
+        return JSONResponse(body, status_code=status)

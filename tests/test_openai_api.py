@@ -1,0 +1,413 @@
+"""The OpenAI-compatible HTTP API end to end, driven by the official `openai` SDK against a decode server
+whose gRPC port serves the same engine: same greedy text as gRPC, streams, n, penalties, logprobs, stop,
+every error status, concurrency, and a disconnect that frees the request's blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+
+import grpc
+import openai
+import pytest
+from conftest import save_tiny_model, wait_until
+from tiny_tokenizer import TINY_VOCAB_SIZE
+
+from decode_service.config import DecodeServiceConfig
+from decode_service.server import MAX_HTTP_BODY_BYTES, DecodeServer
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import Engine
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc
+
+TOKEN = "s3cret"
+MODEL = "tiny-chat"
+
+pytestmark = pytest.mark.slow
+
+
+class Server:
+    """A decode server with its HTTP API on its own event-loop thread; SDK and gRPC clients to it."""
+
+    def __init__(self, model_dir, max_num_seqs: int = 16, **config_kwargs) -> None:
+        engine_config = EngineConfig(
+            cache=CacheConfig(block_size=8, num_blocks=256),
+            max_model_len=256,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=64,
+        )
+        self.engine = Engine.from_pretrained(model_dir, engine_config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = DecodeServiceConfig(
+            host="127.0.0.1", port=0, http_port=0, served_model_name=MODEL, **config_kwargs
+        )
+        self.server: DecodeServer = self.call(self._create(config))
+        self.call(self.server.start())
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        api_key = config_kwargs.get("auth_token") or "unused"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    async def _create(self, config: DecodeServiceConfig) -> DecodeServer:
+        return DecodeServer(self.engine, config)
+
+    def call(self, coroutine, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def idle(self) -> bool:
+        manager = self.engine.block_manager
+        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.hub) == 0
+
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+        self.call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-chat-model")
+    save_tiny_model(directory, 21)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    running = Server(model_dir)
+    yield running
+    running.close()
+
+
+def http_call(
+    server: Server,
+    method: str,
+    path: str,
+    body: object = None,
+    headers: dict | None = None,
+    timeout: float = 60,
+) -> tuple[int, dict]:
+    """A raw HTTP call (stdlib), for what the SDK will not send: wrong tokens, huge or broken bodies."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=timeout)
+    try:
+        payload = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        connection.request(
+            method, path, body=payload, headers={"Content-Type": "application/json", **(headers or {})}
+        )
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else {}
+    finally:
+        connection.close()
+
+
+def grpc_greedy(server: Server, max_tokens: int, **prompt) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParams(temperature=0.0, logprobs=3),
+        stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+        **prompt,
+    )
+    return list(server.stub.Generate(request, timeout=120))
+
+
+def grpc_text(responses: list[pb.GenerateResponse]) -> str:
+    return "".join(r.text for r in responses)
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+def test_models_list_names_the_served_model(server):
+    (model,) = server.client.models.list().data
+    assert model.id == MODEL and model.owned_by == "tandem"
+
+
+def test_chat_plain_and_streamed_equal_the_grpc_answer(server):
+    expected = grpc_text(grpc_greedy(server, 12, messages=[pb.ChatMessage(**m) for m in MESSAGES]))
+    plain = server.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    (choice,) = plain.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert choice.finish_reason == "length" and plain.usage.completion_tokens == 12
+    assert plain.id.startswith("chatcmpl-") and plain.model == MODEL
+
+    chunks = list(
+        server.client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_text_completion_plain_and_streamed_equal_the_grpc_answer(server):
+    expected = grpc_text(grpc_greedy(server, 10, prompt="Once upon a time"))
+    plain = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, **GREEDY)
+    assert plain.choices[0].text == expected and plain.object == "text_completion"
+    streamed = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    ids = list(grpc_greedy(server, 1, prompt="Once")[0].token_ids)
+    by_ids = server.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, **GREEDY)
+    assert by_ids.choices[0].text == grpc_text(grpc_greedy(server, 4, token_ids=[5, 6, 7])) and ids
+
+
+def test_n_two_choices_share_the_prompt(server):
+    sampled = server.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        **{"extra_body": {"ignore_eos": True}},
+    )
+    assert [c.index for c in sampled.choices] == [0, 1]
+    assert sampled.usage.completion_tokens == 16
+    greedy = server.client.completions.create(model=MODEL, prompt="Once", max_tokens=6, n=2, **GREEDY)
+    assert (
+        greedy.choices[0].text == greedy.choices[1].text == grpc_text(grpc_greedy(server, 6, prompt="Once"))
+    )
+    streamed = server.client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=6, n=2, stream=True, **GREEDY
+    )
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts[0] == texts[1] == greedy.choices[0].text
+    assert wait_until(server.idle)
+
+
+def test_penalties_and_logit_bias_change_the_output_as_over_grpc(server):
+    prompt = "the the the"
+    plain = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
+    penalized = server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0, **GREEDY
+    )
+    assert penalized.choices[0].text != plain.choices[0].text
+    request = pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0),
+        stopping=pb.StoppingParams(max_tokens=16, ignore_eos=True),
+    )
+    assert penalized.choices[0].text == grpc_text(list(server.stub.Generate(request, timeout=120)))
+    repeated = server.client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 3.0},
+    )
+    assert repeated.choices[0].text != plain.choices[0].text
+    forced = server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, logit_bias={"42": 100}, logprobs=0, **GREEDY
+    )
+    (forced_token,) = set(forced.choices[0].logprobs.tokens)
+    assert forced_token == server.engine.tokenizer.decode([42], skip_special_tokens=False)
+
+
+def test_chat_logprobs_with_three_alternatives_match_grpc(server):
+    expected = grpc_greedy(server, 5, messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    answer = server.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = answer.choices[0].logprobs.content
+    grpc_logprobs = [lp for r in expected for lp in r.logprobs]
+    assert len(content) == len(grpc_logprobs) == 5
+    for entry, reference in zip(content, grpc_logprobs, strict=True):
+        assert entry.logprob == pytest.approx(reference.logprob, abs=1e-5)
+        assert len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [t.logprob for t in reference.top], abs=1e-5
+        )
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[2].logprob
+
+
+def test_stop_string_ends_the_answer_without_it(server):
+    full = (
+        server.client.completions.create(model=MODEL, prompt="Once upon", max_tokens=20, **GREEDY)
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    answer = server.client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=20, stop=[stop], **GREEDY
+    )
+    (choice,) = answer.choices
+    assert choice.finish_reason == "stop" and choice.text == full[: full.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_sixteen_concurrent_streams_each_match_grpc(server):
+    prompts = [f"story number {i}" for i in range(16)]
+    expected = [grpc_text(grpc_greedy(server, 8, prompt=p)) for p in prompts]
+
+    async def stream_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, stream=True, **GREEDY
+            )
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(stream_all()) == expected
+    assert max(len(step.chunks) for step in server.server.events.snapshot()[-40:]) > 1
+    assert wait_until(server.idle)
+
+
+def test_a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server):
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon",
+        "max_tokens": 200,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+    connection.request(
+        "POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    assert server.engine.block_manager.num_free_blocks < server.engine.block_manager.allocator.num_blocks
+    connection.close()
+    assert wait_until(server.idle)
+    assert not server.server.scheduler.has_work
+
+
+def test_a_disconnect_while_waiting_for_a_whole_answer_aborts_it(server):
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(TimeoutError):
+        http_call(server, "POST", "/v1/completions", body, timeout=0.5)
+    assert wait_until(server.idle)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def assert_openai_error(
+    error: openai.APIStatusError, status: int, text: str, param: str | None = None
+) -> None:
+    assert error.status_code == status
+    body = error.body
+    assert set(body) == {"message", "type", "param", "code"}, body
+    assert text in body["message"]
+    if param is not None:
+        assert body["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text", "param"),
+    [
+        ({"temperature": -1}, "temperature must be >= 0", None),
+        ({"top_p": 1.5}, "top_p must be in (0, 1]", None),
+        ({"max_tokens": 0}, "max_tokens must be >= 1", None),
+        ({"n": 0}, "n must be >= 1", "n"),
+        ({"n": 17}, "n must be in [1, 16]", None),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2]", None),
+        ({"logit_bias": {str(TINY_VOCAB_SIZE): 1}}, "logit_bias token ids", None),
+        ({"top_logprobs": 21, "logprobs": True}, "logprobs must be in [0, 20]", None),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tools is not supported",
+            "tools",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format is not supported", "response_format"),
+        ({"extra_body": {"guided_json": {}}}, "guided_json is not supported", "guided_json"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of", None),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field_while_others_are_served(server, kwargs, text, param):
+    good = server.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200, stream=True, **GREEDY
+    )
+    first = next(good)
+    request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client.chat.completions.create(**request)
+    assert_openai_error(error.value, 400, text, param)
+    assert [first, *good][-1].choices[0].finish_reason == "length"
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError) as error:
+        server.client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert_openai_error(error.value, 404, "'gpt-4o' does not exist")
+
+
+def test_body_over_the_message_limit_is_413(server):
+    huge = "x" * (MAX_HTTP_BODY_BYTES + 1)
+    status, body = http_call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": huge})
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, body = http_call(server, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["param"] == "body"
+
+
+def test_health_and_request_id_header(server):
+    assert http_call(server, "GET", "/health")[0] == 200
+    answer = server.client.completions.with_raw_response.create(
+        model=MODEL, prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "http-req-1"}, **GREEDY
+    )
+    assert answer.parse().id == "cmpl-http-req-1"
+
+
+def test_bearer_token_is_required_like_on_grpc(model_dir):
+    guarded = Server(model_dir, max_num_seqs=4, auth_token=TOKEN)
+    try:
+        answer = guarded.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **GREEDY)
+        assert answer.choices[0].text is not None
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            status, body = http_call(
+                guarded, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}, headers
+            )
+            assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert http_call(guarded, "GET", "/v1/models")[0] == 401
+        assert http_call(guarded, "GET", "/health")[0] == 200, "probes need no token"
+    finally:
+        guarded.close()
+
+
+def test_full_queue_is_429_and_draining_is_503(model_dir):
+    small = Server(model_dir, max_num_seqs=1, max_queue=0)
+    try:
+        running = small.client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=200, stream=True, **GREEDY
+        )
+        next(running)
+        with pytest.raises(openai.RateLimitError) as full:
+            small.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert_openai_error(full.value, 429, "retry later")
+        draining = asyncio.run_coroutine_threadsafe(small.server.drain(grace_seconds=60), small.loop)
+        assert wait_until(lambda: http_call(small, "GET", "/health")[0] == 503)
+        with pytest.raises(openai.InternalServerError) as refused:
+            small.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert_openai_error(refused.value, 503, "draining")
+        assert [c.choices[0].finish_reason for c in running][-1] == "length", "the live stream finished"
+        assert draining.result(60)
+    finally:
+        small.close()
