@@ -25,11 +25,14 @@ from tandem.security import PathLike
 class TandemClient:
     """A connection to one tandem decode server (or a load balancer in front of several).
 
-    `target` is 'host:port'. TLS is on when `tls` is true or any certificate path is given: `ca_cert`
-    verifies the server (default: the system's CAs), `client_cert`/`client_key` authenticate this client
-    under mTLS. `auth_token` is sent as `authorization: Bearer <token>` on every call. `timeout` is the
-    default deadline in seconds of every call (a whole `generate()` stream included); None: no deadline.
-    Use as a context manager, or call `close()`.
+    `target` is 'host:port', or `dns:///name:port` (every address the name resolves to, e.g. the pods
+    behind the Helm chart's headless decode Service) or `ipv4:a:p,b:q`, which balance calls round-robin
+    over the replicas and retry UNAVAILABLE on another one. TLS is on when `tls` is true or any
+    certificate path is given: `ca_cert` verifies the server (default: the system's CAs),
+    `client_cert`/`client_key` authenticate this client under mTLS. `auth_token` is sent as
+    `authorization: Bearer <token>` on every call. `timeout` is the default deadline in seconds of every
+    call (a whole `generate()` stream included); None: no deadline. Use as a context manager, or call
+    `close()`.
     """
 
     def __init__(
