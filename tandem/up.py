@@ -33,6 +33,7 @@ from tandem.up_tiers import LogForwarder, Tier, TierSpec, connect_host, start_in
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_PREFILL_PORT = 50052
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_PREFILL_METRICS_PORT = 9401
@@ -72,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PORT,
         help=f"decode tier, the public API (default: {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"decode tier's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT})",
     )
     parser.add_argument(
         "--prefill-port",
@@ -234,6 +241,7 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
         *shlex.split(args.prefill_args),
     ]
     decode_flags = _common_flags(args, model_dir, args.port, args.metrics_port, decode_threads)
+    decode_flags += ["--http-port", str(args.http_port)]
     if disaggregated:
         decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
     decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
@@ -243,18 +251,27 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
     ]
 
 
-def how_to_call(host: str, port: int) -> str:
-    """The lines printed once both tiers serve: a `tandem generate` and a `grpcurl` call."""
+def how_to_call(host: str, port: int, http_port: int, model: str) -> str:
+    """The lines printed once both tiers serve: `tandem generate`, `grpcurl`, `curl` and the openai SDK."""
     target = f"{connect_host(host)}:{port}"
+    base_url = f"http://{connect_host(host)}:{http_port}/v1"
     grpcurl_body = (
         '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], '
         '"stopping": {"max_tokens": 64}}'
     )
+    curl_body = '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], "max_tokens": 64}'
+    sdk = (
+        f'from openai import OpenAI; print(OpenAI(base_url="{base_url}", api_key="none").chat.completions'
+        f'.create(model="{model}", messages=[{{"role": "user", "content": "What is a tandem bicycle?"}}])'
+        ".choices[0].message.content)"
+    )
     return "\n".join(
         (
-            f"tandem is up: the public API is on {target}. Try:",
-            f'  tandem generate --target {target} --chat --max-tokens 64 "What is a tandem bicycle?"',
+            f"tandem is up: gRPC on {target}, OpenAI-compatible HTTP on {base_url}. Try:",
+            f'  tandem generate --target {target} --max-tokens 64 "What is a tandem bicycle?"',
             f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
+            f"  curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{curl_body}'",
+            f"  python -c '{sdk}'",
             "Ctrl-C stops both tiers.",
         )
     )
@@ -333,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
             _stop_all(tiers, args.stop_timeout)
             return EXIT_STARTUP_FAILED
         if died is None and not stop.event.is_set():
-            print(how_to_call(args.host, args.port), flush=True)
+            print(how_to_call(args.host, args.port, args.http_port, model_dir.name), flush=True)
             died = _serve(args, tiers, stop.event, forwarder)
         if died is not None:
             returncode = died.process.returncode

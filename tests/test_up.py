@@ -21,6 +21,7 @@ from conftest import save_tiny_model
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
+from decode_service.openai_http.protocol import Endpoint, translate
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
 from tandem.up import EXIT_OK, EXIT_PREFILL_EXITED, how_to_call, split_threads, tier_specs
@@ -73,18 +74,27 @@ def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
         assert "--dtype" not in flags and "--kv-cache-memory" not in flags
     assert decode.argv[decode.argv.index("--prefill") + 1] == "127.0.0.1:7002"
     assert decode.argv[decode.argv.index("--metrics-port") + 1] == "0"
+    assert decode.argv[decode.argv.index("--http-port") + 1] == "8000" and "--http-port" not in prefill.argv
     assert decode.argv[-4:] == ["--max-num-seqs", "4", "--threads", "3"]
     _, aggregated = tier_specs(args, Path("/models/m"), disaggregated=False)
     assert "--prefill" not in aggregated.argv
 
 
 def test_how_to_call_lines_are_a_tandem_generate_and_a_valid_grpcurl_request():
-    text = how_to_call("0.0.0.0", 7001)
+    text = how_to_call("0.0.0.0", 7001, 8001, "SmolLM2")
     assert "tandem generate --target 127.0.0.1:7001" in text
     body = re.search(r"grpcurl -plaintext -d '(.+?)' 127\.0\.0\.1:7001 tandem\.v1\.Generation/Generate", text)
     assert body is not None
     request = json_format.Parse(body.group(1), pb.GenerateRequest())
     assert request.messages[0].content and request.stopping.max_tokens > 0
+    curl = re.search(r"curl http://127\.0\.0\.1:8001/v1/chat/completions .* -d '(.+?)'$", text, re.MULTILINE)
+    assert curl is not None
+    chat = translate(json.loads(curl.group(1)), Endpoint.CHAT)
+    assert chat.generate.messages[0].content and chat.generate.stopping.max_tokens == 64
+    sdk = re.search(r"python -c '(.+)'$", text, re.MULTILINE)
+    assert sdk is not None and 'base_url="http://127.0.0.1:8001/v1"' in sdk.group(1)
+    assert 'model="SmolLM2"' in sdk.group(1)
+    compile(sdk.group(1), "sdk-example", "exec")
 
 
 def test_status_line_reads_requests_kv_usage_and_prefill_queue():
@@ -140,12 +150,14 @@ class UpProcess:
     """`tandem up --log-format json` on free ports, its stdout and stderr collected line by line."""
 
     def __init__(self, extra_flags: list[str]) -> None:
-        self.port, prefill_port, self.metrics_port, prefill_metrics_port = free_ports(4)
+        self.port, prefill_port, self.metrics_port, prefill_metrics_port, self.http_port = free_ports(5)
         command = [
             *tandem_command(),
             "up",
             "--port",
             str(self.port),
+            "--http-port",
+            str(self.http_port),
             "--prefill-port",
             str(prefill_port),
             "--metrics-port",
@@ -226,6 +238,19 @@ def test_up_serves_streams_and_stops_everything_on_sigint(up):
     assert result.returncode == 0, result.stderr + up.log()
     assert "finish: length" in result.stderr and "+ 8 completion tokens" in result.stderr
     assert up.metric("tandem:generation_tokens_total") == 8
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{up.http_port}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    assert (
+        answer["usage"]["completion_tokens"] <= 3 and answer["choices"][0]["message"]["role"] == "assistant"
+    )
     up.process.send_signal(signal.SIGINT)
     assert up.process.wait(90) == EXIT_OK, up.log()
     survivors = [tier for tier, pid in up.pids.items() if alive(pid)]
