@@ -7,6 +7,8 @@ counts):
 - `hf-continuous`  transformers' continuous-batching manager (when the installed version has it);
 - `tandem-static`  `tandem serve decode --batching static`;
 - `tandem-aggregated`  one decode server, chunked prefill mixed into decode steps;
+- `tandem-aggregated-http`  the same server measured through its OpenAI-compatible HTTP API, by the
+                   OpenAI backend that also measures llama-server (the HTTP path's cost vs gRPC);
 - `tandem-disaggregated`  a prefill server and a decode server (when decode has `--prefill`);
 - `llama-server`   llama.cpp, `-np 16 -cb`, on the F32 GGUF of the same Q4_1 weights (needs
                    `python -m bench.llama_cpp_build` once).
@@ -43,6 +45,7 @@ SYSTEMS = (
     "hf-continuous",
     "tandem-static",
     "tandem-aggregated",
+    "tandem-aggregated-http",
     "tandem-disaggregated",
     "llama-server",
 )
@@ -134,12 +137,19 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
     """Start system `name`; yields (backend kind, target, system description)."""
     from bench import servers
 
-    if name in ("tandem-static", "tandem-aggregated"):
+    if name in ("tandem-static", "tandem-aggregated", "tandem-aggregated-http"):
         batching = "static" if name == "tandem-static" else "continuous"
         server_args = _tandem_server_args(args, batching)
+        http_port = servers.free_port() if name.endswith("-http") else None
+        if http_port is not None:
+            server_args += ["--http-port", str(http_port)]
         decode, target = servers.tandem_decode_server(name, model, args.threads, server_args)
         with decode:
-            yield "tandem", target, {"threads": {"decode": args.threads}, "server_args": server_args}
+            description = {"threads": {"decode": args.threads}, "server_args": server_args}
+            if http_port is None:
+                yield "tandem", target, description
+            else:
+                yield "openai", f"http://127.0.0.1:{http_port}", description
     elif name == "tandem-disaggregated":
         if not servers.decode_supports_prefill_tier():
             raise SystemSkipped("`tandem serve decode --help` has no --prefill flag yet (not wired up)")

@@ -42,6 +42,11 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
         "(when no `--auth-token`)",
     ),
     (
+        "TANDEM_TARGET",
+        "`localhost:50051`",
+        "the decode server `tandem generate` calls when no `--target` is given",
+    ),
+    (
         "TANDEM_ATTENTION_BACKEND",
         "`auto`",
         "attention kernels: `auto` (Triton on CUDA, torch elsewhere), `torch` or `triton`",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -26,6 +27,7 @@ from tandem.client.sync_client import TandemClient
 from tandem.security import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
 
 DEFAULT_TARGET = "localhost:50051"
+TARGET_ENV = "TANDEM_TARGET"
 STDIN_PROMPT = "-"
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -98,7 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     connection = parser.add_argument_group("connection")
     connection.add_argument(
-        "--target", default=DEFAULT_TARGET, help=f"server host:port (default: {DEFAULT_TARGET})"
+        "--target",
+        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        help=f"server host:port, or dns:///name:port for round-robin over replicas "
+        f"(default: ${TARGET_ENV}, else {DEFAULT_TARGET})",
     )
     connection.add_argument("--tls", action="store_true", help="use TLS, trusting the system's CAs")
     connection.add_argument(
