@@ -334,13 +334,12 @@ class ContinuousScheduler:
         samples with seed + i, so the choices differ yet stay reproducible.
         """
         request.forked = True
-        block_manager = self.engine.block_manager
         for index in range(1, request.n):
             sampling = request.seq.sampling
             if sampling.seed is not None:
                 sampling = replace(sampling, seed=(sampling.seed + index) & SEED_MASK)
             seats = self.max_num_seqs - len(self.running) - len(self.prefill_stage)
-            share = seats > 0 and block_manager.num_free_blocks > self.watermark_blocks
+            share = seats > 0 and self.engine.num_free_blocks > self.watermark_blocks
             child = ServedRequest(
                 self.engine.fork(request.seq, sampling, share_kv=share),
                 priority=request.priority,

@@ -61,7 +61,7 @@ class Server:
 
     def idle(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.hub) == 0
+        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.client.close()

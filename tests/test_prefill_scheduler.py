@@ -10,7 +10,7 @@ import grpc
 import pytest
 from conftest import engine_for, tiny_hf_model
 
-from decode_service.prefill_client import sampling_proto
+from decode_service.remote_prefill.client import sampling_proto
 from engine.config import parse_memory_size
 from engine.errors import ConfigError, InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
