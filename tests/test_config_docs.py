@@ -67,6 +67,7 @@ def test_documented_environment_variables_are_the_ones_the_code_reads():
     from engine import model_store
     from kernels import cpu_extension, cpu_linear
     from kernels.backend import BACKEND_ENV
+    from tandem.client.generate_command import TARGET_ENV
     from tandem.security import AUTH_TOKEN_ENV
 
     names = {name for name, _, _ in ENV_VARS}
@@ -76,6 +77,7 @@ def test_documented_environment_variables_are_the_ones_the_code_reads():
         BACKEND_ENV,
         cpu_extension.DISABLE_ENV,
         cpu_linear.DISABLE_ENV,
+        TARGET_ENV,
     }
     assert '"TANDEM_HOME"' in inspect.getsource(model_store.tandem_home)
 
