@@ -73,6 +73,7 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "stopping",
         "priority",
         "tenant",
+        "n",
     }
     assert set(_fields(generation_pb2.ChatMessage)) == {"role", "content"}
     assert set(_fields(generation_pb2.SamplingParams)) == {
@@ -82,7 +83,12 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "min_p",
         "seed",
         "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
     }
+    assert _fields(generation_pb2.SamplingParams)["logit_bias"].message_type.GetOptions().map_entry
     assert set(_fields(generation_pb2.StoppingParams)) == {
         "max_tokens",
         "stop",
@@ -115,6 +121,11 @@ def test_prompt_inputs_are_not_a_oneof_so_the_server_sees_all_of_them() -> None:
         (generation_pb2.StoppingParams, "max_tokens", FieldDescriptor.CPPTYPE_INT32, True),
         (generation_pb2.StoppingParams, "min_tokens", FieldDescriptor.CPPTYPE_INT32, False),
         (generation_pb2.GenerateRequest, "priority", FieldDescriptor.CPPTYPE_INT32, False),
+        (generation_pb2.SamplingParams, "presence_penalty", FieldDescriptor.CPPTYPE_FLOAT, True),
+        (generation_pb2.SamplingParams, "frequency_penalty", FieldDescriptor.CPPTYPE_FLOAT, True),
+        (generation_pb2.SamplingParams, "repetition_penalty", FieldDescriptor.CPPTYPE_FLOAT, True),
+        (generation_pb2.GenerateRequest, "n", FieldDescriptor.CPPTYPE_INT32, False),
+        (generation_pb2.GenerateResponse, "index", FieldDescriptor.CPPTYPE_INT32, False),
     ],
 )
 def test_numeric_field_types_and_presence(message_type, name: str, cpp_type: int, has_presence: bool) -> None:
@@ -144,6 +155,7 @@ def test_generate_response_shape() -> None:
         "stop_token_id",
         "usage",
         "timings",
+        "index",
     }
     oneof = generation_pb2.GenerateResponse.DESCRIPTOR.oneofs_by_name["matched_stop"]
     assert {field.name for field in oneof.fields} == {"stop_string", "stop_token_id"}
@@ -275,7 +287,8 @@ def _undocumented(file_proto: descriptor_pb2.FileDescriptorProto) -> list[str]:
             if not oneof.name.startswith("_"):  # synthetic oneofs of proto3 `optional`
                 check((*path, 8, index), f"{name}.{oneof.name}")
         for index, nested in enumerate(message.nested_type):
-            walk_message(nested, (*path, 3, index), name + ".")
+            if not nested.options.map_entry:  # synthetic entry type of a map field, documented by the field
+                walk_message(nested, (*path, 3, index), name + ".")
         for index, enum in enumerate(message.enum_type):
             walk_enum(enum, (*path, 4, index), name + ".")
 
