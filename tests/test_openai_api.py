@@ -300,10 +300,15 @@ def test_a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server)
 
 
 def test_a_disconnect_while_waiting_for_a_whole_answer_aborts_it(server):
-    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(TimeoutError):
-        http_call(server, "POST", "/v1/completions", body, timeout=0.5)
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+    headers = {"Content-Type": "application/json", "X-Request-Id": "whole-then-gone"}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    assert wait_until(lambda: "whole-then-gone" in server.server.registry)
+    connection.close()
     assert wait_until(server.idle)
+    steps = [s for s in server.server.events.snapshot() if "whole-then-gone" in s.request_ids]
+    assert len(steps) < 240, "the request ran to its end instead of being aborted"
 
 
 # --- errors --------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from decode_service.generation import Generation, Generations
+from decode_service.generation import Generation, Generations, tenant_and_priority
 from decode_service.openai_http.errors import (
     BodyTooLargeError,
     ModelNotServedError,
@@ -131,8 +131,10 @@ class OpenAIRoutes:
                 raise ModelNotServedError(
                     f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
                 )
-            openai_request.generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
-            generation = await self._generations.start(openai_request.generate, arrival)
+            generate = openai_request.generate
+            generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+            tenant, priority = tenant_and_priority(generate, request.headers, self._generations.config)
+            generation = await self._generations.start(generate, arrival, tenant, priority)
         except Exception as exc:
             return self._error(exc)
         builder = ResponseBuilder(openai_request, generation.request_id, self.model, self._token_text)
