@@ -17,6 +17,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("occupancy", "bench.occupancy", "batch-occupancy timeline, static vs continuous, from the event log"),
     ("chunked-prefill", "bench.chunked_prefill", "ITL of running streams while a long prompt is prefilled"),
     ("probe", "bench.roofline", "memory bandwidth and matmul FLOP/s; the workload's tokens/s upper bound"),
+    (
+        "serving-path",
+        "bench.serving_path",
+        "server CPU per generated token with a near-zero-cost model: the serving path's own cost",
+    ),
     ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
     ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),
 )

@@ -47,7 +47,8 @@ STEP_PARTS = {
 }
 
 
-def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
+def build_engine_loop(model_dir: Path, max_num_seqs: int, budget: int, kv_memory_bytes: int = 2 << 30):
+    """The decode tier's engine loop (FIFO scheduler, no streaming: deltas are dropped) over `model_dir`."""
     import torch
 
     from decode_service.config import DecodeServiceConfig
@@ -62,7 +63,7 @@ def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
         model_dir,
         EngineConfig(
             dtype=torch.float32,
-            cache=CacheConfig(block_size=16, memory_bytes=2 << 30),
+            cache=CacheConfig(block_size=16, memory_bytes=kv_memory_bytes),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
         ),
@@ -72,7 +73,8 @@ def _build_loop(model_dir: Path, max_num_seqs: int, budget: int):
     return EngineLoop(engine, scheduler, lambda deltas: None, EventLog(100_000))
 
 
-def _submit(loop, requests: list[WorkloadRequest], tag: str) -> None:
+def submit_requests(loop, requests: list[WorkloadRequest], tag: str) -> None:
+    """Queue `requests` as greedy, EOS-ignoring requests of exactly their output length."""
     from decode_service.request import ServedRequest
     from engine.params import SamplingParams, StoppingParams
 
@@ -86,8 +88,9 @@ def _submit(loop, requests: list[WorkloadRequest], tag: str) -> None:
         loop.submit(ServedRequest(seq))
 
 
-def _timed_run(loop, requests: list[WorkloadRequest], tag: str) -> tuple[float, int]:
-    _submit(loop, requests, tag)
+def timed_run(loop, requests: list[WorkloadRequest], tag: str) -> tuple[float, int]:
+    """Run `requests` to completion in this thread; returns (wall seconds, steps)."""
+    submit_requests(loop, requests, tag)
     start = time.perf_counter()
     steps = loop.run_until_idle()
     return time.perf_counter() - start, steps
@@ -140,7 +143,7 @@ def _torch_window(loop, requests: list[WorkloadRequest], warm_steps: int, steps:
     see (a CPU extension called as a plain function, such as the paged-decode attention)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _submit(loop, requests, "torchprof")
+    submit_requests(loop, requests, "torchprof")
     while loop.scheduler.prefilling or loop.scheduler.waiting or warm_steps > 0:
         loop.step_once()
         warm_steps -= 1
@@ -203,17 +206,17 @@ def run(args: argparse.Namespace) -> int:
     requests = workload.requests
     output_tokens = sum(r.output_len for r in requests)
     machine = machine_info()
-    loop = _build_loop(model_dir, args.max_num_seqs, args.max_num_batched_tokens)
-    _timed_run(loop, workload.warmups, "warmup")
+    loop = build_engine_loop(model_dir, args.max_num_seqs, args.max_num_batched_tokens)
+    timed_run(loop, workload.warmups, "warmup")
 
     first_step, started = loop.num_steps, time.monotonic()
-    plain_s, steps = _timed_run(loop, requests, "plain")
+    plain_s, steps = timed_run(loop, requests, "plain")
     step_times = _step_times(loop, first_step, started)
     logger.info("engine loop only: %d steps, %.1f s, %.1f tok/s", steps, plain_s, output_tokens / plain_s)
 
     profiler = cProfile.Profile()
     profiler.enable()
-    profiled_s, profiled_steps = _timed_run(loop, requests, "cprofile")
+    profiled_s, profiled_steps = timed_run(loop, requests, "cprofile")
     profiler.disable()
     stats = pstats.Stats(profiler)
     parts = {name: round(seconds, 3) for name, seconds in _parts(stats).items()}

@@ -85,6 +85,13 @@ class ServerProcess:
     _process: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int:
+        """The running server's process id (for reading its CPU time or profiling it)."""
+        if self._process is None:
+            raise ServerStartError(f"{self.name} is not started")
+        return self._process.pid
+
+    @property
     def log_path(self) -> Path:
         return self.log_dir / f"{self.name}.log"
 

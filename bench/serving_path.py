@@ -1,0 +1,290 @@
+"""`tandem bench serving-path`: what the server itself spends per generated token, with a model that costs
+next to nothing.
+
+    tandem bench serving-path [--streams 128 --output-len 128 --stream-interval 1 --profile]
+
+Writes a near-zero-cost model (3 layers of width 64, random weights, the real SmolLM2 tokenizer; see
+bench.near_zero_model), starts `tandem serve decode` on it in its own process, and sends `--streams`
+greedy requests of exactly `--output-len` tokens all at once, `--rounds` times after a warm-up. For each
+round it reads the server process's CPU seconds from the OS before and after (so the figure is the
+server's whole cost: engine thread, asyncio loop, gRPC threads) and reports:
+
+- server CPU per token (µs; the same number is ms per 1,000 tokens) and per thread;
+- served tokens per second (wall clock: moves with the machine's load, unlike CPU time);
+- the load generator's own CPU per token (it shares the machine with the server).
+
+Then it splits the figure (bench.engine_floor): the engine loop alone, one decode step, the forward
+and the sampler, measured in this process on the same model and batch. `--profile` adds a round
+under py-spy (every thread) and one sampling only the GIL holder (bench.pyspy_profile).
+
+`--api http` drives the OpenAI-compatible HTTP API instead of gRPC, when the server has one
+(`tandem serve decode --http-port`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import shlex
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.backends import StreamingBackend
+from bench.near_zero_model import NearZeroModelSpec
+from bench.workload import ArrivalProcess, LengthDistribution, SyntheticWorkload, WorkloadRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RESULT_FILE = Path("bench/results/serving_path.json")
+PROMPT_LEN = 16
+KV_CACHE_MEMORY = "64MiB"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `tandem bench serving-path`."""
+    parser.add_argument("--streams", type=int, default=128, help="requests sent at once (default: 128)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (default: 128)")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=f"(default: {PROMPT_LEN})")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds, median reported (default: 3)")
+    parser.add_argument("--api", default="grpc", choices=["grpc", "http"], help="which API to drive")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: 1)")
+    parser.add_argument(
+        "--server-args", default="", help="more `tandem serve decode` flags, one shell-quoted string"
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="checkpoint dir whose tokenizer (and vocabulary size) the model gets (default: the cached "
+        "SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary, the first N ids of the tokenizer (default: all of them)",
+    )
+    parser.add_argument("--label", default="tandem", help="name of this run in the JSON (e.g. before/after)")
+    parser.add_argument("--no-floor", action="store_true", help="skip the in-process engine-alone split")
+    parser.add_argument("--profile", action="store_true", help="add py-spy rounds: all threads, GIL holder")
+    parser.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
+
+
+def _server_supports(flag: str) -> bool:
+    from bench.servers import tandem_command
+
+    help_text = subprocess.run(
+        tandem_command("serve", "decode", "--help"), capture_output=True, text=True, timeout=120, check=False
+    ).stdout
+    return flag in help_text
+
+
+def _server_args(args: argparse.Namespace, http_port: int | None) -> list[str]:
+    streams = str(args.streams)
+    flags = [
+        "--max-num-seqs",
+        streams,
+        "--max-num-batched-tokens",
+        str(max(512, args.streams)),
+        "--max-queue",
+        streams,
+        "--kv-cache-memory",
+        KV_CACHE_MEMORY,
+        "--stream-interval",
+        str(args.stream_interval),
+        *shlex.split(args.server_args),
+    ]
+    if http_port is not None:
+        flags += ["--http-port", str(http_port)]
+    return flags
+
+
+def _backend(api: str, grpc_target: str, http_port: int | None) -> StreamingBackend:
+    if api == "http":
+        from bench.backends.openai_http import OpenAIBackend
+
+        return OpenAIBackend(f"http://127.0.0.1:{http_port}", "tandem-http")
+    from bench.backends.tandem_grpc import TandemBackend
+
+    return TandemBackend(grpc_target, "tandem-grpc")
+
+
+async def _measure_round(backend: StreamingBackend, requests: list[WorkloadRequest], pid: int) -> dict:
+    from bench.metrics import compute_metrics
+    from bench.process_cpu import process_cpu_seconds, thread_cpu_delta, thread_cpu_seconds
+    from bench.runner import run_load
+
+    threads_before, server_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    load = await run_load(backend, requests, ArrivalProcess(math.inf), show_progress=False)
+    server_cpu_s = process_cpu_seconds(pid) - server_before
+    threads = thread_cpu_delta(threads_before, thread_cpu_seconds(pid), pid)
+    tokens = sum(record.output_len for record in load.records)
+    failed = [record.error for record in load.records if not record.ok]
+    if failed:
+        logger.warning("%d requests failed, e.g. %s", len(failed), failed[0])
+    metrics = compute_metrics(load.records, load.duration_s, [])
+    return {
+        "tokens": tokens,
+        "failed": len(failed),
+        "wall_s": round(load.duration_s, 3),
+        "served_tok_s": round(tokens / load.duration_s, 1),
+        "server_cpu_s": round(server_cpu_s, 3),
+        "server_cpu_us_per_token": round(1e6 * server_cpu_s / max(tokens, 1), 1),
+        "server_cores_busy": round(server_cpu_s / load.duration_s, 2),
+        "client_cpu_us_per_token": round(1e6 * load.client_cpu_s / max(tokens, 1), 1),
+        "server_threads_cpu_s": threads[:8],
+        "ttft_ms_p50": metrics["ttft_ms"]["p50"],
+        "itl_ms_p50": metrics["itl_ms"]["p50"],
+    }
+
+
+async def _profiled_round(
+    backend: StreamingBackend, requests: list[WorkloadRequest], pid: int, gil_only: bool
+) -> dict:
+    from bench.pyspy_profile import PySpyRecording, summarize
+    from bench.runner import run_load
+
+    recording = PySpyRecording(pid, gil_only=gil_only)
+    recording.start()
+    await asyncio.sleep(1.0)  # py-spy attaches before the round starts
+    started = time.perf_counter()
+    await run_load(backend, requests, ArrivalProcess(math.inf), show_progress=False)
+    duration = time.perf_counter() - started
+    return summarize(recording.stop(), duration, recording.rate_hz)
+
+
+async def _drive(args: argparse.Namespace, backend: StreamingBackend, pid: int, requests, warmups) -> dict:
+    from bench.runner import warm_up
+
+    server_info = await backend.open()
+    try:
+        await warm_up(backend, warmups, "warmup")
+        rounds = []
+        for index in range(args.rounds):
+            rounds.append(await _measure_round(backend, requests, pid))
+            logger.info(
+                "round %d: %s",
+                index + 1,
+                json.dumps({k: v for k, v in rounds[-1].items() if k != "server_threads_cpu_s"}),
+            )
+        profiles = {}
+        if args.profile:
+            profiles["all_threads"] = await _profiled_round(backend, requests, pid, gil_only=False)
+            profiles["gil_holder"] = await _profiled_round(backend, requests, pid, gil_only=True)
+    finally:
+        await backend.close()
+    return {"server": server_info, "rounds": rounds, "profile": profiles}
+
+
+def _median(rounds: list[dict], key: str) -> float:
+    return round(statistics.median(r[key] for r in rounds), 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry of `tandem bench serving-path`: model, server, rounds, split, JSON."""
+    from bench.machine import load_average, machine_info
+    from bench.near_zero_model import tokenizer_source, write_near_zero_model
+    from bench.report import command_line, write_json
+    from bench.servers import free_port, running, tandem_decode_server
+    from engine.config import parse_memory_size
+
+    http_port = None
+    if args.api == "http":
+        if not _server_supports("--http-port"):
+            logger.error("this build's decode server has no HTTP API (--http-port); use --api grpc")
+            return 2
+        http_port = free_port()
+    machine = machine_info()
+    spec = NearZeroModelSpec(vocab_size=args.vocab_size)
+    tokenizer_model = tokenizer_source(args.tokenizer_model)
+    with tempfile.TemporaryDirectory(prefix="tandem-near-zero-") as scratch:
+        model_dir = write_near_zero_model(Path(scratch) / "model", tokenizer_model, spec)
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        workload = SyntheticWorkload(
+            args.streams,
+            LengthDistribution.parse(f"fixed:{args.prompt_len}"),
+            LengthDistribution.parse(f"fixed:{args.output_len}"),
+            vocab_size,
+            seed=0,
+        )
+        requests = workload.requests()
+        warmups = SyntheticWorkload(
+            args.streams, workload.prompt_len, LengthDistribution.parse("fixed:8"), vocab_size, seed=1
+        ).requests()
+        server, target = tandem_decode_server(
+            "serving-path-decode", str(model_dir), args.threads, _server_args(args, http_port)
+        )
+        with running(server):
+            driven = asyncio.run(
+                _drive(args, _backend(args.api, target, http_port), server.pid, requests, warmups)
+            )
+        floor = None
+        if not args.no_floor:
+            import torch
+
+            from bench.engine_floor import measure_engine_floor
+
+            torch.set_num_threads(args.threads)
+            floor = measure_engine_floor(
+                model_dir, requests, args.streams, max(512, args.streams), parse_memory_size(KV_CACHE_MEMORY)
+            )
+    rounds = driven["rounds"]
+    summary = {
+        "server_cpu_us_per_token": _median(rounds, "server_cpu_us_per_token"),
+        "served_tok_s": _median(rounds, "served_tok_s"),
+        "client_cpu_us_per_token": _median(rounds, "client_cpu_us_per_token"),
+    }
+    if floor is not None:
+        summary["engine_loop_alone_cpu_us_per_token"] = floor["engine_loop_alone"]["cpu_us_per_token"]
+        summary["edge_cpu_us_per_token"] = round(
+            summary["server_cpu_us_per_token"] - summary["engine_loop_alone_cpu_us_per_token"], 1
+        )
+    result = {
+        "benchmark": "serving_path",
+        "label": args.label,
+        "machine": machine,
+        "command": command_line(),
+        "model": {**spec.describe(), "vocab_size": vocab_size, "tokenizer": tokenizer_model.name},
+        "workload": {
+            "streams": args.streams,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "api": args.api,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "server": {
+            **driven["server"],
+            "threads": args.threads,
+            "stream_interval": args.stream_interval,
+            "args": _server_args(args, http_port),
+        },
+        "summary": summary,
+        "rounds": rounds,
+        "engine_floor": floor,
+        "profile": driven["profile"],
+        "load_average_at_end": load_average(),
+    }
+    write_json(args.result_file, result)
+    print(json.dumps({"summary": summary, "engine_floor": floor}, indent=2))
+    if driven["profile"]:
+        print_profile(driven["profile"])
+    return 0 if all(r["failed"] == 0 for r in rounds) else 1
+
+
+def print_profile(profiles: dict) -> None:
+    """The profile's headline rows: thread busy shares, GIL-held share, top own-time functions."""
+    every = profiles["all_threads"]
+    for thread in every["threads"][:6]:
+        print(f"thread {thread['thread']:<28} busy {thread['busy_share']:6.1%}")
+    gil = profiles["gil_holder"]
+    held = gil["samples"] / max(gil["rate_hz"] * gil["duration_s"], 1.0)
+    print(f"GIL held {held:.1%} of the round")
+    for row in every["top_own"][:20]:
+        print(f"{row['share']:6.1%}  {row['function']}")

@@ -1,0 +1,160 @@
+"""`tandem bench serving-path` and its parts: CPU time read from /proc, py-spy stack summaries, the
+near-zero model, and one small end-to-end run against a real server process."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+
+from bench.near_zero_model import NearZeroModelSpec, tokenizer_source, write_near_zero_model
+from bench.process_cpu import (
+    ProcessCpuError,
+    ThreadCpu,
+    _parse_stat,
+    process_cpu_seconds,
+    thread_cpu_delta,
+    thread_cpu_seconds,
+)
+from bench.pyspy_profile import summarize
+from tandem.cli import main
+
+
+def test_stat_line_with_spaces_and_parentheses_in_the_name_parses():
+    ticks = os.sysconf("SC_CLK_TCK")
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+    line = f"42 (a (b) c) S 1 42 42 0 -1 4194560 10 0 0 0 {3 * ticks} {ticks} 0 0 20 0 5 0 100\n"
+    assert _parse_stat(line) == ("a (b) c", pytest.approx(4.0))
+
+
+def test_own_cpu_time_grows_with_work_and_threads_are_listed():
+    pid = os.getpid()
+    before = process_cpu_seconds(pid)
+    threads_before = thread_cpu_seconds(pid)
+    worker_tid: list[int] = []
+
+    def spin() -> None:
+        worker_tid.append(threading.get_native_id())
+        deadline = time.process_time() + 0.3
+        while time.process_time() < deadline:
+            sum(range(1000))
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.2)  # the worker is alive while we snapshot it
+    threads_after = thread_cpu_seconds(pid)
+    worker.join()
+    assert process_cpu_seconds(pid) > before
+    rows = thread_cpu_delta(threads_before, threads_after, pid)
+    assert worker_tid[0] in {row["tid"] for row in rows}
+    assert all(row["name"] == "main" for row in rows if row["tid"] == pid)
+    assert [row["cpu_s"] for row in rows] == sorted((row["cpu_s"] for row in rows), reverse=True)
+
+
+def test_a_tokenizer_model_without_a_tokenizer_is_refused(tmp_path):
+    from engine.errors import ModelNotFoundError
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
+        tokenizer_source(str(tmp_path))
+
+
+def test_a_missing_process_is_a_clear_error():
+    with pytest.raises(ProcessCpuError, match="process 0"):
+        process_cpu_seconds(0)
+
+
+def test_thread_delta_counts_threads_born_between_snapshots_from_zero():
+    before = {1: ThreadCpu(1, "python", 1.0)}
+    after = {1: ThreadCpu(1, "python", 1.5), 7: ThreadCpu(7, "grpc", 0.25), 8: ThreadCpu(8, "idle", 0.0)}
+    assert thread_cpu_delta(before, after, pid=1) == [
+        {"tid": 1, "name": "main", "cpu_s": 0.5},
+        {"tid": 7, "name": "grpc", "cpu_s": 0.25},
+    ]
+
+
+def test_profile_summary_counts_own_inclusive_and_per_thread_samples():
+    stacks = [
+        "thread (1): engine-loop;step (engine/engine.py:10);decode (detok.py:5) 30",
+        "thread (1): engine-loop;step (engine/engine.py:12);decode (detok.py:7) 10",
+        "thread (1): engine-loop;step (engine/engine.py:10) 20",
+        "thread (2): MainThread;run (asyncio/events.py:80);step (engine/engine.py:3) 40",
+    ]
+    summary = summarize(stacks, duration_s=1.0, rate_hz=100)
+    assert summary["samples"] == 100
+    assert summary["threads"] == [
+        {"thread": "engine-loop", "samples": 60, "busy_share": 0.6},
+        {"thread": "MainThread", "samples": 40, "busy_share": 0.4},
+    ]
+    own = {row["function"]: row["samples"] for row in summary["top_own"]}
+    # Samples at different lines of one function add up; a stack's leaf is its own time.
+    assert own == {"decode (detok.py)": 40, "step (engine/engine.py)": 60}
+    inclusive = {row["function"]: row["samples"] for row in summary["top_inclusive"]}
+    # A function twice on one stack (recursion, or here two threads' frames) counts once per stack.
+    assert inclusive["step (engine/engine.py)"] == 100
+    assert inclusive["run (asyncio/events.py)"] == 40
+    assert {row["file"]: row["share"] for row in summary["own_by_file"]} == {
+        "engine/engine.py": 0.6,
+        "detok.py": 0.4,
+    }
+
+
+def test_near_zero_model_has_the_spec_shape_and_the_tokenizer(tmp_path):
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+
+    source = tmp_path / "source"
+    source.mkdir()
+    build_tiny_tokenizer(source)
+    (source / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE, "eos_token_id": 2}))
+    spec = NearZeroModelSpec(num_layers=2, hidden_size=32, vocab_size=TINY_VOCAB_SIZE - 8)
+    model_dir = write_near_zero_model(tmp_path / "model", source, spec)
+    engine = Engine.from_pretrained(model_dir, EngineConfig(cache=CacheConfig(block_size=8, num_blocks=16)))
+    assert engine.model_config.num_layers == 2 and engine.model_config.hidden_size == 32
+    assert engine.vocab_size == TINY_VOCAB_SIZE - 8
+    assert (model_dir / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert engine.tokenizer.decode(engine.tokenizer.encode("hello")) == "hello"
+
+
+@pytest.mark.slow
+def test_serving_path_bench_measures_a_real_server(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    build_tiny_tokenizer(source)
+    (source / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB_SIZE, "eos_token_id": 2}))
+    result_file = tmp_path / "serving_path.json"
+    flags = {
+        "--streams": "4",
+        "--output-len": "6",
+        "--prompt-len": "5",
+        "--rounds": "2",
+        "--stream-interval": "2",
+        "--tokenizer-model": str(source),
+        "--result-file": str(result_file),
+    }
+    status = main(["bench", "serving-path", *(part for pair in flags.items() for part in pair)])
+    assert status == 0
+    result = json.loads(result_file.read_text())
+    assert result["benchmark"] == "serving_path" and result["server"]["stream_interval"] == 2
+    assert [r["tokens"] for r in result["rounds"]] == [24, 24]
+    assert all(r["failed"] == 0 and r["server_cpu_s"] > 0 for r in result["rounds"])
+    summary = result["summary"]
+    assert summary["server_cpu_us_per_token"] > 0 and summary["served_tok_s"] > 0
+    floor = result["engine_floor"]
+    assert floor["engine_loop_alone"]["tokens"] == 24
+    assert floor["decode_step_cpu_us_per_token"]["batch"] == 4
+    assert result["model"]["vocab_size"] == TINY_VOCAB_SIZE and result["model"]["num_layers"] == 3
+
+
+def test_http_api_is_refused_clearly_when_the_server_has_none(monkeypatch, tmp_path, caplog):
+    import bench.serving_path as serving_path
+
+    monkeypatch.setattr(serving_path, "_server_supports", lambda flag: False)
+    status = main(["bench", "serving-path", "--api", "http", "--result-file", str(tmp_path / "r.json")])
+    assert status == 2
+    assert "no HTTP API" in caplog.text
+    assert not (tmp_path / "r.json").exists()
