@@ -66,7 +66,7 @@ def measure_engine_floor(
 
     seqs = _decode_batch(loop, requests, steps)
     for seq in seqs:
-        engine.block_manager.grow(seq.block_table, seq.num_tokens)
+        engine.allocate(seq, seq.num_tokens)
     chunks = [ScheduledChunk(seq, 1) for seq in seqs]
     batch = len(chunks)
     logits = engine.runner.execute(chunks)
@@ -78,7 +78,7 @@ def measure_engine_floor(
 
     def engine_step() -> None:
         for seq in seqs:
-            engine.block_manager.grow(seq.block_table, seq.num_tokens)
+            engine.allocate(seq, seq.num_tokens)
         engine.step([ScheduledChunk(seq, 1) for seq in seqs])
 
     parts = {
