@@ -178,8 +178,10 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
 
     from engine.engine import Engine
     from engine.model_store import resolve_model
+    from serving.parent_watch import stop_with_parent
     from tandem.logs import set_log_prompts, use_log_format
 
+    stop_with_parent()
     use_log_format(args.log_format)
     set_log_prompts(args.log_prompts)
     check_positive(args, "max_concurrent_streams")

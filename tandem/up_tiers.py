@@ -1,7 +1,8 @@
 """The child processes of `tandem up`: start one tier, forward its logs, wait for its health, stop it.
 
 Each tier runs in its own session, so a terminal's Ctrl-C reaches only `up`, which stops the tiers in
-order; each gets SIGTERM if `up` itself dies (Linux parent-death signal), so none is ever orphaned.
+order; each gets SIGTERM if `up` itself dies (Linux parent-death signal, armed by the child: see
+`serving.parent_watch`), so none is ever orphaned.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from serving.parent_watch import PARENT_PID_ENV
 from tandem.logs import log_event
 
 logger = logging.getLogger(__name__)
@@ -34,29 +36,6 @@ class TierSpec:
     argv: list[str]
     port: int
     threads: int
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A function for the child to run before exec: get SIGTERM when `up` dies, however it dies.
-
-    prctl is looked up here, in the parent: between fork and exec the child may only do simple calls,
-    and loading a library there could deadlock on a lock another of our threads held at the fork.
-    None where there is no prctl (not Linux): children then rely on `up` stopping them.
-    """
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_death_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return set_death_signal
 
 
 @dataclass
@@ -106,7 +85,12 @@ class LogForwarder:
 
 
 def start_tier(spec: TierSpec, threads: int) -> Tier:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        PARENT_PID_ENV: str(os.getpid()),
+    }
     process = subprocess.Popen(
         spec.argv,
         stdin=subprocess.DEVNULL,
@@ -116,7 +100,6 @@ def start_tier(spec: TierSpec, threads: int) -> Tier:
         errors="replace",
         env=env,
         start_new_session=True,
-        preexec_fn=_parent_death_signal(),
     )
     log_event(
         logger, logging.INFO, "tier started", tier=spec.name, pid=process.pid, port=spec.port, threads=threads

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,11 +140,16 @@ def tandem_command() -> list[str]:
 
 
 def alive(pid: int) -> bool:
+    """Running, not merely unreaped: an orphan's zombie waits for whoever adopted it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class UpProcess:
@@ -265,6 +271,18 @@ def test_a_dead_tier_stops_the_other_and_up_says_which(up):
     assert not alive(up.pids["decode"]), up.log()
     events = [json.loads(line) for line in up.stderr if line.startswith("{")]
     assert any(e.get("event") == "tier exited" and e.get("tier") == "prefill" for e in events)
+
+
+@pytest.mark.slow
+def test_killing_up_outright_takes_both_tiers_down(up):
+    """The tiers arm their own parent-death signal (no pre-exec hook forking a process with gRPC threads)."""
+    up.wait_ready()
+    up.process.kill()
+    up.process.wait(30)
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in up.pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [tier for tier, pid in up.pids.items() if alive(pid)] == [], up.log()
 
 
 @pytest.mark.slow
