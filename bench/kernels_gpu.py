@@ -1,8 +1,9 @@
 """GPU benchmark of tandem's Triton attention kernels: decode bandwidth and prefill TFLOP/s.
 
-Decode is memory-bound, so its figure of merit is achieved bandwidth — KV bytes the step must
-read divided by kernel time — as a fraction of the device's peak (H200 ≈ 4.8 TB/s). It is
-measured over batch {1, 8, 64, 256} × context {512, 4k, 32k} × GQA group {1, 4, 8} (8 KV heads,
+Decode is memory-bound, so its figure of merit is achieved bandwidth — the bytes the step must
+move (K/V, block tables, queries, outputs; `bench.roofline.decode_kernel_roofline`) divided by
+kernel time — as a fraction of the device's peak (H200 ≈ 4.8 TB/s). It is measured over
+batch {1, 8, 64, 256} × context {1k, 4k, 16k, 32k} × GQA group {1, 4, 8} (8 KV heads,
 head_dim 128, bf16, block size 16, randomly placed blocks) against gather + SDPA in torch and,
 when importable, `flash_attn` and `flashinfer`. Prefill is compute-bound: causal TFLOP/s of the
 paged chunked-prefill kernel against `scaled_dot_product_attention` on contiguous tensors.
@@ -16,7 +17,9 @@ over the iterations is reported. Each output is checked against the torch refere
 
 `--dry-run` runs the same code path on the CPU under `TRITON_INTERPRET=1` with tiny shapes and
 fp32, to validate shapes, correctness checks and the JSON format without a GPU; its timings mean
-nothing.
+nothing. Both modes first print the static roofline of the GPU sweep: per configuration, the bytes
+and FLOPs of the launch plan and the time the peak bandwidth allows, so that a GPU run can be
+judged at once against what it should reach.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bench.roofline import DecodeAttentionStep, decode_kernel_roofline
 
 # Peak HBM bandwidth by device name fragment, bytes/s (vendor figures).
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -62,7 +67,7 @@ GPU_SHAPES = Shapes(
     device="cuda",
     dtype_name="bfloat16",
     batches=(1, 8, 64, 256),
-    contexts=(512, 4096, 32768),
+    contexts=(1024, 4096, 16384, 32768),
     gqa_groups=(1, 4, 8),
     prefill_cases=((16, 1024), (4, 4096), (1, 16384)),
     num_kv_heads=8,
@@ -160,22 +165,23 @@ def max_error(torch, out, expected) -> float:
 def bench_decode_case(
     env, shapes: Shapes, timer: Timer, batch: int, context: int, gqa: int, peak: float
 ) -> dict:
-    torch, triton_decode, triton_common = env["torch"], env["triton_decode"], env["triton_common"]
+    torch, triton_decode = env["torch"], env["triton_decode"]
     device, dtype = torch.device(shapes.device), getattr(torch, shapes.dtype_name)
     num_heads = shapes.num_kv_heads * gqa
     scale = shapes.head_dim**-0.5
     k_cache, v_cache, table = paged_cache(torch, batch, context, shapes, dtype, device)
     query = torch.randn(batch, num_heads, shapes.head_dim, dtype=dtype, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    kv_bytes = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * k_cache.element_size()
+    plan = decode_plan(env, shapes, batch, context, device)
+    roofline = decode_kernel_roofline(decode_step(env, shapes, batch, context, gqa, plan), peak)
     rows = slice(0, min(batch, CHECK_ROWS))
     expected = gather_sdpa_decode(
         torch, query[rows], k_cache, v_cache, table[rows], context, scale, torch.float32
     )
 
     def bandwidth(seconds: float, out, reference=expected) -> dict:
-        """Achieved bandwidth of a launch, and its first rows' error against the fp32 reference."""
-        achieved = kv_bytes / seconds
+        """Achieved bandwidth of a launch (compulsory bytes / time), and its first rows' error."""
+        achieved = roofline["compulsory_bytes"] / seconds
         return result(
             seconds,
             bandwidth_bytes_per_s=achieved,
@@ -183,20 +189,12 @@ def bench_decode_case(
             max_abs_error=max_error(torch, out[rows], reference),
         )
 
-    plan = triton_decode.plan_splits(
-        batch,
-        shapes.num_kv_heads,
-        table.shape[1] * shapes.block_size,
-        triton_common.num_sms(device),
-        triton_decode.kv_tile_size(shapes.head_dim),
-    )
-
     def run_triton():
         return triton_decode.paged_decode_attention(query, k_cache, v_cache, table, seq_lens, scale)
 
     results = {"triton": bandwidth(timer(run_triton), run_triton())}
 
-    if kv_bytes > TORCH_REFERENCE_MAX_KV_BYTES:
+    if roofline["kv_bytes"] > TORCH_REFERENCE_MAX_KV_BYTES:
         results["torch_gather_sdpa"] = {
             "skipped": "its gathered copy of the KV would not fit beside the cache"
         }
@@ -218,10 +216,67 @@ def bench_decode_case(
         "gqa": gqa,
         "num_heads": num_heads,
         "num_kv_heads": shapes.num_kv_heads,
-        "kv_bytes": kv_bytes,
+        "kv_bytes": roofline["kv_bytes"],
         "split_plan": asdict(plan),
+        "roofline": roofline,
         "results": results,
     }
+
+
+def decode_plan(env, shapes: Shapes, batch: int, context: int, device):
+    """The split plan the decode wrapper picks for this case (its block table holds exactly `context`)."""
+    triton_decode, triton_common = env["triton_decode"], env["triton_common"]
+    capacity = math.ceil(context / shapes.block_size) * shapes.block_size
+    tile = triton_decode.kv_tile_size(shapes.head_dim)
+    return triton_decode.plan_splits(
+        batch, shapes.num_kv_heads, capacity, triton_common.num_sms(device), tile
+    )
+
+
+def decode_step(env, shapes: Shapes, batch: int, context: int, gqa: int, plan) -> DecodeAttentionStep:
+    torch, triton_decode = env["torch"], env["triton_decode"]
+    return DecodeAttentionStep(
+        batch=batch,
+        context=context,
+        num_heads=shapes.num_kv_heads * gqa,
+        num_kv_heads=shapes.num_kv_heads,
+        head_dim=shapes.head_dim,
+        block_size=shapes.block_size,
+        dtype_bytes=getattr(torch, shapes.dtype_name).itemsize,
+        num_splits=plan.num_splits,
+        kv_tile=triton_decode.kv_tile_size(shapes.head_dim),
+        dot_rows=triton_decode.dot_rows(gqa),
+    )
+
+
+def static_roofline(env, shapes: Shapes, peak: float, device) -> list[dict]:
+    """The GPU sweep's bytes, FLOPs and bandwidth-bound time per configuration, from the launch plan."""
+    rows = []
+    for batch in shapes.batches:
+        for context in shapes.contexts:
+            plan = decode_plan(env, shapes, batch, context, device)
+            for gqa in shapes.gqa_groups:
+                step = decode_step(env, shapes, batch, context, gqa, plan)
+                rows.append({**asdict(step), **decode_kernel_roofline(step, peak)})
+    return rows
+
+
+def print_static_roofline(rows: list[dict], peak: float, shapes: Shapes) -> None:
+    print(
+        f"static roofline of decode attention ({shapes.dtype_name}, {shapes.num_kv_heads} KV heads, "
+        f"head_dim {shapes.head_dim}, block {shapes.block_size}) at {peak / 1e12:.2f} TB/s"
+    )
+    print(
+        f"{'batch':>6} {'context':>8} {'gqa':>4} {'splits':>6} {'MB must move':>13} {'+split MB':>10} "
+        f"{'GFLOP':>9} {'FLOP/B':>7} {'min us':>9}"
+    )
+    for row in rows:
+        print(
+            f"{row['batch']:>6} {row['context']:>8} {row['num_heads'] // row['num_kv_heads']:>4} "
+            f"{row['num_splits']:>6} {row['compulsory_bytes'] / 1e6:>13.2f} "
+            f"{row['split_bytes'] / 1e6:>10.2f} "
+            f"{row['flops'] / 1e9:>9.3f} {row['flops_per_byte']:>7.2f} {row['min_seconds'] * 1e6:>9.1f}"
+        )
 
 
 def guarded(run: Callable[[], dict]) -> dict:
@@ -400,6 +455,8 @@ def run(shapes: Shapes, env: dict, peak_override: float | None) -> dict:
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     )
     peak = peak_bandwidth(device_name, peak_override)
+    # The static roofline is always of the GPU sweep; without a GPU, of an H200 (and its SM count).
+    gpu_peak = peak if device.type == "cuda" else peak_bandwidth("H200", peak_override)
     timer = Timer(torch, device, shapes.iterations)
     report = {
         "mode": "gpu" if device.type == "cuda" else "dry-run",
@@ -414,9 +471,11 @@ def run(shapes: Shapes, env: dict, peak_override: float | None) -> dict:
         "timing": "median over launches; CUDA events, L2 flushed by a memset before each launch"
         if device.type == "cuda"
         else "median wall time (interpreter; not a performance figure)",
+        "static_roofline": static_roofline(env, GPU_SHAPES, gpu_peak, device),
         "decode": [],
         "prefill": [],
     }
+    print_static_roofline(report["static_roofline"], gpu_peak, GPU_SHAPES)
     print(f"decode on {device_name}: achieved KV bandwidth / peak {peak / 1e12:.2f} TB/s")
     header = "".join(peer.ljust(CELL) for peer in DECODE_PEERS)
     print(f"{'batch':>6} {'context':>8} {'gqa':>4} {'splits':>6}  {header}")

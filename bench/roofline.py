@@ -13,6 +13,10 @@ The bound on throughput is output tokens / max(compute, memory). A system's frac
 much of the machine it uses. Under a request rate the bound is also at most rate x mean output length.
 
     tandem bench probe [--threads 2] [--num-prompts 64 ...]
+
+The GPU counterpart, for one kernel rather than a workload: `decode_kernel_roofline` counts the bytes
+the paged decode kernels must move and the FLOPs they do for one decode step, from the launch plan
+(`bench/kernels_gpu.py` prints it beside the device's peak bandwidth, also in `--dry-run`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BYTES_FP32 = 4
+BYTES_INT32 = 4
 
 
 @dataclass(frozen=True)
@@ -216,3 +221,60 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     return 0
+
+
+@dataclass(frozen=True)
+class DecodeAttentionStep:
+    """One decode step of paged attention as launched: the shapes and the split plan chosen for them."""
+
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype_bytes: int
+    num_splits: int
+    kv_tile: int  # context positions per K/V tile (BLOCK_N)
+    dot_rows: int  # query rows of one program's dot: the GQA group padded to the smallest dot
+
+
+def decode_kernel_roofline(step: DecodeAttentionStep, peak_bytes_per_s: float) -> dict:
+    """Memory traffic and FLOPs of one decode step, and the time bandwidth alone allows.
+
+    Every sequence has `context` cached tokens. Compulsory traffic, what any kernel must move: each
+    K and V row of every sequence's context once, the block-table entries covering the context,
+    the query, the sequence lengths, and the output. The plan adds, with splits, an fp32 partial
+    output and a log-sum-exp per (sequence, head, split) that the decode kernel writes and the
+    merge kernel reads back. Useful FLOPs are QK^T and PV, 2 x head_dim each per (head, position);
+    issued FLOPs are what the tensor cores execute, with the GQA group padded to `dot_rows` and
+    the context to whole K/V tiles.
+    """
+    b, heads, d, e = step.batch, step.num_heads, step.head_dim, step.dtype_bytes
+    kv = 2 * b * step.context * step.num_kv_heads * d * e
+    tables = b * math.ceil(step.context / step.block_size) * BYTES_INT32
+    queries = b * heads * d * e
+    seq_lens = b * BYTES_INT32
+    output = b * heads * d * e
+    compulsory = kv + tables + queries + seq_lens + output
+    split_traffic = 0
+    if step.num_splits > 1:
+        partials = b * heads * step.num_splits * (d + 1) * BYTES_FP32  # outputs and log-sum-exps
+        split_traffic = 2 * partials + seq_lens  # written by the decode kernel, read by the merge
+    flops = 4 * b * heads * step.context * d
+    padded_context = math.ceil(step.context / step.kv_tile) * step.kv_tile
+    issued_flops = 4 * b * step.num_kv_heads * step.dot_rows * padded_context * d
+    return {
+        "kv_bytes": kv,
+        "block_table_bytes": tables,
+        "query_bytes": queries,
+        "output_bytes": output,
+        "compulsory_bytes": compulsory,
+        "split_bytes": split_traffic,
+        "planned_bytes": compulsory + split_traffic,
+        "flops": flops,
+        "issued_flops": issued_flops,
+        "flops_per_byte": flops / compulsory,
+        "min_seconds": compulsory / peak_bytes_per_s,
+        "planned_min_seconds": (compulsory + split_traffic) / peak_bytes_per_s,
+    }

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import slot_offsets
+from kernels.triton_common import KernelLaunch, launch, slot_offsets
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def write_kv_cache(
         raise ValueError("K, V and the caches need a contiguous head_dim")
     if num_tokens == 0:
         return
-    _write_kv_kernel[(num_tokens,)](
+    args = (
         key,
         value,
         k_cache,
@@ -84,9 +84,11 @@ def write_kv_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        num_warps=4,
     )
+    constexprs = {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+    }
+    launch(KernelLaunch(_write_kv_kernel, (num_tokens,), args, constexprs, num_warps=4))

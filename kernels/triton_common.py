@@ -1,5 +1,5 @@
 """What every Triton kernel of tandem shares: the paged-cache address arithmetic, the dot input dtype,
-and facts about the device that launch heuristics need.
+facts about the device that launch heuristics need, and the one point every launch goes through.
 
 The address arithmetic lives in one `@triton.jit` helper so the 64-bit rule is written (and tested)
 once: a cache with a few million blocks has element offsets past 2**31, and an offset computed in
@@ -8,7 +8,12 @@ int32 silently wraps and reads another sequence's keys.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -58,6 +63,58 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Everything one launch of a `@triton.jit` kernel is: grid, runtime arguments, constexprs, options.
+
+    Launch sites build one and hand it to `launch`, so the specialisations they launch can be
+    recorded (`recorded_launches`) and compiled ahead of time for real GPUs (`kernels.aot`) by
+    the very code that plans them, instead of by a copy of their heuristics.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    @property
+    def options(self) -> dict[str, int]:
+        """Triton's launch options; `num_stages` only when set, so Triton's default applies otherwise."""
+        if self.num_stages is None:
+            return {"num_warps": self.num_warps}
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+_recorder: contextvars.ContextVar[list[KernelLaunch] | None] = contextvars.ContextVar(
+    "kernel_launch_recorder", default=None
+)
+
+
+def launch(spec: KernelLaunch) -> None:
+    """Run `spec`, or append it to the list of an enclosing `recorded_launches` block instead."""
+    recorded = _recorder.get()
+    if recorded is not None:
+        recorded.append(spec)
+        return
+    spec.kernel[spec.grid](*spec.args, **spec.constexprs, **spec.options)
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[KernelLaunch]]:
+    """Within the block, kernel wrappers plan and record their launches without running them.
+
+    The wrappers still allocate their outputs, so tensors on the `meta` device make this free.
+    """
+    recorded: list[KernelLaunch] = []
+    token = _recorder.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _recorder.reset(token)
 
 
 @triton.jit

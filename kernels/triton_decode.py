@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_dtype, dot_precision, kv_token_offsets, num_sms
+from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, kv_token_offsets, launch, num_sms
 
 # A split shorter than this spends more on its partial write and merge than it saves.
 MIN_SPLIT_TOKENS = 256
@@ -48,6 +48,11 @@ class SplitPlan:
 def kv_tile_size(head_dim: int) -> int:
     """Context positions per K/V tile: 64 keeps a K and a V tile of head_dim ≤ 128 in registers."""
     return 64 if head_dim <= 128 else 32
+
+
+def dot_rows(group: int) -> int:
+    """Query rows of one program's dots: the GQA group, padded to a power of two and the smallest dot."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
 
 
 def plan_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int, tile: int) -> SplitPlan:
@@ -252,7 +257,7 @@ def merge_partials(
     """Second stage of split-KV decode: `[B, heads, head_dim]` in `dtype` from the split outputs."""
     batch, num_heads, num_splits, head_dim = partial.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=dtype, device=partial.device)
-    _merge_kernel[(batch, num_heads)](
+    args = (
         partial,
         lse,
         seq_lens,
@@ -265,11 +270,13 @@ def merge_partials(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        num_warps=4,
     )
+    constexprs = {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        "SPLITS_PAD": triton.next_power_of_2(num_splits),
+    }
+    launch(KernelLaunch(_merge_kernel, (batch, num_heads), args, constexprs, num_warps=4))
     return out
 
 
@@ -281,7 +288,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
     out_strides = (out.stride(0), out.stride(1), out.stride(2) if write_lse else 0)
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
     dot_type = dot_dtype(_decode_kernel, k_cache.dtype)
-    _decode_kernel[(batch, num_kv_heads, plan.num_splits)](
+    args = (
         query,
         k_cache,
         v_cache,
@@ -300,17 +307,19 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
         block_tables.stride(0),
         *out_strides,
         *lse_strides,
-        GROUP=group,
-        GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_N=kv_tile_size(head_dim),
-        DOT_DTYPE=dot_type,
-        DOT_PRECISION=dot_precision(dot_type),
-        WRITE_LSE=write_lse,
-        num_warps=4,
-        num_stages=2,
     )
+    constexprs = {
+        "GROUP": group,
+        "GROUP_PAD": dot_rows(group),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        "BLOCK_N": kv_tile_size(head_dim),
+        "DOT_DTYPE": dot_type,
+        "DOT_PRECISION": dot_precision(dot_type),
+        "WRITE_LSE": write_lse,
+    }
+    grid = (batch, num_kv_heads, plan.num_splits)
+    launch(KernelLaunch(_decode_kernel, grid, args, constexprs, num_warps=4, num_stages=2))
 
 
 def paged_decode_attention(

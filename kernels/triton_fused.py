@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import KernelLaunch, launch
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """`x` as a 2-D `[rows, last]` view with a contiguous last dim (copying only if it must)."""
@@ -65,7 +67,7 @@ def rms_norm(
     residual_rows = _rows(residual) if residual is not None else rows
     residual_out = torch.empty_like(rows) if residual is not None else rows
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
+        args = (
             rows,
             residual_rows,
             weight,
@@ -77,10 +79,10 @@ def rms_norm(
             residual_rows.stride(0),
             out.stride(0),
             residual_out.stride(0),
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(hidden),
-            num_warps=4 if hidden <= 4096 else 8,
         )
+        constexprs = {"HAS_RESIDUAL": residual is not None, "BLOCK": triton.next_power_of_2(hidden)}
+        num_warps = 4 if hidden <= 4096 else 8
+        launch(KernelLaunch(_rms_norm_kernel, (rows.shape[0],), args, constexprs, num_warps))
     new_residual = residual_out.view(x.shape) if residual is not None else x
     return out.view(x.shape), new_residual
 
@@ -164,7 +166,7 @@ def apply_rope(
     if num_tokens == 0:
         return query, key
     half = head_dim // 2
-    _rope_kernel[(num_tokens,)](
+    args = (
         query,
         key,
         cos,
@@ -177,12 +179,14 @@ def apply_rope(
         sin.stride(0),
         num_q_heads,
         num_k_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads),
-        K_HEADS_PAD=triton.next_power_of_2(num_k_heads),
-        HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
     )
+    constexprs = {
+        "Q_HEADS_PAD": triton.next_power_of_2(num_q_heads),
+        "K_HEADS_PAD": triton.next_power_of_2(num_k_heads),
+        "HALF": half,
+        "HALF_PAD": triton.next_power_of_2(half),
+    }
+    launch(KernelLaunch(_rope_kernel, (num_tokens,), args, constexprs, num_warps=4))
     return query, key
 
 
@@ -210,7 +214,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
         block = min(SILU_BLOCK, triton.next_power_of_2(width))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
-            rows, out, width, rows.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+        grid = (rows.shape[0], triton.cdiv(width, block))
+        args = (rows, out, width, rows.stride(0), out.stride(0))
+        launch(KernelLaunch(_silu_and_mul_kernel, grid, args, {"BLOCK": block}, num_warps=4))
     return out.view(*gate_up.shape[:-1], width)

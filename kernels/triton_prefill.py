@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_common import dot_dtype, dot_precision, kv_token_offsets
+from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, kv_token_offsets, launch
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def paged_prefill_attention(
         return out
     grid = (triton.cdiv(meta.max_query_len, tile.block_m), meta.num_seqs, num_heads)
     dot_type = dot_dtype(_prefill_kernel, k_cache.dtype)
-    _prefill_kernel[grid](
+    args = (
         query,
         k_cache,
         v_cache,
@@ -169,14 +169,15 @@ def paged_prefill_attention(
         meta.block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        DOT_DTYPE=dot_type,
-        DOT_PRECISION=dot_precision(dot_type),
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
     )
+    constexprs = {
+        "GROUP": num_heads // num_kv_heads,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "DOT_DTYPE": dot_type,
+        "DOT_PRECISION": dot_precision(dot_type),
+    }
+    launch(KernelLaunch(_prefill_kernel, grid, args, constexprs, tile.num_warps, tile.num_stages))
     return out

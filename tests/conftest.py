@@ -22,6 +22,9 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 
 TINY_VOCAB = 384
+# Where engines built by `engine_for` run: `cuda` (with TRITON_INTERPRET=0) runs the engine parity and
+# kernel tests on a GPU, as bench/gpu_check.sh does.
+TEST_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 
 # Test servers, subprocesses and the test process share two cores: one intra-op thread each avoids
 # oversubscription, which made tiny-model steps two orders of magnitude slower.
@@ -85,6 +88,7 @@ def engine_for(
     if shuffle_seed is not None:
         order = list(range(num_blocks))
         random.Random(shuffle_seed).shuffle(order)
+    config_kwargs.setdefault("device", TEST_DEVICE)
     config = EngineConfig(
         dtype=dtype, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), **config_kwargs
     )

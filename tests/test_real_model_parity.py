@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig
@@ -25,7 +26,10 @@ NEW_TOKENS = 64
 @pytest.mark.real_model
 def test_smollm2_chat_greedy_matches_transformers(real_model_dir):
     engine = Engine.from_pretrained(
-        real_model_dir, EngineConfig(dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=128))
+        real_model_dir,
+        EngineConfig(
+            dtype=torch.float32, device=TEST_DEVICE, cache=CacheConfig(block_size=16, num_blocks=128)
+        ),
     )
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
     stopping = StoppingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -1,0 +1,402 @@
+"""Compile every Triton kernel the backend launches for real NVIDIA GPUs, on a machine without one.
+
+The kernel tests run under Triton's interpreter, which never compiles: it cannot see register
+spills, shared memory beyond what an SM has, or `tl.dot` rules of real hardware. Triton can
+compile for a GPU target without a GPU, with the `ptxas` it ships. So this tool replays what the
+backend launches and compiles exactly that:
+
+- the kernel wrappers run over `meta` tensors (free) laid out as a decoder layer lays them out
+  (q/k/v views of one fused projection), for each model shape and dtype, with their launches
+  recorded instead of run (`triton_common.recorded_launches`); decode attention runs over the
+  batches and contexts the split planner sees, so every split count it can choose appears. Tile
+  sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
+- each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
+  the signature, constexprs and divisibility attributes, and `triton.compile(ASTSource(...),
+  target=GPUTarget("cuda", arch, 32))` compiles it;
+- registers and spill bytes come from `ptxas -v` over the generated PTX (the ptxas Triton uses,
+  with its flags), shared memory and warps/stages from the compiled metadata. Shared memory is
+  checked against the arch's per-block limit, which only the driver would enforce at load time.
+
+    python -m kernels.aot --arch sm_80,sm_90 [--json] [--model llama-3.1-8b] [--dtype bfloat16]
+
+Exits 1 when any kernel fails to compile, spills, or needs more shared memory than the arch has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+
+# The kernels must be real `JITFunction`s, not interpreted ones: the decorators read this at import.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from engine.config import CacheConfig, EngineConfig  # noqa: E402
+from kernels import triton_cache, triton_decode, triton_fused, triton_prefill  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.triton_common import KernelLaunch, is_interpreted, recorded_launches  # noqa: E402
+
+# Largest dynamic shared memory one block may opt into (CUDA programming guide, per compute capability).
+MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Decode batches and contexts the split planner is asked about: every split count it can choose.
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The layer dimensions that decide kernel specialisations (published configs of each model)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+MODELS = (
+    ModelShape("smollm2-135m", hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64),
+    ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128),
+    ModelShape("llama-3.1-70b", hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128),
+)
+
+
+@dataclass(frozen=True)
+class Specialisation:
+    """One compilation Triton's JIT would do: a kernel with its signature, constants and options."""
+
+    kernel: object
+    signature: dict[str, str]
+    constexprs: dict[tuple[int, ...], object]
+    attrs: dict[tuple[int, ...], list]
+    options: dict[str, object]
+
+    def key(self) -> str:
+        constants = sorted((k, str(v)) for k, v in self.constexprs.items())
+        return repr(
+            (self.kernel.__name__, self.signature, constants, sorted(self.attrs.items()), self.options)
+        )
+
+
+@dataclass
+class Result:
+    """One row of the report: a kernel specialisation compiled for one arch."""
+
+    kernel: str
+    arch: str
+    config: str
+    constexprs: str
+    compiled: bool
+    registers: int | None = None
+    spills: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack_bytes: int | None = None
+    shared_bytes: int | None = None
+    max_shared_bytes: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        fits = self.shared_bytes is None or self.shared_bytes <= (self.max_shared_bytes or self.shared_bytes)
+        return self.compiled and self.spills == 0 and fits
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _qkv(model: ModelShape, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the model makes them: views of one fused projection output."""
+    q_size, kv_size = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    qkv = _meta(tokens, q_size + 2 * kv_size, dtype=dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (
+        q.view(-1, model.heads, model.head_dim),
+        k.view(-1, model.kv_heads, model.head_dim),
+        v.view(-1, model.kv_heads, model.head_dim),
+    )
+
+
+def _caches(model: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return _meta(num_blocks, block_size, model.kv_heads, model.head_dim, dtype=dtype)
+
+
+def _layer_ops(model: ModelShape, tokens: int, block_size: int, dtype: torch.dtype) -> None:
+    """Everything of a decoder layer but attention, on a step of `tokens` rows."""
+    hidden = _meta(tokens, model.hidden, dtype=dtype)
+    weight = _meta(model.hidden, dtype=dtype)
+    triton_fused.rms_norm(hidden, weight, 1e-5)
+    triton_fused.rms_norm(hidden, weight, 1e-5, _meta(tokens, model.hidden, dtype=dtype))
+    q, k, v = _qkv(model, tokens, dtype)
+    cos = _meta(tokens, model.head_dim, dtype=dtype)
+    triton_fused.apply_rope(q, k, cos, _meta(tokens, model.head_dim, dtype=dtype))
+    cache = _caches(model, 1024, block_size, dtype)
+    slots = _meta(tokens, dtype=torch.int64)
+    triton_cache.write_kv_cache(k, v, cache, _caches(model, 1024, block_size, dtype), slots)
+    triton_fused.silu_and_mul(_meta(tokens, 2 * model.intermediate, dtype=dtype))
+
+
+def _decode_attention(
+    model: ModelShape, batch: int, context: int, block_size: int, dtype: torch.dtype
+) -> None:
+    blocks_per_seq = triton.cdiv(context, block_size)
+    q, _, _ = _qkv(model, batch, dtype)
+    cache = _caches(model, batch * blocks_per_seq, block_size, dtype)
+    tables = _meta(batch, blocks_per_seq, dtype=torch.int32)
+    seq_lens = _meta(batch, dtype=torch.int32)
+    triton_decode.paged_decode_attention(q, cache, cache, tables, seq_lens, model.head_dim**-0.5)
+
+
+def _prefill_attention(model: ModelShape, chunk: int, block_size: int, dtype: torch.dtype) -> None:
+    """A mixed step: one prompt chunk of `chunk` tokens and three single-token decodes."""
+    query_lens = [chunk, 1, 1, 1]
+    seq_lens = [chunk, 300, 1000, 5000]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    blocks_per_seq = triton.cdiv(max(seq_lens), block_size)
+    meta = AttentionMetadata(
+        query_start_loc=_meta(len(starts), dtype=torch.int32),
+        seq_lens=_meta(len(seq_lens), dtype=torch.int32),
+        block_tables=_meta(len(seq_lens), blocks_per_seq, dtype=torch.int32),
+        slot_mapping=_meta(starts[-1], dtype=torch.int64),
+        query_lens_host=query_lens,
+        seq_lens_host=seq_lens,
+    )
+    q, _, _ = _qkv(model, starts[-1], dtype)
+    cache = _caches(model, 4 * blocks_per_seq, block_size, dtype)
+    triton_prefill.paged_prefill_attention(q, cache, cache, meta, model.head_dim**-0.5)
+
+
+def recorded_configs(model: ModelShape, dtype_name: str) -> Iterator[tuple[str, KernelLaunch]]:
+    """(what step it came from, launch) for every launch the backend makes for `model` in `dtype`.
+
+    Block size and step token budget are the engine's defaults, as a server started without
+    flags uses them.
+    """
+    dtype = DTYPES[dtype_name]
+    block_size = CacheConfig().block_size
+    budget = EngineConfig().max_num_batched_tokens
+    steps = [(f"layer ops, {budget} tokens", lambda: _layer_ops(model, budget, block_size, dtype))]
+    steps.append(
+        (f"prefill chunk {budget} + 3 decodes", lambda: _prefill_attention(model, budget, block_size, dtype))
+    )
+    for batch in DECODE_BATCHES:
+        for context in DECODE_CONTEXTS:
+            run = lambda b=batch, c=context: _decode_attention(model, b, c, block_size, dtype)  # noqa: E731
+            steps.append((f"decode batch {batch} context {context}", run))
+    for label, step in steps:
+        with recorded_launches() as launches:
+            step()
+        for launch in launches:
+            yield f"{model.name} {dtype_name} {label}", launch
+
+
+def specialise(launch: KernelLaunch, target: GPUTarget) -> Specialisation:
+    """What Triton's JIT would compile for this launch on `target`, found by Triton's own binder."""
+    kernel = launch.kernel
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {**launch.constexprs, **launch.options}
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return Specialisation(kernel, signature, constexprs, attrs, options.__dict__)
+
+
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_usage(ptx: str, arch: int, options: dict[str, object]) -> tuple[int, int, int, int]:
+    """(registers, stack frame bytes, spill store bytes, spill load bytes) that `ptxas -v` reports."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    fmad = [] if options.get("enable_fp_fusion", True) else ["--fmad=false"]
+    with tempfile.TemporaryDirectory() as scratch:
+        source = os.path.join(scratch, "kernel.ptx")
+        with open(source, "w") as handle:
+            handle.write(ptx)
+        command = [
+            get_ptxas(arch).path,
+            "-v",
+            *fmad,
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(arch)}",
+            source,
+            "-o",
+            os.path.join(scratch, "kernel.cubin"),
+        ]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    registers = _PTXAS_REGISTERS.search(log)
+    spills = _PTXAS_SPILLS.search(log)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas -v output: {log}")
+    stack, stores, loads = (int(g) for g in spills.groups())
+    return int(registers.group(1)), stack, stores, loads
+
+
+def compile_one(spec: Specialisation, arch: int, config: str) -> Result:
+    target = GPUTarget("cuda", arch, 32)
+    constants = {spec.kernel.arg_names[k[0]]: v for k, v in spec.constexprs.items()}
+    result = Result(
+        kernel=spec.kernel.__name__,
+        arch=f"sm_{arch}",
+        config=config,
+        constexprs=", ".join(f"{k}={v}" for k, v in constants.items()),
+        compiled=False,
+        max_shared_bytes=MAX_SHARED_BYTES.get(arch),
+    )
+    try:
+        source = ASTSource(spec.kernel, spec.signature, spec.constexprs, spec.attrs)
+        compiled = triton.compile(source, target=target, options=spec.options)
+        registers, stack, stores, loads = ptxas_usage(compiled.asm["ptx"], arch, spec.options)
+    except Exception as exc:  # every compiler failure is a finding to report, not a crash
+        result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        return result
+    result.compiled = True
+    result.registers, result.stack_bytes = registers, stack
+    result.spill_stores, result.spill_loads, result.spills = stores, loads, stores + loads
+    result.shared_bytes = compiled.metadata.shared
+    result.num_warps, result.num_stages = compiled.metadata.num_warps, compiled.metadata.num_stages
+    return result
+
+
+def unique_specialisations(
+    models: Iterable[ModelShape], dtypes: Iterable[str], arch: int
+) -> list[tuple[Specialisation, str]]:
+    """Each distinct compilation with the first step that launches it, in launch order."""
+    target = GPUTarget("cuda", arch, 32)
+    seen: dict[str, tuple[Specialisation, str]] = {}
+    for model in models:
+        for dtype_name in dtypes:
+            for config, launch in recorded_configs(model, dtype_name):
+                spec = specialise(launch, target)
+                seen.setdefault(spec.key(), (spec, config))
+    return list(seen.values())
+
+
+def run(archs: Iterable[int], models: Iterable[ModelShape], dtypes: Iterable[str]) -> list[Result]:
+    models, dtypes = list(models), list(dtypes)
+    return [
+        compile_one(spec, arch, config)
+        for arch in archs
+        for spec, config in unique_specialisations(models, dtypes, arch)
+    ]
+
+
+def summary(results: list[Result]) -> list[dict]:
+    """Per kernel and arch: how many specialisations, all compiled or not, worst registers/spills/shared."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for result in results:
+        groups.setdefault((result.kernel, result.arch), []).append(result)
+    rows = []
+    for (kernel, arch), group in groups.items():
+        done = [r for r in group if r.compiled]
+        rows.append(
+            {
+                "kernel": kernel,
+                "arch": arch,
+                "specialisations": len(group),
+                "compiled": len(done),
+                "max_registers": max((r.registers for r in done), default=None),
+                "max_spills": max((r.spills for r in done), default=None),
+                "max_shared_bytes": max((r.shared_bytes for r in done), default=None),
+            }
+        )
+    return rows
+
+
+def format_table(results: list[Result]) -> str:
+    header = f"{'kernel':<22} {'arch':<6} {'regs':>5} {'spill':>6} {'shared':>7} {'warps':>5} {'stages':>6}"
+    lines = [f"{header}  config"]
+    for r in results:
+        if not r.compiled:
+            lines.append(f"{r.kernel:<22} {r.arch:<6} FAILED {r.error}  [{r.config}]")
+            continue
+        flag = "" if r.ok else "  <-- "
+        lines.append(
+            f"{r.kernel:<22} {r.arch:<6} {r.registers:>5} {r.spills:>6} {r.shared_bytes:>7} "
+            f"{r.num_warps:>5} {r.num_stages:>6}  {r.config} [{r.constexprs}]{flag}"
+        )
+    lines.append("")
+    header = f"{'kernel':<22} {'arch':<6} {'specs':>5} {'built':>5} {'max regs':>8} {'max spill':>9}"
+    lines.append(f"{header} {'max shared':>10}")
+    for row in summary(results):
+        lines.append(
+            f"{row['kernel']:<22} {row['arch']:<6} {row['specialisations']:>5} {row['compiled']:>5} "
+            f"{row['max_registers']!s:>8} {row['max_spills']!s:>9} {row['max_shared_bytes']!s:>10}"
+        )
+    return "\n".join(lines)
+
+
+def parse_arch(text: str) -> list[int]:
+    archs = []
+    for part in text.split(","):
+        digits = part.strip().lower().removeprefix("sm_").removeprefix("sm")
+        if not digits.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r} is not an arch like sm_80 or sm_90")
+        archs.append(int(digits))
+    return archs
+
+
+def _choices(known: Iterable[str]) -> Callable[[str], list[str]]:
+    known = list(known)
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",")]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=parse_arch, default=[80, 90], help="e.g. sm_80,sm_90 (default)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of results")
+    names = [m.name for m in MODELS]
+    parser.add_argument(
+        "--model",
+        type=_choices(names),
+        default=names,
+        help=f"comma list of {', '.join(names)} (default: all)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=_choices(DTYPES),
+        default=list(DTYPES),
+        help="comma list (default: all of float16,bfloat16,float32)",
+    )
+    args = parser.parse_args(argv)
+    if is_interpreted(triton_decode._decode_kernel):
+        parser.error("the kernels were imported under TRITON_INTERPRET=1; run this as its own process")
+    models = [m for m in MODELS if m.name in args.model]
+    results = run(args.arch, models, args.dtype)
+    if args.json:
+        print(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=1))
+    else:
+        print(format_table(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

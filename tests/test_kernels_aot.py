@@ -1,0 +1,157 @@
+"""GPU readiness without a GPU: every launched Triton kernel compiled for sm_80 and sm_90, and the
+decode kernel's static roofline arithmetic.
+
+The compile runs `python -m kernels.aot` in its own process: this test session imports the kernels
+under the interpreter (conftest), and a kernel decorated there cannot be compiled. The unmarked
+test covers one model of each head dim in bf16 (every kernel, every split count the planner picks);
+the full matrix (three models x fp16/bf16/fp32) is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.roofline import DecodeAttentionStep, decode_kernel_roofline
+
+KERNELS = {
+    "_decode_kernel",
+    "_merge_kernel",
+    "_prefill_kernel",
+    "_write_kv_kernel",
+    "_rms_norm_kernel",
+    "_rope_kernel",
+    "_silu_and_mul_kernel",
+}
+
+
+def nvidia_backend_missing() -> str | None:
+    """Why Triton cannot compile for NVIDIA GPUs here, or None when it can."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError as exc:
+        return f"Triton's NVIDIA backend is not installed: {exc}"
+    if not Path(get_ptxas(90).path).exists():
+        return "Triton's NVIDIA backend has no ptxas"
+    return None
+
+
+def run_aot(repo_root: Path, *args: str) -> tuple[int, list[dict], str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kernels.aot", "--json", *args],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    return done.returncode, json.loads(done.stdout or "[]"), done.stderr
+
+
+def check_report(returncode: int, rows: list[dict], stderr: str) -> None:
+    failures = [row for row in rows if not row["ok"]]
+    assert not failures, json.dumps(failures, indent=1)
+    assert returncode == 0, stderr
+    for arch in ("sm_80", "sm_90"):
+        assert {row["kernel"] for row in rows if row["arch"] == arch} == KERNELS
+    for row in rows:
+        assert row["compiled"] and row["spills"] == 0
+        assert 0 < row["registers"] <= 255 and row["shared_bytes"] <= row["max_shared_bytes"]
+        assert row["num_warps"] in (4, 8) and row["num_stages"] >= 1
+
+
+@pytest.fixture(scope="module")
+def aot_available() -> None:
+    reason = nvidia_backend_missing()
+    if reason:
+        pytest.skip(reason)
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(repo_root, aot_available):
+    check_report(
+        *run_aot(
+            repo_root, "--arch", "sm_80,sm_90", "--model", "smollm2-135m,llama-3.1-8b", "--dtype", "bfloat16"
+        )
+    )
+
+
+@pytest.mark.slow
+def test_full_matrix_compiles_without_spills(repo_root, aot_available):
+    returncode, rows, stderr = run_aot(repo_root, "--arch", "sm_80,sm_90")
+    check_report(returncode, rows, stderr)
+    assert {row["config"].split()[1] for row in rows} == {"float16", "bfloat16", "float32"}
+
+
+def test_aot_rejects_an_unknown_arch_and_model(repo_root):
+    for args, message in ((["--arch", "sm_x"], "not an arch"), (["--model", "gpt-9"], "unknown")):
+        done = subprocess.run(
+            [sys.executable, "-m", "kernels.aot", *args],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and message in done.stderr
+
+
+# ---------------------------------------------------------------- static roofline of decode
+
+
+def test_decode_roofline_without_splits_matches_a_hand_count():
+    """2 sequences of 1000 tokens, 8 heads over 2 KV heads of 128, bf16, blocks of 16, one split."""
+    step = DecodeAttentionStep(
+        batch=2,
+        context=1000,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        dtype_bytes=2,
+        num_splits=1,
+        kv_tile=64,
+        dot_rows=16,
+    )
+    got = decode_kernel_roofline(step, peak_bytes_per_s=4.8e12)
+    # K and V: 2 tensors x 2 seqs x 1000 tokens x 2 KV heads x 128 dims x 2 bytes.
+    assert got["kv_bytes"] == 2_048_000
+    # Block tables: 2 seqs x ceil(1000 / 16) = 63 entries x 4 bytes.
+    assert got["block_table_bytes"] == 504
+    # Queries and outputs: 2 seqs x 8 heads x 128 x 2 bytes each; sequence lengths 2 x 4 bytes.
+    assert got["query_bytes"] == got["output_bytes"] == 4096
+    assert got["compulsory_bytes"] == 2_048_000 + 504 + 4096 + 8 + 4096 == 2_056_704
+    assert got["split_bytes"] == 0 and got["planned_bytes"] == 2_056_704
+    # QK^T and PV: 2 x 2 x 128 FLOPs per (seq, head, position): 4 x 2 x 8 x 1000 x 128.
+    assert got["flops"] == 8_192_000
+    # Issued: 2 seqs x 2 KV heads x 16 padded rows x 1024 padded positions x 128 x 4.
+    assert got["issued_flops"] == 33_554_432
+    assert got["min_seconds"] == pytest.approx(2_056_704 / 4.8e12)
+    assert got["flops_per_byte"] == pytest.approx(8_192_000 / 2_056_704)
+
+
+def test_decode_roofline_counts_the_split_partials_it_plans():
+    """1 sequence of 4096 tokens, 32 heads over 8 KV heads of 128, fp16, 16 splits."""
+    step = DecodeAttentionStep(
+        batch=1,
+        context=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype_bytes=2,
+        num_splits=16,
+        kv_tile=64,
+        dot_rows=16,
+    )
+    got = decode_kernel_roofline(step, peak_bytes_per_s=1e12)
+    assert got["kv_bytes"] == 2 * 4096 * 8 * 128 * 2 == 16_777_216
+    assert got["compulsory_bytes"] == 16_777_216 + 256 * 4 + 8192 + 4 + 8192
+    # fp32 partial outputs (128) and one lse per (head, split), written once and read once, plus seq_lens.
+    assert got["split_bytes"] == 2 * 32 * 16 * 129 * 4 + 4 == 528_388
+    assert got["planned_bytes"] == got["compulsory_bytes"] + 528_388
+    assert got["planned_min_seconds"] == pytest.approx(got["planned_bytes"] / 1e12)
