@@ -1,9 +1,12 @@
-"""Every Triton kernel against its torch reference, run on the CPU by Triton's interpreter.
+"""Every Triton kernel against its torch reference, run on the CPU by Triton's interpreter, or
+compiled on a GPU with `TANDEM_TEST_DEVICE=cuda TRITON_INTERPRET=0` (as bench/gpu_check.sh runs them).
 
 `TRITON_INTERPRET=1` must be in the environment when a kernel module is imported (the decorator
 decides there) and while kernels run (the interpreter imports parts of Triton lazily and checks
-it again). So it is set around the import below and, through an autouse module fixture, around
-this module's tests only; the other test modules keep their environment and the torch backend.
+it again). So on the CPU it is set around the import below and, through an autouse module
+fixture, around this module's tests only; the other test modules keep their environment and the
+torch backend. On a GPU the same fixture makes the GPU torch's default device instead, so every
+tensor the tests build is born there.
 
 Tolerances: fp32 inputs with fp32 accumulation differ from the reference only in summation
 order (a few ulp over at most ~1000 terms), hence 2e-5; bf16 outputs are one bf16 rounding
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import engine_for, random_prompts, tiny_hf_model
+from conftest import TEST_DEVICE, engine_for, random_prompts, tiny_hf_model
 
 from engine.engine import GenerateRequest
 from engine.params import SamplingParams, StoppingParams
@@ -29,8 +32,10 @@ from kernels import torch_reference as ref
 from kernels.backend import BACKEND_ENV, TorchBackend, get_backend
 from kernels.metadata import AttentionMetadata
 
+ON_CPU = TEST_DEVICE == "cpu"
 _saved_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+if ON_CPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -43,7 +48,7 @@ from kernels import (  # noqa: E402
     triton_prefill,
 )
 
-if not triton_common.is_interpreted(triton_decode._decode_kernel):
+if ON_CPU and not triton_common.is_interpreted(triton_decode._decode_kernel):
     # Imported earlier without the interpreter: re-decorate the kernels under it, dependencies first.
     for _module in (triton_common, triton_decode, triton_prefill, triton_cache, triton_fused, triton_backend):
         importlib.reload(_module)
@@ -74,7 +79,13 @@ HEAD_CONFIGS = [(4, 4), (8, 2), (6, 1)]  # MHA, GQA, MQA with a group that is no
 
 
 @pytest.fixture(scope="module", autouse=True)
-def interpreter_env() -> Iterator[None]:
+def kernel_device() -> Iterator[None]:
+    """The interpreter on the CPU; on a GPU, the GPU as torch's default device."""
+    if not ON_CPU:
+        torch.set_default_device(TEST_DEVICE)
+        yield
+        torch.set_default_device("cpu")
+        return
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
         yield
@@ -99,7 +110,7 @@ def paged_cache(
     Spare blocks are left over so a kernel that reads the wrong block reads other random data.
     Table rows are padded with block 0, as the engine pads them.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(TEST_DEVICE).manual_seed(seed)
     needed = [triton.cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(needed) + 8
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -355,7 +366,7 @@ def test_prefill_strided_query_and_bf16():
 )
 def test_write_kv_cache_matches_reference(kv_heads, head_dim, block_size, input_dtype, cache_dtype):
     num_tokens, num_blocks = 23, 10
-    gen = torch.Generator().manual_seed(head_dim + block_size)
+    gen = torch.Generator(TEST_DEVICE).manual_seed(head_dim + block_size)
     qkv = torch.randn(num_tokens, (4 + 2 * kv_heads) * head_dim, generator=gen)
     _, key, value = qkv.split([4 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     key = key.view(num_tokens, kv_heads, head_dim)
@@ -445,6 +456,7 @@ def test_backend_selection(monkeypatch):
         get_backend(torch.device("cpu"))
 
 
+@pytest.mark.skipif(not ON_CPU, reason="needs a machine without CUDA")
 def test_triton_backend_refuses_a_cpu_without_the_interpreter(repo_root):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
@@ -493,6 +505,15 @@ def test_gpu_benchmark_dry_run(repo_root, tmp_path):
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run" and report["peak_bandwidth_bytes_per_s"] > 0
     assert report["decode"] and report["prefill"]
+    # The static roofline is of the GPU sweep (batch 1-256, contexts 1k-32k) at an H200's bandwidth.
+    roofline = report["static_roofline"]
+    assert {row["batch"] for row in roofline} == {1, 8, 64, 256}
+    assert {row["context"] for row in roofline} == {1024, 4096, 16384, 32768}
+    for row in roofline:
+        assert row["min_seconds"] == pytest.approx(row["compulsory_bytes"] / 4.8e12)
+        assert row["compulsory_bytes"] > row["kv_bytes"] > 0 and row["flops"] > 0
+        assert (row["split_bytes"] > 0) == (row["num_splits"] > 1)
+    assert "static roofline of decode attention" in done.stdout
     for row in report["decode"]:
         assert {"batch", "context", "gqa", "kv_bytes", "results"} <= row.keys()
         triton_result = row["results"]["triton"]
