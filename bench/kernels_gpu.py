@@ -227,7 +227,7 @@ def decode_plan(env, shapes: Shapes, batch: int, context: int, device):
     """The split plan the decode wrapper picks for this case (its block table holds exactly `context`)."""
     triton_decode, triton_common = env["triton_decode"], env["triton_common"]
     capacity = math.ceil(context / shapes.block_size) * shapes.block_size
-    tile = triton_decode.kv_tile_size(shapes.head_dim)
+    tile = triton_decode.kv_tile_size(shapes.head_dim, getattr(env["torch"], shapes.dtype_name))
     return triton_decode.plan_splits(
         batch, shapes.num_kv_heads, capacity, triton_common.num_sms(device), tile
     )
@@ -244,7 +244,7 @@ def decode_step(env, shapes: Shapes, batch: int, context: int, gqa: int, plan) -
         block_size=shapes.block_size,
         dtype_bytes=getattr(torch, shapes.dtype_name).itemsize,
         num_splits=plan.num_splits,
-        kv_tile=triton_decode.kv_tile_size(shapes.head_dim),
+        kv_tile=triton_decode.kv_tile_size(shapes.head_dim, getattr(torch, shapes.dtype_name)),
         dot_rows=triton_decode.dot_rows(gqa),
     )
 

@@ -45,8 +45,15 @@ class SplitPlan:
     split_size: int
 
 
-def kv_tile_size(head_dim: int) -> int:
-    """Context positions per K/V tile: 64 keeps a K and a V tile of head_dim ≤ 128 in registers."""
+def kv_tile_size(head_dim: int, dtype: torch.dtype) -> int:
+    """Context positions per K/V tile: 64 keeps a K and a V tile of head_dim ≤ 128 in registers.
+
+    fp32 dots run on the FMA units (IEEE, for parity with the reference), which hold operands and
+    products in registers: at head_dim 128 a tile of 32 already spills on sm_90 (`kernels.aot`),
+    16 compiles in under 80 registers on sm_80 and sm_90.
+    """
+    if dtype == torch.float32 and head_dim > 64:
+        return 16
     return 64 if head_dim <= 128 else 32
 
 
@@ -313,7 +320,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
         "GROUP_PAD": dot_rows(group),
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
-        "BLOCK_N": kv_tile_size(head_dim),
+        "BLOCK_N": kv_tile_size(head_dim, k_cache.dtype),
         "DOT_DTYPE": dot_type,
         "DOT_PRECISION": dot_precision(dot_type),
         "WRITE_LSE": write_lse,
@@ -340,7 +347,8 @@ def paged_decode_attention(
     batch, _, head_dim = query.shape
     if plan is None:
         capacity = block_tables.shape[1] * k_cache.shape[1]
-        plan = plan_splits(batch, k_cache.shape[2], capacity, num_sms(query.device), kv_tile_size(head_dim))
+        tile = kv_tile_size(head_dim, k_cache.dtype)
+        plan = plan_splits(batch, k_cache.shape[2], capacity, num_sms(query.device), tile)
     if plan.num_splits == 1:
         out = torch.empty_like(query)
         _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, None)

@@ -35,11 +35,17 @@ class PrefillTile:
     num_stages: int
 
 
-def prefill_tile(head_dim: int) -> PrefillTile:
+def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     """Tiles sized so Q, K, V and the accumulator of one program fit in registers/shared memory.
 
     The Q tile and accumulator grow with head_dim, so larger heads get fewer rows or more warps.
+    fp32 dots run on the FMA units (IEEE, for parity with the reference) with operands and products
+    in registers, so fp32 gets 64-row tiles of 32 (head_dim 64) or 16 positions over 8 warps, which
+    compile to at most 128 registers without spills on sm_80 and sm_90; the half-precision tiles
+    spilled 40-90 KB a thread there (`kernels.aot`).
     """
+    if dtype == torch.float32:
+        return PrefillTile(block_m=64, block_n=32 if head_dim <= 64 else 16, num_warps=8, num_stages=2)
     if head_dim <= 64:
         return PrefillTile(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
@@ -136,7 +142,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Attention for the flat token batch `query [T, heads, head_dim]` described by `meta`.
 
-    Same contract as `torch_reference.paged_attention`. `tile` defaults to `prefill_tile(head_dim)`;
+    Same contract as `torch_reference.paged_attention`. `tile` defaults to `prefill_tile(head_dim, dtype)`;
     tests pass smaller ones to cover many tiles with few tokens.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -145,7 +151,7 @@ def paged_prefill_attention(
         raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("query and cache need a contiguous head_dim")
-    tile = tile or prefill_tile(head_dim)
+    tile = tile or prefill_tile(head_dim, k_cache.dtype)
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out

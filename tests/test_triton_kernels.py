@@ -157,7 +157,7 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, block_size):
         kv_heads,
         table.shape[1] * block_size,
         triton_common.DEFAULT_NUM_SMS,
-        triton_decode.kv_tile_size(head_dim),
+        triton_decode.kv_tile_size(head_dim, k_cache.dtype),
     )
     assert plan.num_splits >= 3 and plan.split_size * (plan.num_splits - 1) < seq_lens[-1]
     out = triton_decode.paged_decode_attention(query, k_cache, v_cache, table, lens, scale)
