@@ -114,7 +114,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        fits = self.shared_bytes is None or self.shared_bytes <= (self.max_shared_bytes or self.shared_bytes)
+        fits = self.max_shared_bytes is None or (self.shared_bytes or 0) <= self.max_shared_bytes
         return self.compiled and self.spills == 0 and fits
 
 
