@@ -37,8 +37,10 @@ def nvidia_backend_missing() -> str | None:
         from triton.backends.nvidia.compiler import get_ptxas
     except ImportError as exc:
         return f"Triton's NVIDIA backend is not installed: {exc}"
-    if not Path(get_ptxas(90).path).exists():
-        return "Triton's NVIDIA backend has no ptxas"
+    try:
+        get_ptxas(80), get_ptxas(90)
+    except RuntimeError as exc:
+        return f"Triton's NVIDIA backend has no usable ptxas: {exc}"
     return None
 
 
