@@ -40,6 +40,12 @@ class Tokenizer:
         self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: frozenset[int] = frozenset()
     ) -> None:
         self._hf = hf_tokenizer
+        # The incremental detokenizer decodes twice per generated token; the fast tokenizer's Rust decode
+        # called directly costs ~1.5 µs against ~5.7 µs through `PreTrainedTokenizerFast.decode`, which
+        # adds only Python wrapping, unless it post-processes with clean_up_tokenization_spaces.
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        cleans_up = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+        self._rust_decode = backend.decode if backend is not None and not cleans_up else None
         eos = set(extra_eos_token_ids)
         if hf_tokenizer.eos_token_id is not None:
             eos.add(hf_tokenizer.eos_token_id)
@@ -109,6 +115,8 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; invalid UTF-8 (a character cut between tokens) becomes U+FFFD."""
+        if self._rust_decode is not None:
+            return self._rust_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @property

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
 from engine.params import MAX_LOGPROBS, SamplingParams, StoppingParams
-from engine.sampler import Sampler, TokenHistory, penalize, row_seed
+from engine.sampler import Sampler, TokenHistory, greedy_argmax, penalize, row_seed
 
 
 def random_logits(batch: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -462,3 +462,23 @@ def test_penalized_seeded_rows_do_not_depend_on_batch_composition() -> None:
 def test_penalties_without_histories_are_rejected() -> None:
     with pytest.raises(ValueError, match="history"):
         Sampler()(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [0])
+
+
+@pytest.mark.parametrize("vocab", [3, 255, 256, 300, 1000, 1024])
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_argmax_is_torch_argmax_with_ties_nans_and_a_ragged_tail(vocab: int, seed: int) -> None:
+    logits = random_logits(6, vocab, seed=seed)
+    if seed % 2:
+        logits = logits.round()  # many ties: the first maximum must win
+    logits[1, vocab - 1] = logits[1].max()  # a tie between the last column and an earlier one
+    logits[2, (seed * 37) % vocab] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+    logits[3] = float("-inf")
+    logits[4, -1] = logits[4].max() + 1.0  # the maximum in the last (possibly ragged) column
+    assert torch.equal(greedy_argmax(logits), logits.argmax(-1))
+
+
+def test_no_logprobs_requested_skips_them() -> None:
+    logits = random_logits(3, 10)
+    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, [0, 1, 2])
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs.isnan().all()

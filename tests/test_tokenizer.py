@@ -437,3 +437,10 @@ def test_a_stop_string_after_min_tokens_still_stops(tokenizer: Tokenizer) -> Non
         tokenizer, text, StoppingParams(max_tokens=100, stop=("dog",), min_tokens=first_dog + 1)
     )
     assert (streamed, seq.finish_reason, seq.matched_stop) == ("one dog, two ", FinishReason.STOP, "dog")
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), max_size=24), skip=st.booleans())
+def test_decode_is_the_hf_tokenizers_decode(tokenizer: Tokenizer, ids: list[int], skip: bool) -> None:
+    expected = tokenizer.hf.decode(ids, skip_special_tokens=skip)
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
