@@ -34,3 +34,7 @@ class IncompatibleKVError(TandemError):
 
     Maps to FAILED_PRECONDITION: retrying the same replica cannot help, only a compatible one can.
     """
+
+
+class KVFramingError(KVTransferError):
+    """A Prefill response's bytes are not a valid protobuf message (truncated, overlong, bad wire type)."""

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import crc32c
+import numpy as np
 import torch
 
 from kv_transfer.errors import (
@@ -28,6 +29,7 @@ from kv_transfer.errors import (
     KVPayloadSizeError,
     KVRangeError,
 )
+from kv_transfer.framing import KVFrame, frame_kv
 from kv_transfer.layout import KVLayout
 from protos.tandem.internal.v1 import prefill_pb2
 
@@ -110,32 +112,249 @@ def _check_caches(
     expected = (num_physical_blocks, *layout.block_shape)
     for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches, strict=True)):
         for name, cache in (("K", k_cache), ("V", v_cache)):
-            if tuple(cache.shape) != expected or cache.dtype != layout.dtype:
+            if tuple(cache.shape) != expected or cache.dtype != layout.dtype or not cache.is_contiguous():
                 raise KVLayoutMismatchError(
                     f"layer {layer} {name} cache is {tuple(cache.shape)} {cache.dtype}, "
-                    f"expected {expected} {layout.dtype}"
+                    f"expected {expected} {layout.dtype} and contiguous"
                 )
     return num_physical_blocks
 
 
 def _physical_blocks(
-    block_table: Sequence[int],
-    logical_start: int,
-    num_blocks: int,
-    num_physical_blocks: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """The physical block ids of logical blocks [logical_start, +num_blocks), as an index tensor.
+    block_table: Sequence[int], logical_start: int, num_blocks: int, num_physical: int
+) -> list[int]:
+    """The physical block ids of logical blocks [logical_start, +num_blocks).
 
     The block table is the caller's own, so a bad entry is a local bug (ValueError), but it is
     still checked up front: an out-of-range index found halfway through a write would leave
     some layers written and others not.
     """
     physical = [int(block) for block in block_table[logical_start : logical_start + num_blocks]]
-    bad = [block for block in physical if not 0 <= block < num_physical_blocks]
+    bad = [block for block in physical if not 0 <= block < num_physical]
     if bad:
-        raise ValueError(f"block table entries {bad} are outside the cache's {num_physical_blocks} blocks")
-    return torch.tensor(physical, dtype=torch.long, device=device)
+        raise ValueError(f"block table entries {bad} are outside the cache's {num_physical} blocks")
+    return physical
+
+
+def _runs(physical: list[int]) -> list[tuple[int, int]]:
+    """(first physical block, count) of each run of consecutive physical blocks, in logical order."""
+    runs: list[tuple[int, int]] = []
+    for block in physical:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+def _byte_rows(cache: torch.Tensor) -> np.ndarray:
+    """A host cache as a [num_blocks, bytes per block] uint8 array sharing its memory (any dtype)."""
+    return cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy()
+
+
+class PagedKV:
+    """One replica's K/V caches as the wire reads and writes them, checked and viewed once.
+
+    On the host, blocks move with numpy copies of byte rows (one per layer and run of consecutive
+    physical blocks): torch's per-call overhead on a 24 KiB block is larger than the copy itself. On a
+    GPU, blocks move with one gather or scatter per layer on the device and one transfer to or from
+    the host per message.
+    """
+
+    def __init__(
+        self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], layout: KVLayout
+    ) -> None:
+        self.layout = layout
+        self.num_physical_blocks = _check_caches(k_caches, v_caches, layout)
+        self.caches = (list(k_caches), list(v_caches))
+        self.device = k_caches[0].device
+        self._rows = (
+            tuple([_byte_rows(cache) for cache in caches] for caches in self.caches)
+            if self.device.type == "cpu"
+            else None
+        )
+        self._slot_bytes = layout.block_bytes() // 2 // layout.block_size
+        self._zeros = bytes(layout.block_bytes() // 2)
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def frames(
+        self,
+        block_table: Sequence[int],
+        logical_start: int,
+        num_blocks: int,
+        *,
+        num_tokens: int,
+        max_payload_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> Iterator[KVFrame]:
+        """KV messages carrying logical blocks [logical_start, logical_start + num_blocks), all layers.
+
+        ``block_table[i]`` is the physical block of logical block i and ``num_tokens`` how many tokens
+        the request holds. Slots at or past ``num_tokens`` go out as zeros: the request's last block
+        was usually another request's block before, and its unused slots still hold that request's
+        K/V. Arguments are validated here, before the first message is built, so a caller learns of a
+        bad request (including KVPayloadSizeError when one block of one layer exceeds
+        ``max_payload_bytes``) before it starts a stream. Messages are built lazily, one at a time.
+
+        Copies per message on the host: one, from the cache blocks straight into the message's bytes
+        (a ``join`` over views of the blocks). On a GPU the blocks are gathered on the device into a
+        staging tensor and copied to a pinned host buffer (both reused by every message of the call),
+        which the join then copies.
+        """
+        if logical_start < 0 or num_blocks < 0 or logical_start + num_blocks > len(block_table):
+            raise ValueError(
+                f"logical blocks [{logical_start}, {logical_start + num_blocks}) are not within the "
+                f"block table's {len(block_table)} blocks"
+            )
+        if num_blocks and not (logical_start + num_blocks - 1) * self.layout.block_size < num_tokens:
+            raise ValueError(
+                f"logical blocks [{logical_start}, {logical_start + num_blocks}) reach past the "
+                f"request's {num_tokens} tokens"
+            )
+        spans = plan_chunks(num_blocks, self.layout, max_payload_bytes)
+        physical = _physical_blocks(block_table, logical_start, num_blocks, self.num_physical_blocks)
+        return self._frames(spans, physical, logical_start, num_tokens)
+
+    def _frames(
+        self, spans: list[ChunkSpan], physical: list[int], logical_start: int, num_tokens: int
+    ) -> Iterator[KVFrame]:
+        layout = self.layout
+        staging = _DeviceStaging(self, spans) if self._rows is None and spans else None
+        for span in spans:
+            first = logical_start + span.block_offset
+            # Slots of the span's last block that belong to the request.
+            used_slots = min(
+                layout.block_size, num_tokens - (first + span.num_blocks - 1) * layout.block_size
+            )
+            blocks = physical[span.block_offset : span.block_offset + span.num_blocks]
+            if staging is None:
+                pieces = self._host_pieces(span, blocks, used_slots)
+            else:
+                pieces = staging.gather(span, blocks, used_slots)
+            crc = 0
+            for piece in pieces:
+                crc = crc32c.crc32c(piece, crc)
+            header = prefill_pb2.KVChunk(
+                block_start=first,
+                num_blocks=span.num_blocks,
+                layer_start=span.layer_start,
+                num_layers=span.num_layers,
+                dtype=layout.dtype_name,
+                shape=(2, span.num_layers, span.num_blocks, *layout.block_shape),
+                crc32c=crc,
+            )
+            yield frame_kv(header, pieces)
+
+    def _host_pieces(
+        self, span: ChunkSpan, blocks: list[int], used_slots: int
+    ) -> list[np.ndarray | memoryview]:
+        """Views of K then V, layer by layer, of the span's blocks in wire order; the last block's unused
+        slots are read from a zero buffer instead of the cache."""
+        assert self._rows is not None
+        runs = _runs(blocks[:-1])
+        last = blocks[-1]
+        used_bytes = used_slots * self._slot_bytes
+        tail = memoryview(self._zeros)[used_bytes:]
+        pieces: list[np.ndarray | memoryview] = []
+        for rows in self._rows:
+            for layer_rows in rows[span.layer_start : span.layer_start + span.num_layers]:
+                pieces.extend(layer_rows[start : start + count] for start, count in runs)
+                pieces.append(layer_rows[last, :used_bytes])
+                if tail:
+                    pieces.append(tail)
+        return pieces
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def write(
+        self, chunk: KVFrame | prefill_pb2.KVChunk, block_table: Sequence[int], num_logical_blocks: int
+    ) -> int:
+        """Write a received chunk into the request's blocks; returns the payload bytes written.
+
+        ``chunk`` is a frame from ``parse_response`` or a KVChunk parsed by protobuf. ``block_table``
+        is the receiver's own table for the request and ``num_logical_blocks`` the number of blocks
+        it reserved for it. Every field of the chunk is validated before anything is written, so a
+        rejected chunk (KVRangeError, KVLayoutMismatchError, KVPayloadSizeError, KVChecksumError)
+        leaves the cache untouched. The payload is read where it was received and copied once, into
+        the physical blocks (plus a host-to-device transfer when the cache is on a GPU).
+        """
+        if not 0 <= num_logical_blocks <= len(block_table):
+            raise ValueError(
+                f"{num_logical_blocks} reserved blocks, but the block table has {len(block_table)}"
+            )
+        if isinstance(chunk, KVFrame):
+            header, payload = chunk.header, chunk.payload
+        else:
+            # Each read of a upb bytes field returns a fresh copy, so read it exactly once.
+            header, payload = chunk, memoryview(chunk.payload)
+        _validate_chunk(header, payload, self.layout, num_logical_blocks)
+        physical = _physical_blocks(
+            block_table, header.block_start, header.num_blocks, self.num_physical_blocks
+        )
+        if self._rows is None:
+            self._scatter_on_device(header, payload, physical)
+        else:
+            source = np.frombuffer(payload, dtype=np.uint8).reshape(
+                2, header.num_layers, header.num_blocks, -1
+            )
+            runs = _runs(physical)
+            for kv, rows in enumerate(self._rows):
+                for offset in range(header.num_layers):
+                    layer_rows = rows[header.layer_start + offset]
+                    block = 0
+                    for start, count in runs:
+                        np.copyto(
+                            layer_rows[start : start + count], source[kv, offset, block : block + count]
+                        )
+                        block += count
+        logger.debug(
+            "wrote KV layers [%d, %d) blocks [%d, %d): %d bytes",
+            header.layer_start,
+            header.layer_start + header.num_layers,
+            header.block_start,
+            header.block_start + header.num_blocks,
+            payload.nbytes,
+        )
+        return payload.nbytes
+
+    def _scatter_on_device(
+        self, header: prefill_pb2.KVChunk, payload: memoryview, physical: list[int]
+    ) -> None:
+        with warnings.catch_warnings():
+            # The view is only ever a copy source.
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
+            data = torch.frombuffer(payload, dtype=self.layout.dtype).view(tuple(header.shape))
+        data = data.to(self.device)
+        index = torch.tensor(physical, dtype=torch.long).to(self.device)
+        for kv, caches in enumerate(self.caches):
+            for offset in range(header.num_layers):
+                caches[header.layer_start + offset].index_copy_(0, index, data[kv, offset])
+
+
+class _DeviceStaging:
+    """One call's GPU-side gather buffer and pinned host buffer, sized for its largest span."""
+
+    def __init__(self, kv: PagedKV, spans: list[ChunkSpan]) -> None:
+        self._kv = kv
+        numel = max(2 * s.num_layers * s.num_blocks for s in spans) * math.prod(kv.layout.block_shape)
+        self._device = torch.empty(numel, dtype=kv.layout.dtype, device=kv.device)
+        self._host = torch.empty(numel, dtype=kv.layout.dtype, pin_memory=True)
+
+    def gather(self, span: ChunkSpan, blocks: list[int], used_slots: int) -> list[np.ndarray]:
+        """The span's payload in wire order, its last block's unused slots zeroed, as one host buffer."""
+        shape = (2, span.num_layers, span.num_blocks, *self._kv.layout.block_shape)
+        numel = math.prod(shape)
+        staging = self._device[:numel].view(shape)
+        index = torch.tensor(blocks, dtype=torch.long).to(self._kv.device)
+        for kv, caches in enumerate(self._kv.caches):
+            for offset in range(span.num_layers):
+                torch.index_select(caches[span.layer_start + offset], 0, index, out=staging[kv, offset])
+        staging[:, :, -1, used_slots:] = 0
+        host = self._host[:numel]
+        host.copy_(staging.view(-1))
+        return [host.view(torch.uint8).numpy()]
 
 
 def encode_blocks(
@@ -145,69 +364,32 @@ def encode_blocks(
     logical_start: int,
     num_blocks: int,
     layout: KVLayout,
+    *,
+    num_tokens: int,
     max_payload_bytes: int = MAX_MESSAGE_BYTES,
-) -> Iterator[prefill_pb2.KVChunk]:
-    """KVChunk messages carrying logical blocks [logical_start, logical_start + num_blocks), all layers.
-
-    ``k_caches[l]``/``v_caches[l]`` are layer l's cache tensors; ``block_table[i]`` is the
-    physical block of logical block i. Arguments are validated here, before the first message
-    is produced, so a caller learns of a bad request (including KVPayloadSizeError when one block
-    of one layer exceeds ``max_payload_bytes``) before it starts a stream.
-
-    Copies per message: the gather of the blocks into one contiguous staging tensor (on CUDA
-    the gather runs on the device and the device-to-host transfer completes it), then one copy
-    of the staging tensor into the ``bytes`` object protobuf requires. Protobuf's upb backend
-    copies those bytes once more into its message arena when the field is set; its Python API
-    offers no way to hand over a buffer.
-    """
-    num_physical_blocks = _check_caches(k_caches, v_caches, layout)
-    if logical_start < 0 or num_blocks < 0 or logical_start + num_blocks > len(block_table):
-        raise ValueError(
-            f"logical blocks [{logical_start}, {logical_start + num_blocks}) are not within the "
-            f"block table's {len(block_table)} blocks"
-        )
-    spans = plan_chunks(num_blocks, layout, max_payload_bytes)
-    physical = _physical_blocks(
-        block_table, logical_start, num_blocks, num_physical_blocks, k_caches[0].device
+) -> Iterator[KVFrame]:
+    """``PagedKV.frames`` for a one-off transfer; long-lived senders keep a PagedKV instead."""
+    return PagedKV(k_caches, v_caches, layout).frames(
+        block_table, logical_start, num_blocks, num_tokens=num_tokens, max_payload_bytes=max_payload_bytes
     )
-    return _encode_spans(k_caches, v_caches, physical, logical_start, spans, layout)
 
 
-def _encode_spans(
+def write_chunk(
+    chunk: KVFrame | prefill_pb2.KVChunk,
+    layout: KVLayout,
+    block_table: Sequence[int],
+    num_logical_blocks: int,
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
-    physical: torch.Tensor,
-    logical_start: int,
-    spans: list[ChunkSpan],
-    layout: KVLayout,
-) -> Iterator[prefill_pb2.KVChunk]:
-    """Gather and serialize each planned span lazily, so only one message's staging tensor is alive."""
-    for span in spans:
-        span_blocks = physical[span.block_offset : span.block_offset + span.num_blocks]
-        shape = (2, span.num_layers, span.num_blocks, *layout.block_shape)
-        staging = torch.empty(shape, dtype=layout.dtype, device=physical.device)
-        for index in range(span.num_layers):
-            layer = span.layer_start + index
-            torch.index_select(k_caches[layer], 0, span_blocks, out=staging[0, index])
-            torch.index_select(v_caches[layer], 0, span_blocks, out=staging[1, index])
-        # bfloat16 has no numpy dtype; reinterpreting as bytes works for every dtype.
-        payload = staging.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        yield prefill_pb2.KVChunk(
-            block_start=logical_start + span.block_offset,
-            num_blocks=span.num_blocks,
-            layer_start=span.layer_start,
-            num_layers=span.num_layers,
-            dtype=layout.dtype_name,
-            shape=shape,
-            payload=payload,
-            crc32c=crc32c.crc32c(payload),
-        )
+) -> int:
+    """``PagedKV.write`` for a one-off chunk; long-lived receivers keep a PagedKV instead."""
+    return PagedKV(k_caches, v_caches, layout).write(chunk, block_table, num_logical_blocks)
 
 
 def _validate_chunk(
-    chunk: prefill_pb2.KVChunk, payload: bytes, layout: KVLayout, num_logical_blocks: int
+    chunk: prefill_pb2.KVChunk, payload: memoryview, layout: KVLayout, num_logical_blocks: int
 ) -> None:
-    """Raise the matching KVTransferError for anything wrong with a received chunk."""
+    """Raise the matching KVTransferError for anything wrong with a received chunk's header or payload."""
     layer_end = chunk.layer_start + chunk.num_layers
     if chunk.num_layers == 0 or layer_end > layout.num_layers:
         raise KVRangeError(
@@ -231,64 +413,11 @@ def _validate_chunk(
             f"and the chunk's {chunk.num_layers} layers x {chunk.num_blocks} blocks"
         )
     expected_bytes = math.prod(expected_shape) * layout.element_size()
-    if len(payload) != expected_bytes:
-        raise KVPayloadSizeError(f"chunk payload is {len(payload)} bytes, its shape needs {expected_bytes}")
+    if payload.nbytes != expected_bytes:
+        raise KVPayloadSizeError(f"chunk payload is {payload.nbytes} bytes, its shape needs {expected_bytes}")
     actual_crc = crc32c.crc32c(payload)
     if actual_crc != chunk.crc32c:
         raise KVChecksumError(
             f"chunk payload CRC32C {actual_crc:#010x} differs from the sender's {chunk.crc32c:#010x} "
             f"(layers [{chunk.layer_start}, {layer_end}), blocks [{chunk.block_start}, {block_end}))"
         )
-
-
-def _tensor_view(payload: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A zero-copy tensor over the received bytes, used only as a copy source.
-
-    torch warns that ``bytes`` is not writable; the view is never written, so the warning is
-    silenced for this call only.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        return torch.frombuffer(payload, dtype=dtype).view(shape)
-
-
-def write_chunk(
-    chunk: prefill_pb2.KVChunk,
-    layout: KVLayout,
-    block_table: Sequence[int],
-    num_logical_blocks: int,
-    k_caches: Sequence[torch.Tensor],
-    v_caches: Sequence[torch.Tensor],
-) -> int:
-    """Write a received chunk into the request's blocks; returns the payload bytes written.
-
-    ``block_table`` is the receiver's own table for the request and ``num_logical_blocks`` the
-    number of blocks it reserved for it. Every field of the chunk is validated before anything
-    is written, so a rejected chunk (KVRangeError, KVLayoutMismatchError, KVPayloadSizeError,
-    KVChecksumError) leaves the cache untouched. The payload is viewed in place and copied once,
-    into the physical blocks (plus a host-to-device transfer when the cache is on a GPU).
-    """
-    num_physical_blocks = _check_caches(k_caches, v_caches, layout)
-    if not 0 <= num_logical_blocks <= len(block_table):
-        raise ValueError(f"{num_logical_blocks} reserved blocks, but the block table has {len(block_table)}")
-    # Each read of a upb bytes field returns a fresh copy, so read it exactly once.
-    payload = chunk.payload
-    _validate_chunk(chunk, payload, layout, num_logical_blocks)
-    device = k_caches[0].device
-    physical = _physical_blocks(block_table, chunk.block_start, chunk.num_blocks, num_physical_blocks, device)
-    data = _tensor_view(payload, layout.dtype, tuple(chunk.shape))
-    if data.device != device:
-        data = data.to(device)
-    for index in range(chunk.num_layers):
-        layer = chunk.layer_start + index
-        k_caches[layer].index_copy_(0, physical, data[0, index])
-        v_caches[layer].index_copy_(0, physical, data[1, index])
-    logger.debug(
-        "wrote KV layers [%d, %d) blocks [%d, %d): %d bytes",
-        chunk.layer_start,
-        chunk.layer_start + chunk.num_layers,
-        chunk.block_start,
-        chunk.block_start + chunk.num_blocks,
-        len(payload),
-    )
-    return len(payload)

@@ -25,13 +25,16 @@ class Admitted:
 class KVReady:
     """Logical blocks [block_start, block_start + num_blocks) hold their final KV and can be sent.
 
-    `block_table` is a snapshot of the job's physical blocks, so the sender never reads engine-thread
-    state. On CUDA, `ready` is an event recorded after the step that wrote the blocks; the sender waits
-    on it before reading them (None on the CPU, where the step has finished writing when it returns).
+    `num_tokens` is the request's token count: slots at or past it hold stale KV of the block's previous
+    owner and must never leave the process. `block_table` is a snapshot of the job's physical blocks, so
+    the sender never reads engine-thread state. On CUDA, `ready` is an event recorded after the step that
+    wrote the blocks; the sender waits on it before reading them (None on the CPU, where the step has
+    finished writing when it returns).
     """
 
     block_start: int
     num_blocks: int
+    num_tokens: int
     block_table: tuple[int, ...]
     ready: object | None = None
 

@@ -1,10 +1,10 @@
-"""Turning KVReady events into KVChunk messages off the event loop, in step with the engine's writes.
+"""Turning KVReady events into KV frames off the event loop, in step with the engine's writes.
 
-Encoding (gather the blocks, copy to host bytes, CRC32C) runs on a small thread pool so the event loop
-keeps serving other streams, one message at a time so a slow reader holds at most one staged message.
-On CUDA the engine thread records an event after each step and the sender reads on its own stream
-after waiting for that event: the copy to the host then waits only for the step that wrote the blocks,
-not for whatever the engine has queued since, so transfer overlaps the next chunk's compute.
+Encoding (copy the blocks into the message's bytes, CRC32C) runs on a small thread pool so the event
+loop keeps serving other streams, one message at a time so a slow reader holds at most one built
+message. On CUDA the engine thread records an event after each step and the sender reads on its own
+stream after waiting for that event: the copy to the host then waits only for the step that wrote the
+blocks, not for whatever the engine has queued since, so transfer overlaps the next chunk's compute.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.kv_cache import KVCache
-from kv_transfer import KVLayout, encode_blocks
+from kv_transfer import MAX_MESSAGE_BYTES, KVFrame, KVLayout, PagedKV
 from prefill_service.job import KVReady
-from protos.tandem.internal.v1 import prefill_pb2
 
 
 def mark_step_done(device: torch.device) -> object | None:
@@ -35,41 +34,43 @@ def mark_step_done(device: torch.device) -> object | None:
 
 
 class KVSender:
-    """Encodes a request's KV blocks from the engine's cache into wire messages."""
+    """Encodes a request's KV blocks from the engine's cache into wire frames."""
 
     def __init__(
-        self, kv_cache: KVCache, layout: KVLayout, device: torch.device, num_threads: int = 2
+        self,
+        kv_cache: KVCache,
+        layout: KVLayout,
+        device: torch.device,
+        num_threads: int = 2,
+        max_payload_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self._kv_cache = kv_cache
-        self._layout = layout
-        self._device = device
+        self._blocks = PagedKV(kv_cache.k, kv_cache.v, layout)
+        self._max_payload_bytes = max_payload_bytes
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-encode")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    async def messages(self, ready: KVReady) -> AsyncIterator[prefill_pb2.KVChunk]:
-        """The KVChunk messages of the ready blocks, each encoded on the pool when the caller asks for it."""
+    async def frames(self, ready: KVReady) -> AsyncIterator[KVFrame]:
+        """The frames of the ready blocks, each built on the pool when the caller asks for it."""
         loop = asyncio.get_running_loop()
-        chunks = await loop.run_in_executor(self._executor, self._start, ready)
+        frames = await loop.run_in_executor(self._executor, self._start, ready)
         while True:
-            chunk = await loop.run_in_executor(self._executor, self._next, chunks, ready)
-            if chunk is None:
+            frame = await loop.run_in_executor(self._executor, self._next, frames, ready)
+            if frame is None:
                 return
-            yield chunk
+            yield frame
 
-    def _start(self, ready: KVReady) -> Iterator[prefill_pb2.KVChunk]:
-        with self._on_sender_stream(ready):
-            return encode_blocks(
-                self._kv_cache.k,
-                self._kv_cache.v,
-                ready.block_table,
-                ready.block_start,
-                ready.num_blocks,
-                self._layout,
-            )
+    def _start(self, ready: KVReady) -> Iterator[KVFrame]:
+        return self._blocks.frames(
+            ready.block_table,
+            ready.block_start,
+            ready.num_blocks,
+            num_tokens=ready.num_tokens,
+            max_payload_bytes=self._max_payload_bytes,
+        )
 
-    def _next(self, chunks: Iterator[prefill_pb2.KVChunk], ready: KVReady) -> prefill_pb2.KVChunk | None:
+    def _next(self, frames: Iterator[KVFrame], ready: KVReady) -> KVFrame | None:
         with self._on_sender_stream(ready):
-            return next(chunks, None)
+            return next(frames, None)
 
     def _on_sender_stream(self, ready: KVReady) -> contextlib.AbstractContextManager:
         if self._stream is None:

@@ -157,7 +157,11 @@ class ChunkedPrefillScheduler:
         if end <= job.num_blocks_streamed:
             return None
         event = KVReady(
-            job.num_blocks_streamed, end - job.num_blocks_streamed, tuple(job.seq.block_table), ready
+            job.num_blocks_streamed,
+            end - job.num_blocks_streamed,
+            job.num_prompt_tokens,
+            tuple(job.seq.block_table),
+            ready,
         )
         job.num_blocks_streamed = end
         return event

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from engine.engine import Engine
 from engine.errors import ConfigError
 from kv_transfer import MAX_MESSAGE_BYTES, compatibility_hash
+from kv_transfer.grpc_method import MAX_GRPC_MESSAGE_BYTES, add_prefill_servicer
 from prefill_service.config import PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.kv_sender import KVSender
@@ -20,16 +21,12 @@ from prefill_service.metrics import PrefillMetrics
 from prefill_service.registry import JobRegistry
 from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.servicer import PrefillServicer
-from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.internal.v1 import prefill_pb2
 from serving.event_log import EventLog
 from serving.kv_layout import engine_kv_layout
 from serving.server import TierServer, serve_until_signalled, server_version
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
-
-# Room for a KVChunk's fields around its payload, and for long prompts in a PrefillRequest.
-MESSAGE_HEADROOM_BYTES = 64 * 1024
-MAX_GRPC_MESSAGE_BYTES = MAX_MESSAGE_BYTES + MESSAGE_HEADROOM_BYTES
 
 
 class PrefillServer(TierServer):
@@ -79,9 +76,8 @@ class PrefillServer(TierServer):
         servicer = PrefillServicer(
             engine, self.engine_loop, self.registry, self.sender, self.info, self.metrics, self.watchdog
         )
-        self._serve(
-            PREFILL_SERVICE, lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-        )
+        # Registered with the KV framing codec: the servicer yields KV frames already serialized.
+        self._serve(PREFILL_SERVICE, lambda server: add_prefill_servicer(servicer, server))
 
     @property
     def compatibility_hash(self) -> str:

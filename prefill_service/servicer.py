@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine import Engine
+from kv_transfer import KVFrame
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.job import KVReady, PrefillFailed, PrefillFinished, PrefillJob
 from prefill_service.kv_sender import KVSender
 from prefill_service.metrics import PrefillMetrics
 from prefill_service.registry import JobRegistry
 from prefill_service.validation import build_job
-from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
 from serving.errors import StreamStalledError
 from serving.stalls import StallWatchdog
@@ -60,7 +61,7 @@ def done_message(job: PrefillJob, finished: PrefillFinished) -> prefill_pb2.Pref
     )
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+class PrefillServicer:
     """GetInfo and Prefill over one engine loop."""
 
     def __init__(
@@ -90,6 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
         # Written through the stall watchdog, not yielded: a caller that stops reading cannot pin blocks.
+        # KV frames are already serialized; the method's codec (kv_transfer.grpc_method) passes them on.
         arrival = time.monotonic()
         bind_request_id(request.request_id or "-")
         try:
@@ -162,15 +164,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def _responses(
         self, job: PrefillJob, stats: _StreamStats
-    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+    ) -> AsyncIterator[KVFrame | prefill_pb2.PrefillResponse]:
         """KV messages as blocks become ready, then the done message; raises the job's error if it fails."""
         while True:
             event = await job.events.get()
             if isinstance(event, KVReady):
-                async for chunk in self._sender.messages(event):
+                async for frame in self._sender.frames(event):
                     stats.kv_messages += 1
-                    stats.kv_bytes += len(chunk.payload)
-                    yield prefill_pb2.PrefillResponse(kv=chunk)
+                    stats.kv_bytes += frame.payload.nbytes
+                    yield frame
             elif isinstance(event, PrefillFinished):
                 stats.queue_seconds, stats.prefill_seconds = event.queue_seconds, event.prefill_seconds
                 yield done_message(job, event)

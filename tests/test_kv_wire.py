@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from kv_transfer import (
     MAX_MESSAGE_BYTES,
     KVChecksumError,
+    KVFrame,
+    KVFramingError,
     KVLayout,
     KVLayoutMismatchError,
     KVPayloadSizeError,
@@ -22,6 +24,8 @@ from kv_transfer import (
     KVTransferError,
     compatibility_hash,
     encode_blocks,
+    parse_response,
+    serialize_response,
     write_chunk,
 )
 from kv_transfer.wire import plan_chunks
@@ -68,6 +72,10 @@ def transfers(draw):
     receiver_table = draw(st.permutations(range(receiver_blocks)))[:num_logical]
     logical_start = draw(st.integers(0, num_logical - 1))
     num_blocks = draw(st.integers(1, num_logical - logical_start))
+    # The request's tokens end anywhere in the range's last block or in a later block.
+    num_tokens = draw(
+        st.integers((logical_start + num_blocks - 1) * layout.block_size + 1, num_logical * layout.block_size)
+    )
     block_bytes = layout.block_bytes()
     budget = draw(st.integers(block_bytes, block_bytes * layout.num_layers * num_blocks + block_bytes))
     return (
@@ -78,42 +86,60 @@ def transfers(draw):
         receiver_table,
         logical_start,
         num_blocks,
+        num_tokens,
         budget,
     )
+
+
+def _wire(frame: KVFrame) -> KVFrame:
+    """The frame as the receiver gets it: its bytes, parsed again."""
+    parsed = parse_response(serialize_response(frame))
+    assert isinstance(parsed, KVFrame)
+    return parsed
 
 
 @settings(max_examples=150, deadline=None)
 @given(transfer=transfers(), seed=st.integers(0, 2**31 - 1))
 def test_round_trip_moves_exactly_the_requested_blocks(transfer, seed: int) -> None:
-    layout, sender_blocks, receiver_blocks, sender_table, receiver_table, start, count, budget = transfer
+    layout, sender_blocks, receiver_blocks, sender_table, receiver_table, start, count, tokens, budget = (
+        transfer
+    )
     k_src, v_src = _random_caches(layout, sender_blocks, seed)
     k_dst, v_dst = _random_caches(layout, receiver_blocks, seed + 1)
     k_before, v_before = _snapshot(k_dst), _snapshot(v_dst)
 
     covered: list[tuple[int, int]] = []
-    for chunk in encode_blocks(k_src, v_src, sender_table, start, count, layout, max_payload_bytes=budget):
-        assert len(chunk.payload) <= budget
+    frames = encode_blocks(
+        k_src, v_src, sender_table, start, count, layout, num_tokens=tokens, max_payload_bytes=budget
+    )
+    for frame in frames:
+        header = frame.header
+        assert frame.payload.nbytes <= budget
         covered += [
             (layer, block)
-            for layer in range(chunk.layer_start, chunk.layer_start + chunk.num_layers)
-            for block in range(chunk.block_start, chunk.block_start + chunk.num_blocks)
+            for layer in range(header.layer_start, header.layer_start + header.num_layers)
+            for block in range(header.block_start, header.block_start + header.num_blocks)
         ]
         # Decode reserves blocks for the whole request, not only the range being sent.
-        written = write_chunk(chunk, layout, receiver_table, len(receiver_table), k_dst, v_dst)
-        assert written == len(chunk.payload)
+        written = write_chunk(_wire(frame), layout, receiver_table, len(receiver_table), k_dst, v_dst)
+        assert written == frame.payload.nbytes
 
     expected = [(layer, block) for layer in range(layout.num_layers) for block in range(start, start + count)]
     assert sorted(covered) == expected
-    moved = {receiver_table[logical]: sender_table[logical] for logical in range(start, start + count)}
+    moved = {receiver_table[logical]: logical for logical in range(start, start + count)}
+    block_len = layout.block_bytes() // 2
+    slot_len = block_len // layout.block_size
     for layer in range(layout.num_layers):
         for dst_block in range(receiver_blocks):
             for dst, src, before in ((k_dst, k_src, k_before), (v_dst, v_src, v_before)):
+                received = _block_bytes(dst[layer], dst_block)
                 if dst_block in moved:
-                    assert _block_bytes(dst[layer], dst_block) == _block_bytes(src[layer], moved[dst_block])
+                    logical = moved[dst_block]
+                    used = min(layout.block_size, tokens - logical * layout.block_size) * slot_len
+                    sent = _block_bytes(src[layer], sender_table[logical])
+                    assert received == sent[:used] + bytes(block_len - used)
                 else:
-                    block_len = layout.block_bytes() // 2
-                    original = before[layer][dst_block * block_len : (dst_block + 1) * block_len]
-                    assert _block_bytes(dst[layer], dst_block) == original
+                    assert received == before[layer][dst_block * block_len : (dst_block + 1) * block_len]
 
 
 def test_split_uses_whole_layer_runs_when_all_layers_of_a_block_do_not_fit() -> None:
@@ -162,23 +188,25 @@ def test_a_block_larger_than_a_message_is_refused_before_streaming(layout: KVLay
     assert layout.block_bytes() > MAX_MESSAGE_BYTES
     k = [torch.zeros((1, *layout.block_shape), dtype=layout.dtype) for _ in range(layout.num_layers)]
     with pytest.raises(KVPayloadSizeError, match="message budget"):
-        encode_blocks(k, k, [0], 0, 1, layout)  # raises on the call, not on first iteration
+        encode_blocks(k, k, [0], 0, 1, layout, num_tokens=1)  # raises on the call, not on first iteration
 
 
 def test_a_custom_budget_below_one_block_is_refused() -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
     k, v = _random_caches(layout, 2, seed=0)
     with pytest.raises(KVPayloadSizeError):
-        encode_blocks(k, v, [0, 1], 0, 2, layout, max_payload_bytes=layout.block_bytes() - 1)
+        encode_blocks(k, v, [0, 1], 0, 2, layout, num_tokens=4, max_payload_bytes=layout.block_bytes() - 1)
 
 
 def test_sender_rejects_a_range_outside_its_block_table() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32)
     k, v = _random_caches(layout, 4, seed=0)
     with pytest.raises(ValueError, match="block table"):
-        encode_blocks(k, v, [0, 1], 1, 2, layout)
+        encode_blocks(k, v, [0, 1], 1, 2, layout, num_tokens=4)
     with pytest.raises(ValueError, match="outside the cache"):
-        encode_blocks(k, v, [0, 9], 0, 2, layout)
+        encode_blocks(k, v, [0, 9], 0, 2, layout, num_tokens=4)
+    with pytest.raises(ValueError, match="past the request's 2 tokens"):
+        encode_blocks(k, v, [0, 1], 0, 2, layout, num_tokens=2)
 
 
 # --- receiver rejects every corruption and writes nothing ---------------------------------------
@@ -195,19 +223,27 @@ class Receiver:
     chunk: prefill_pb2.KVChunk
 
     def assert_untouched_after(self, chunk: prefill_pb2.KVChunk, error: type[KVTransferError], match: str):
+        """Both as protobuf parsed it and as the receiver's own parser frames it, the chunk is refused."""
         before = (_snapshot(self.k), _snapshot(self.v))
-        with pytest.raises(error, match=match):
-            write_chunk(chunk, LAYOUT, RECEIVER_TABLE, RESERVED, self.k, self.v)
+        framed = parse_response(prefill_pb2.PrefillResponse(kv=chunk).SerializeToString())
+        for received in (chunk, framed):
+            with pytest.raises(error, match=match):
+                write_chunk(received, LAYOUT, RECEIVER_TABLE, RESERVED, self.k, self.v)
         assert (_snapshot(self.k), _snapshot(self.v)) == before
+
+
+def _as_proto(frame: KVFrame) -> prefill_pb2.KVChunk:
+    """The frame as any protobuf client parses it."""
+    return prefill_pb2.PrefillResponse.FromString(frame.data).kv
 
 
 @pytest.fixture
 def receiver() -> Receiver:
     """A receiver cache and a valid chunk for logical blocks [1, 3) of the request, all layers."""
     k_src, v_src = _random_caches(LAYOUT, 6, seed=1)
-    (chunk,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT)
+    (frame,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT, num_tokens=16)
     k_dst, v_dst = _random_caches(LAYOUT, 8, seed=2)
-    return Receiver(k_dst, v_dst, chunk)
+    return Receiver(k_dst, v_dst, _as_proto(frame))
 
 
 def _corrupted(chunk: prefill_pb2.KVChunk, **fields) -> prefill_pb2.KVChunk:
@@ -235,7 +271,8 @@ def test_valid_chunk_is_accepted(receiver: Receiver) -> None:
 @given(position=st.integers(0, 2 * 3 * 2 * 4 * 2 * 4 * 4 - 1), bit=st.integers(0, 7))
 def test_any_flipped_payload_bit_fails_the_checksum(position: int, bit: int) -> None:
     k_src, v_src = _random_caches(LAYOUT, 6, seed=1)
-    (chunk,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT)
+    (frame,) = encode_blocks(k_src, v_src, [4, 1, 0, 5], 1, 2, LAYOUT, num_tokens=16)
+    chunk = _as_proto(frame)
     assert len(chunk.payload) == 2 * 3 * 2 * 4 * 2 * 4 * 4
     payload = bytearray(chunk.payload)
     payload[position] ^= 1 << bit
@@ -317,8 +354,8 @@ def test_chunk_from_a_peer_with_another_layout_is_rejected(
     receiver: Receiver, sender_layout: KVLayout
 ) -> None:
     k_src, v_src = _random_caches(sender_layout, 4, seed=3)
-    (chunk,) = encode_blocks(k_src, v_src, [0, 1], 0, 2, sender_layout)
-    receiver.assert_untouched_after(chunk, KVLayoutMismatchError, "layout")
+    (frame,) = encode_blocks(k_src, v_src, [0, 1], 0, 2, sender_layout, num_tokens=8)
+    receiver.assert_untouched_after(_as_proto(frame), KVLayoutMismatchError, "layout")
 
 
 def test_all_wire_errors_are_tandem_errors() -> None:
@@ -392,8 +429,141 @@ def test_round_trip_between_gpu_caches() -> None:
     layout = dataclasses.replace(LAYOUT, dtype=torch.bfloat16)
     k_src, v_src = _random_caches(layout, 6, seed=4, device="cuda")
     k_dst, v_dst = _random_caches(layout, 6, seed=5, device="cuda")
-    for chunk in encode_blocks(k_src, v_src, [3, 0, 5], 0, 3, layout, max_payload_bytes=layout.block_bytes()):
-        write_chunk(chunk, layout, [1, 4, 2], 3, k_dst, v_dst)
+    frames = encode_blocks(
+        k_src, v_src, [3, 0, 5], 0, 3, layout, num_tokens=12, max_payload_bytes=layout.block_bytes()
+    )
+    for frame in frames:
+        write_chunk(_wire(frame), layout, [1, 4, 2], 3, k_dst, v_dst)
     for layer in range(layout.num_layers):
         assert torch.equal(k_dst[layer][[1, 4, 2]], k_src[layer][[3, 0, 5]])
         assert torch.equal(v_dst[layer][[1, 4, 2]], v_src[layer][[3, 0, 5]])
+
+
+# --- framing: the bytes on the wire ---------------------------------------------------------------
+
+
+def test_frames_and_protobuf_read_each_other() -> None:
+    k, v = _random_caches(LAYOUT, 4, seed=6)
+    (frame,) = encode_blocks(k, v, [2, 0], 0, 2, LAYOUT, num_tokens=8)
+    chunk = _as_proto(frame)
+    assert chunk.payload == bytes(frame.payload) and chunk.crc32c == crc32c.crc32c(chunk.payload)
+    assert (chunk.block_start, chunk.num_blocks, list(chunk.shape)) == (0, 2, [2, 3, 2, 4, 2, 4])
+    reparsed = parse_response(prefill_pb2.PrefillResponse(kv=chunk).SerializeToString())
+    assert isinstance(reparsed, KVFrame)
+    assert bytes(reparsed.payload) == chunk.payload
+    header = prefill_pb2.KVChunk()
+    header.CopyFrom(chunk)
+    header.ClearField("payload")
+    assert reparsed.header == header
+
+
+def test_a_done_message_parses_as_protobuf() -> None:
+    done = prefill_pb2.PrefillResponse(done=prefill_pb2.PrefillDone(first_token_id=7, num_prompt_tokens=3))
+    parsed = parse_response(serialize_response(done))
+    assert parsed == done
+
+
+def test_fields_protobuf_repeats_or_reorders_are_read_like_protobuf() -> None:
+    k, v = _random_caches(LAYOUT, 2, seed=7)
+    (frame,) = encode_blocks(k, v, [1], 0, 1, LAYOUT, num_tokens=4)
+    chunk = _as_proto(frame)
+    # A second, stale payload field first: protobuf keeps the last one, and so must the parser.
+    stale = prefill_pb2.KVChunk(payload=b"stale").SerializeToString()
+    inner = stale + chunk.SerializeToString()
+    data = b"\x0a" + _varint(len(inner)) + inner
+    parsed = parse_response(data)
+    assert isinstance(parsed, KVFrame) and bytes(parsed.payload) == chunk.payload
+    assert prefill_pb2.PrefillResponse.FromString(data).kv.payload == chunk.payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    return bytes(out + bytes((value,)))
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\x0a\x80", "truncated inside a varint"),
+        (b"\x0a" + b"\xff" * 10 + b"\x01", "longer than 10 bytes"),
+        (b"\x0a\x03\x08\x01\x3a", "truncated inside a varint"),
+        (b"\x0a\x04\x08\x01\x3a\x05", "runs past"),
+        (b"\x0a\x02\x0b\x0c", "wire type 3"),
+        (b"\x0a\x02\x10\x80", "truncated inside a varint"),
+        (b"\x12\x05\x08", "undecodable Prefill response"),
+        (b"\x0a\x03\x32\x01\xff", "undecodable KVChunk header"),
+    ],
+    ids=[
+        "outer length cut",
+        "overlong varint",
+        "payload length missing",
+        "payload past the end",
+        "group wire type",
+        "header varint cut",
+        "done past the end",
+        "shape field garbage",
+    ],
+)
+def test_malformed_messages_are_refused_with_a_framing_error(data: bytes, match: str) -> None:
+    with pytest.raises(KVFramingError, match=match):
+        parse_response(data)
+
+
+# --- what leaves the prefill process --------------------------------------------------------------
+
+
+def test_unused_slots_of_the_last_block_go_out_as_zeros() -> None:
+    layout = dataclasses.replace(LAYOUT, block_size=4)
+    k, v = _random_caches(layout, 3, seed=8)  # block 2 still holds its previous owner's K/V
+    frames = list(encode_blocks(k, v, [0, 2], 0, 2, layout, num_tokens=5))
+    payload = torch.cat([torch.frombuffer(bytearray(f.payload), dtype=layout.dtype) for f in frames])
+    sent = payload.view(2, layout.num_layers, 2, *layout.block_shape)
+    assert torch.equal(sent[0, :, 1, :1], torch.stack(k)[:, 2, :1])
+    assert torch.equal(sent[1, :, 1, :1], torch.stack(v)[:, 2, :1])
+    assert not sent[:, :, 1, 1:].any()
+    assert torch.stack(k)[:, 2, 1:].any()  # the stale K/V is there, it just was not sent
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from conftest import save_tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny-kv-wire-model")
+    save_tiny_model(directory, 22)
+    return directory
+
+
+def test_prefill_never_sends_the_previous_owner_kv_of_a_reused_block(tiny_model_dir) -> None:
+    """Issue 13 item 2: a 29-token prompt, then a 17-token one in the same two blocks (16 tokens each).
+
+    The second prompt's last block holds one of its tokens and 12 of the first prompt's; a caller who
+    asks for the second prompt must receive zeros there, not the first prompt's K/V.
+    """
+    from test_prefill_server import BLOCK_SIZE, start_server
+
+    server = start_server(tiny_model_dir, num_blocks=2)
+    try:
+        for tokens in (list(range(3, 32)), list(range(40, 57))):
+            request = prefill_pb2.PrefillRequest(
+                request_id=f"p{len(tokens)}",
+                prompt_token_ids=tokens,
+                compatibility_hash=server.compatibility_hash,
+            )
+            chunks = [r.kv for r in server.stub.Prefill(request, timeout=60) if r.WhichOneof("kind") == "kv"]
+        used = 17 - BLOCK_SIZE
+        cache = server.engine.kv_cache
+        stale = [cache.k[0][block, used:] for block in range(2)]
+        assert any(slots.any() for slots in stale), (
+            "the reused block should still hold the first prompt's K/V"
+        )
+        last_block = [chunk for chunk in chunks if chunk.block_start + chunk.num_blocks == 2]
+        assert last_block
+        for chunk in last_block:
+            data = torch.frombuffer(bytearray(chunk.payload), dtype=torch.float32).view(tuple(chunk.shape))
+            assert data[:, :, -1, :used].any()
+            assert not data[:, :, -1, used:].any()
+    finally:
+        server.close()
