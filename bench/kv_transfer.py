@@ -1,21 +1,27 @@
 """KV transfer between the tiers over loopback, and what it costs the time to first token.
 
-Two measurements per prompt length, on SmolLM2-135M-Instruct (the default model), in one process:
+Two sections, on SmolLM2-135M-Instruct's KV layout (the default model; fp32, 16-token blocks):
 
-- transfer: a disaggregated decode server calls a prefill server whose token budget holds the whole
-  prompt, so every KV block is ready after one forward; the decode side's time from the first KV
-  message to `PrefillDone` is then pure transfer (gather and CRC32C on the prefill side, gRPC over
-  loopback, CRC check and write into the reserved blocks on the decode side). Reported as MB/s and
-  microseconds per prompt token.
-- TTFT: the same prompts through two decode servers, one aggregated (prefills itself) and one
-  disaggregated (prefill tier, every prompt remote), both chunking prefill with the same token
-  budget; the ratio disaggregated / aggregated is the price of moving the KV.
+- wire (`bench.kv_wire`, no model runs): a sender process streams a prompt's KV blocks through the
+  prefill tier's KVSender and Prefill codec; this process receives with the decode tier's stub and
+  writes into its own cache. Per prompt length (default 128/1k/4k/16k) and per payload budget per
+  message (default 256 KiB-4 MiB): GB/s by wall clock, and the CPU seconds each side spent (which
+  move far less than wall time on a loaded machine). Plus the GB/s of one CRC32C pass: each byte
+  gets two (computed by the sender, checked by the receiver).
+- serve: real servers in this process. A disaggregated decode server calls a prefill server whose
+  token budget holds the whole prompt, so every KV block is ready after one forward; the decode
+  side's time from the first KV message to `PrefillDone` is then pure transfer. Then TTFT through
+  two decode servers, one aggregated (prefills itself) and one disaggregated (every prompt remote),
+  both chunking prefill with the same token budget; the ratio disaggregated / aggregated is the
+  price of moving the KV (target <= 1.2 for prompts of 1k tokens and more).
 
-    python -m bench.kv_transfer [--model DIR] [--lengths 128,1024,4096] [--repeats 3]
+    python -m bench.kv_transfer [--sections wire,serve] [--model DIR] [--wire-lengths 128,1024,4096,16384]
+        [--message-sizes 256,1024,2048,4096] [--lengths 128,1024,4096] [--repeats 3]
         [--out bench/results/kv_transfer.json]
 
-On a shared CPU box the numbers move with the load: the result file records the load average before
-and after the run.
+The serve section runs one CPU forward per prompt (a 4k prompt takes tens of seconds on two cores).
+On a shared machine the numbers move with the load: the result file records the load average
+before and after the run.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import logging
 import random
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,12 +40,14 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.kv_wire import measure_crc32c, measure_wire
 from bench.machine import load_average, machine_info
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model_store import model_fingerprint, resolve_model
+from kv_transfer import KVLayout
 from prefill_service.config import PrefillServiceConfig
 from prefill_service.server import PrefillServer
 from protos.tandem.v1 import generation_pb2 as pb
@@ -272,22 +281,79 @@ def measure(model_dir: Path, lengths: list[int], repeats: int) -> dict:
     }
 
 
+def model_layout(model_dir: Path) -> KVLayout:
+    """The KV layout the serve section's servers use, without loading the weights."""
+    from transformers import AutoConfig
+
+    model = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, BLOCK_SIZE, torch.float32)
+
+
+def measure_wire_section(
+    layout: KVLayout, lengths: list[int], message_sizes: list[int], repeats: int
+) -> dict:
+    rows = measure_wire(layout, lengths, message_sizes, repeats)
+    crc_gbps = measure_crc32c()
+    for row in rows:
+        logger.info(
+            "wire %5d tokens, %4d KiB messages (%d): %.3f s = %.2f GB/s; CPU sender %.3f s, receiver %.3f s "
+            "(CPU-bound %.2f GB/s)",
+            row["prompt_tokens"],
+            row["max_payload_bytes"] >> 10,
+            row["messages"],
+            row["seconds_median"],
+            row["GBps"],
+            row["sender_cpu_seconds_median"],
+            row["receiver_cpu_seconds_median"],
+            row["cpu_bound_GBps"],
+        )
+    logger.info("crc32c: %.1f GB/s per pass", crc_gbps)
+    return {
+        "kv_layout": {
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "block_size": layout.block_size,
+            "dtype": layout.dtype_name,
+        },
+        "repeats": repeats,
+        "crc32c_GBps_one_pass": crc_gbps,
+        "results": rows,
+    }
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="wire,serve", help="which sections to run: wire, serve")
     parser.add_argument("--model", default=None, help="model dir (default: the cached SmolLM2-135M-Instruct)")
-    parser.add_argument("--lengths", default="128,1024,4096", help="prompt lengths in tokens")
+    parser.add_argument("--wire-lengths", default="128,1024,4096,16384", help="wire section prompt lengths")
+    parser.add_argument(
+        "--message-sizes", default="256,1024,2048,4096", help="wire section payload budgets per message, KiB"
+    )
+    parser.add_argument("--lengths", default="128,1024,4096", help="serve section prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="runs per length and path (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="bench/results/kv_transfer.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for noisy in ("decode_service", "prefill_service", "engine", "kernels", "tandem"):
+    for noisy in ("decode_service", "prefill_service", "engine", "kernels", "serving"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    machine = machine_info()
-    report = measure(resolve_model(args.model), [int(x) for x in args.lengths.split(",")], args.repeats)
-    report["machine"] = machine
+    sections = set(args.sections.split(","))
+    model_dir = resolve_model(args.model)
+    report: dict = {"machine": machine_info(), "command": " ".join(sys.argv)}
+    if "wire" in sections:
+        sizes = [size << 10 for size in _ints(args.message_sizes)]
+        report["wire"] = measure_wire_section(
+            model_layout(model_dir), _ints(args.wire_lengths), sizes, args.repeats
+        )
+    if "serve" in sections:
+        report["serve"] = measure(model_dir, _ints(args.lengths), args.repeats)
     report["load_average_after"] = load_average()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from decode_service.request import ServedRequest
 from engine.errors import ConfigError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
-from kv_transfer import KVLayout, KVRangeError, compatibility_hash, encode_blocks
+from kv_transfer import KVFrame, KVLayout, KVRangeError, PagedKV, compatibility_hash, encode_blocks
 from protos.tandem.internal.v1 import prefill_pb2
 from tandem.cli import build_parser
 
@@ -303,14 +303,17 @@ def transfer_for(num_tokens: int, block_table: list[int], k, v) -> KVTransfer:
     greedy, stopping = SamplingParams(temperature=0.0), StoppingParams(max_tokens=4)
     seq = Sequence("t", list(range(num_tokens)), greedy, stopping)
     seq.block_table = list(block_table)
-    return KVTransfer(ServedRequest(seq), LAYOUT, k, v)
+    return KVTransfer(ServedRequest(seq), PagedKV(k, v, LAYOUT))
 
 
-def sent_chunks(num_tokens: int, src_table: list[int], k, v) -> list[prefill_pb2.KVChunk]:
+def sent_chunks(num_tokens: int, src_table: list[int], k, v) -> list[KVFrame]:
     num_blocks = -(-num_tokens // LAYOUT.block_size)
     # A small payload budget: one block of one layer per message, so a transfer has many messages.
     budget = LAYOUT.block_bytes()
-    return list(encode_blocks(k, v, src_table, 0, num_blocks, LAYOUT, max_payload_bytes=budget))
+    frames = encode_blocks(
+        k, v, src_table, 0, num_blocks, LAYOUT, num_tokens=num_tokens, max_payload_bytes=budget
+    )
+    return list(frames)
 
 
 def done(num_tokens: int, token: int = 5) -> prefill_pb2.PrefillDone:

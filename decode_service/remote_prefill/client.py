@@ -31,7 +31,7 @@ from decode_service.remote_prefill.transfer import (
 )
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
-from kv_transfer import KVTransferError
+from kv_transfer import KVFrame, KVFramingError, KVTransferError
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
 
@@ -142,10 +142,12 @@ class PrefillClient:
             async for response in call:
                 if done is not None:
                     raise AttemptFailedError(self._penalize(replica, "sent a message after PrefillDone"))
-                if response.WhichOneof("kind") == "kv":
+                if isinstance(response, KVFramingError):
+                    raise response
+                if isinstance(response, KVFrame):
                     if first_kv is None:
                         first_kv = time.monotonic()
-                    written = await loop.run_in_executor(self._writer, transfer.write, response.kv)
+                    written = await loop.run_in_executor(self._writer, transfer.write, response)
                     self.stats.kv_messages_received += 1
                     self.stats.kv_bytes_received += written
                     self.pool.report_kv_received(replica, written)

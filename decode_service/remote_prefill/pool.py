@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode_service.remote_prefill.targets import PrefillTarget, resolve_target
-from kv_transfer import MAX_MESSAGE_BYTES, KVLayout, compatibility_hash
+from kv_transfer import KVLayout, compatibility_hash
 from kv_transfer.errors import KVLayoutMismatchError
-from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
+from kv_transfer.grpc_method import CLIENT_CHANNEL_OPTIONS, PrefillStub
+from protos.tandem.internal.v1 import prefill_pb2
 
 logger = logging.getLogger(__name__)
 
-# A KVChunk's fields around its payload need a little room beyond the payload budget.
-MAX_RECEIVE_MESSAGE_BYTES = MAX_MESSAGE_BYTES + 64 * 1024
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -53,7 +52,7 @@ class PrefillReplica:
 
     address: str
     channel: grpc.aio.Channel
-    stub: prefill_pb2_grpc.PrefillStub
+    stub: PrefillStub
     state: ReplicaState = ReplicaState.CHECKING
     in_flight: int = 0
     consecutive_failures: int = 0
@@ -197,7 +196,7 @@ class PrefillPool:
 
     def _new_replica(self, target: PrefillTarget, address: str) -> PrefillReplica:
         options: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+            *CLIENT_CHANNEL_OPTIONS,
             # Come back quickly after a prefill pod restarts; our own backoff spaces the attempts.
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),
@@ -210,7 +209,7 @@ class PrefillPool:
                 # We dial the pod's address, but its certificate names the Service.
                 options.append(("grpc.ssl_target_name_override", target.host))
             channel = grpc.aio.secure_channel(address, self._credentials, options=options)
-        return PrefillReplica(address, channel, prefill_pb2_grpc.PrefillStub(channel))
+        return PrefillReplica(address, channel, PrefillStub(channel))
 
     def _retire(self, address: str) -> None:
         replica = self._replicas.pop(address, None)

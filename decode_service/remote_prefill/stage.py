@@ -41,6 +41,7 @@ from decode_service.remote_prefill.transfer import (
 from decode_service.request import ServedRequest
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
+from kv_transfer import PagedKV
 from serving.kv_layout import engine_kv_layout
 from tandem.security import channel_credentials
 
@@ -67,6 +68,8 @@ class RemotePrefillStage(PrefillStage):
         super().__init__()
         self.engine = engine
         self.layout = engine_kv_layout(engine)
+        # The cache as the KV wire writes it, checked and viewed once for every transfer.
+        self._kv = PagedKV(engine.kv_cache.k, engine.kv_cache.v, self.layout)
         self.local_prefill_threshold = local_prefill_threshold
         self.fallback_local = fallback_local
         self.stats = stats
@@ -90,7 +93,7 @@ class RemotePrefillStage(PrefillStage):
             self.stats.local_prefills += 1
             logger.debug("prefilling %s locally: %s", request.request_id, reason)
             return
-        transfer = KVTransfer(request, self.layout, self.engine.kv_cache.k, self.engine.kv_cache.v)
+        transfer = KVTransfer(request, self._kv)
         self._remote[request] = transfer
         self.stats.remote_prefills_started += 1
         try:

@@ -14,16 +14,15 @@ no write starts after it. The engine thread calls `cancel` before it frees the b
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from decode_service.request import ServedRequest
 from engine.errors import TandemError
 from engine.params import SamplingParams
-from kv_transfer import KVLayout, KVRangeError, write_chunk
+from kv_transfer import KVFrame, KVRangeError, PagedKV
 from protos.tandem.internal.v1 import prefill_pb2
 from serving.errors import TierUnavailableError
 
@@ -67,20 +66,14 @@ class KVTransfer:
     sampling, block table), so they never read the engine's `Sequence`.
     """
 
-    def __init__(
-        self,
-        request: ServedRequest,
-        layout: KVLayout,
-        k_caches: Sequence[torch.Tensor],
-        v_caches: Sequence[torch.Tensor],
-    ) -> None:
+    def __init__(self, request: ServedRequest, kv: PagedKV) -> None:
         seq = request.seq
         # Identity only: the request is engine-thread state.
         self.request = request
         self.request_id = seq.request_id
         self.token_ids = tuple(seq.token_ids)
         self.sampling: SamplingParams = seq.sampling
-        self.layout = layout
+        self.layout = layout = kv.layout
         self.num_blocks = -(-len(self.token_ids) // layout.block_size)
         self._block_table = tuple(seq.block_table[: self.num_blocks])
         if len(self._block_table) != self.num_blocks:
@@ -88,35 +81,31 @@ class KVTransfer:
                 f"{self.request_id}: {len(seq.block_table)} blocks reserved, its {len(self.token_ids)} "
                 f"tokens need {self.num_blocks}"
             )
-        self._k_caches = k_caches
-        self._v_caches = v_caches
+        self._kv = kv
         self._lock = threading.Lock()
         self._cancelled = False
-        # One flag per (block, layer) written by the current attempt.
-        self._written = bytearray(self.num_blocks * layout.num_layers)
+        # Which (block, layer) pairs the current attempt has written.
+        self._written = np.zeros((self.num_blocks, layout.num_layers), dtype=bool)
         self.future: Future[None] | None = None
 
-    def write(self, chunk: prefill_pb2.KVChunk) -> int:
-        """Validate and write one received chunk (writer thread); returns its payload bytes.
+    def write(self, frame: KVFrame) -> int:
+        """Validate and write one received frame (writer thread); returns its payload bytes.
 
-        Raises TransferCancelledError once the blocks were given back, or the chunk's KVTransferError.
+        Raises TransferCancelledError once the blocks were given back, or the frame's KVTransferError.
         """
         with self._lock:
             if self._cancelled:
                 raise TransferCancelledError(f"{self.request_id}: transfer cancelled")
-            written = write_chunk(
-                chunk, self.layout, self._block_table, self.num_blocks, self._k_caches, self._v_caches
-            )
-            num_layers = self.layout.num_layers
-            for block in range(chunk.block_start, chunk.block_start + chunk.num_blocks):
-                start = block * num_layers + chunk.layer_start
-                self._written[start : start + chunk.num_layers] = b"\x01" * chunk.num_layers
+            written = self._kv.write(frame, self._block_table, self.num_blocks)
+            header = frame.header
+            blocks = slice(header.block_start, header.block_start + header.num_blocks)
+            self._written[blocks, header.layer_start : header.layer_start + header.num_layers] = True
         return written
 
     def restart(self) -> None:
         """A new attempt re-sends every block: forget what the failed one wrote (it will be overwritten)."""
         with self._lock:
-            self._written = bytearray(len(self._written))
+            self._written[:] = False
 
     def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
         """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError).
@@ -134,10 +123,10 @@ class KVTransfer:
                 f"first token id {done.first_token_id} is outside the vocabulary [0, {vocab_size})"
             )
         with self._lock:
-            missing = self._written.count(0)
+            missing = int(self._written.size - np.count_nonzero(self._written))
         if missing:
             raise KVRangeError(
-                f"PrefillDone arrived with {missing} of {len(self._written)} (block, layer) pairs never sent"
+                f"PrefillDone arrived with {missing} of {self._written.size} (block, layer) pairs never sent"
             )
 
     def cancel(self) -> None:
