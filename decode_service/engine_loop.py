@@ -5,8 +5,8 @@ wait in the stage until the step collects them); each step delivers every reques
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
 Why a thread and not a process of its own (as vLLM v1 does): measured with `tandem bench serving-path
---profile` (128 streams x 128 tokens, near-zero model), the GIL was held 29-33% of the round while the
-engine thread was busy 91-99% and the event loop 19-25%: what binds is the engine thread's own work,
+--profile` (128 streams x 128 tokens, near-zero model), the GIL was held 29-43% of the round while the
+engine thread was busy 90-99% and the event loop 19-45%: what binds is the engine thread's own work,
 most of it inside torch ops that release the GIL, not the lock. A process boundary would add a
 serialization hop per token, more CPU per token (the figure the benchmark measures), and free
 nothing that binds. Revisit when that GIL-held share nears 1.
