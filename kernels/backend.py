@@ -118,6 +118,10 @@ def get_backend(device: torch.device, requested: str | None = None) -> Attention
         raise ValueError(f"{BACKEND_ENV} must be auto, torch or triton, not {choice!r}")
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
-    backend = _make_triton_backend() if choice == "triton" else TorchBackend()
+    if choice == "triton":
+        backend = _make_triton_backend()
+    else:
+        # The C++ kernels serve only fp32 CPU tensors: on a GPU, building them is a compile for nothing.
+        backend = TorchBackend(use_cpu_extension=device.type == "cpu")
     logger.info("attention backend selected", extra={"backend": backend.name, "device": str(device)})
     return backend

@@ -446,6 +446,7 @@ def test_backend_selection(monkeypatch):
     assert isinstance(get_backend(torch.device("cpu")), TorchBackend)
     assert isinstance(get_backend(torch.device("cuda")), triton_backend.TritonBackend)
     assert isinstance(get_backend(torch.device("cuda"), "torch"), TorchBackend)
+    assert get_backend(torch.device("cuda"), "torch")._extension is None, "no C++ CPU kernels on a GPU"
     assert isinstance(get_backend(torch.device("cpu"), "triton"), triton_backend.TritonBackend)
     monkeypatch.setenv(BACKEND_ENV, "triton")
     assert isinstance(get_backend(torch.device("cpu")), triton_backend.TritonBackend)
