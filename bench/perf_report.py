@@ -13,7 +13,8 @@ Sections, in this order (each reuses its own benchmark's machinery):
   a time (256 greedy tokens): TTFT p50 and decode tok/s (1 / TPOT p50), the ratio (≥ 1.0x), and the
   weight-read bound (weight bytes per step / read bandwidth from bench.roofline's probe).
 - kv: bench.kv_transfer's servers in this process: KV transfer GB/s by prompt length (≥ 1 GB/s at
-  4k tokens) and disaggregated / aggregated TTFT at low load (≤ 1.2 for prompts ≥ 1k tokens).
+  4k tokens) and disaggregated / aggregated TTFT at low load (≤ 1.2 for prompts ≥ 1k tokens); where
+  bench.kv_transfer has the wire-only measurement (bench.kv_wire), the wire alone up to 16k tokens.
 - headline: `tandem bench compare --systems tandem-aggregated,llama-server --update` on the headline
   workload (the other systems' runs in compare.json are kept; no rate sweep), or with
   `--headline-from-file` the existing compare.json: tandem / llama-server output tok/s (≥ 2x).
@@ -61,11 +62,12 @@ class Sizes:
     single_prompts: int
     single_output_len: int
     kv_lengths: tuple[int, ...]
+    wire_lengths: tuple[int, ...]
     kv_repeats: int
 
 
-FULL = Sizes(128, 128, 3, 4, 256, (128, 1024, 4096), 3)
-QUICK = Sizes(16, 16, 1, 1, 16, (128,), 1)
+FULL = Sizes(128, 128, 3, 4, 256, (128, 1024, 4096), (128, 1024, 4096, 16384), 3)
+QUICK = Sizes(16, 16, 1, 1, 16, (128,), (128,), 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,9 +270,12 @@ def kv_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[Figur
     from engine.model_store import resolve_model
 
     torch.set_num_threads(THREADS)
-    result = kv_transfer.measure(resolve_model(args.model), list(sizes.kv_lengths), sizes.kv_repeats)
+    model_dir = resolve_model(args.model)
+    result = {"serve": kv_transfer.measure(model_dir, list(sizes.kv_lengths), sizes.kv_repeats)}
     figures = []
-    for row in result["results"]:
+    if hasattr(kv_transfer, "measure_wire_section"):
+        result["wire"], figures = _kv_wire(kv_transfer, model_dir, sizes)
+    for row in result["serve"]["results"]:
         tokens = row["prompt_tokens"]
         gbps = row["transfer_MBps"] / 1000
         note = (
@@ -280,7 +285,7 @@ def kv_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[Figur
         figures.append(
             Figure(
                 "kv",
-                f"KV transfer, {tokens}-token prompt",
+                f"KV transfer between servers, {tokens}-token prompt",
                 round(gbps, 3),
                 "GB/s",
                 perf_targets.KV_GBPS_AT_4K if tokens == 4096 else None,
@@ -299,6 +304,32 @@ def kv_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[Figur
             )
         )
     return result, figures
+
+
+def _kv_wire(kv_transfer, model_dir: Path, sizes: Sizes) -> tuple[dict, list[Figure]]:
+    """The KV wire alone (bench.kv_wire: real sender and codec, no model) at the product's message size,
+    where bench.kv_transfer has it: cheap enough to reach 16k-token prompts."""
+    from kv_transfer.wire import MAX_MESSAGE_BYTES
+
+    layout = kv_transfer.model_layout(model_dir)
+    wire = kv_transfer.measure_wire_section(
+        layout, list(sizes.wire_lengths), [MAX_MESSAGE_BYTES], sizes.kv_repeats
+    )
+    figures = [
+        Figure(
+            "kv",
+            f"KV wire alone, {row['prompt_tokens']}-token prompt",
+            round(row["GBps"], 3),
+            "GB/s",
+            perf_targets.KV_GBPS_AT_4K if row["prompt_tokens"] == 4096 else None,
+            note=f"{row['messages']} messages of ≤ {MAX_MESSAGE_BYTES >> 10} KiB; CPU sender "
+            f"{row['sender_cpu_seconds_median'] * 1e3:.0f} ms, receiver "
+            f"{row['receiver_cpu_seconds_median'] * 1e3:.0f} ms: {row['cpu_bound_GBps']:.2f} GB/s with a "
+            f"core per side; CRC32C {wire['crc32c_GBps_one_pass']:.1f} GB/s per pass",
+        )
+        for row in wire["results"]
+    ]
+    return wire, figures
 
 
 def headline_section(args: argparse.Namespace, scratch: Path) -> tuple[dict, list[Figure]]:
