@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench import perf_targets
 from bench.perf_targets import Figure
+from engine.errors import TandemError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ THREADS = 2
 HEADLINE_SYSTEMS = ("tandem-aggregated", "llama-server")
 # The headline workload's session in compare.json was measured with these SLOs; same again.
 HEADLINE_GOODPUT = ["ttft:5000", "tpot:500"]
+
+
+class SectionError(TandemError):
+    """A section's benchmark left no result to report (its own log says why)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
             argv.append("--no-floor")  # the split is the gRPC run's explanation; once is enough
         code = serving_path.run(_parse(serving_path.add_arguments, argv))
         if not result_file.is_file():
-            raise RuntimeError(f"serving-path over {api} wrote no result (exit {code})")
+            raise SectionError(f"serving-path over {api} wrote no result (exit {code})")
         result = json.loads(result_file.read_text())
         details[api] = result
         summary = result["summary"]
@@ -363,7 +368,7 @@ def headline_section(args: argparse.Namespace, scratch: Path) -> tuple[dict, lis
     runs = {run["system"]["name"]: run for run in document["runs"]}
     missing = [name for name in HEADLINE_SYSTEMS if name not in runs]
     if missing:
-        raise RuntimeError(f"{path} has no run of {', '.join(missing)}: {document.get('skipped', {})}")
+        raise SectionError(f"{path} has no run of {', '.join(missing)}: {document.get('skipped', {})}")
     throughput = {name: runs[name]["metrics"]["output_throughput"] for name in HEADLINE_SYSTEMS}
     tandem, llama = HEADLINE_SYSTEMS
     limit = document.get("physical_limit") or {}
