@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import ssl
 import threading
 
 import grpc
 import openai
 import pytest
 from conftest import save_tiny_model, wait_until
+from test_decode_server import self_signed_certificate
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
@@ -21,6 +23,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving.config import TLSConfig
 
 TOKEN = "s3cret"
 MODEL = "tiny-chat"
@@ -416,3 +419,23 @@ def test_full_queue_is_429_and_draining_is_503(model_dir):
         assert draining.result(60)
     finally:
         small.close()
+
+
+def test_https_uses_the_grpc_ports_certificate_and_token(model_dir, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    secure = Server(model_dir, max_num_seqs=2, tls=TLSConfig(cert, key), auth_token=TOKEN)
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}).encode()
+    try:
+        context = ssl.create_default_context(cafile=str(cert))
+        connection = http.client.HTTPSConnection(
+            "localhost", secure.server.http_port, context=context, timeout=60
+        )
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+        connection.request("POST", "/v1/completions", body=body, headers=headers)
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 2
+        connection.close()
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            http_call(secure, "POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}"})
+    finally:
+        secure.close()
