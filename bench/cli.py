@@ -14,6 +14,11 @@ import importlib
 BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("serve", "bench.serve", "load-test one running server (tandem or llama-server), like vllm bench serve"),
     ("compare", "bench.compare", "every peer on the same workload back to back, ratios printed, plots drawn"),
+    (
+        "multi-turn",
+        "bench.multi_turn",
+        "multi-turn chat with history resent: prefix cache on vs off, llama-server",
+    ),
     ("occupancy", "bench.occupancy", "batch-occupancy timeline, static vs continuous, from the event log"),
     ("chunked-prefill", "bench.chunked_prefill", "ITL of running streams while a long prompt is prefilled"),
     ("probe", "bench.roofline", "memory bandwidth and matmul FLOP/s; the workload's tokens/s upper bound"),

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tenant-weights", default="", help="wfq weights per tenant, e.g. a=2,b=1 (others weigh 1)"
     )
+    parser.add_argument(
+        "--cache-salt-by-tenant",
+        action="store_true",
+        help="fold each request's tenant into its prefix-cache salt, so tenants never share cached KV "
+        "(closes the cache's timing side channel between tenants; default: off)",
+    )
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
     parser.add_argument(
         "--static-batch-timeout",
@@ -160,7 +166,8 @@ def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="prompts shorter than N tokens are prefilled on this replica (default: 0, none)",
+        help="prompts with fewer than N tokens left to compute after this replica's prefix cache hit are "
+        "prefilled here (default: 0, none)",
     )
     group.add_argument(
         "--fallback-local",
@@ -206,6 +213,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         prefill=args.prefill,
         local_prefill_threshold=args.local_prefill_threshold,
         fallback_local=args.fallback_local,
+        cache_salt_by_tenant=args.cache_salt_by_tenant,
         prefill_timeout_s=args.prefill_timeout,
         prefill_tls_ca=args.prefill_tls_ca,
         prefill_tls_cert=args.prefill_tls_cert,

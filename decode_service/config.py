@@ -30,6 +30,10 @@ class DecodeServiceConfig(ServerConfig):
     `decode_service.stream_interval`). A request preempted `max_preemptions` times ranks ahead of every
     request that was not, so it is never the victim again while others are (bounded thrash).
 
+    `cache_salt_by_tenant` folds each request's tenant (from `tenant_header` when set) into its
+    prefix-cache salt, so tenants never share cached blocks (see the README's security section on the
+    cache's timing side channel).
+
     Disaggregated prefill: `prefill` lists the prefill tier's targets (`host:port` or
     `dns:///name:port`, see `remote_prefill.targets`); empty means aggregated. Prompts shorter than
     `local_prefill_threshold` tokens are prefilled here; with `fallback_local`, so is any prompt when
@@ -61,6 +65,7 @@ class DecodeServiceConfig(ServerConfig):
     prefill: str = ""
     local_prefill_threshold: int = 0
     fallback_local: bool = False
+    cache_salt_by_tenant: bool = False
     prefill_timeout_s: float = 60.0
     prefill_max_attempts: int = 3
     prefill_resolve_interval_s: float = 30.0

@@ -69,6 +69,7 @@ def to_response(delta: StreamDelta) -> pb.GenerateResponse:
             response.stop_token_id = seq.matched_stop
     response.usage.prompt_tokens = seq.num_prompt_tokens
     response.usage.completion_tokens = seq.num_output_tokens
+    response.usage.cached_tokens = seq.num_cached_tokens
     response.timings.queue_seconds = _since(request.arrival_time, request.admitted_time)
     response.timings.prefill_seconds = _since(request.admitted_time, request.prefill_done_time)
     response.timings.first_token_seconds = _since(request.arrival_time, request.first_token_time)
@@ -180,6 +181,7 @@ class Generations:
                 request_id,
                 self.engine,
                 self.config.max_tokens_cap,
+                tenant if self.config.cache_salt_by_tenant else None,
             )
             served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
             queue = self._hub.open(served)

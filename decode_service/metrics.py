@@ -28,6 +28,7 @@ from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler
 from engine.engine import Engine
 from engine.sequence import FinishReason
+from serving.cache_metrics import prefix_cache_metrics
 from serving.engine_thread import Deliver
 
 PREFIX = "tandem:"
@@ -72,6 +73,7 @@ class _LiveStateCollector(Collector):
             "Preemptions: requests whose blocks were freed to make room.",
             value=scheduler.num_preemptions,
         )
+        yield from prefix_cache_metrics(self._engine)
         yield from self._transfer_metrics()
 
     def _transfer_metrics(self) -> Iterator[Metric]:
@@ -87,6 +89,11 @@ class _LiveStateCollector(Collector):
             "Remote prefills completed, and their total seconds from the Prefill call to the last KV block.",
             count_value=stats.remote_prefills_completed if stats else 0,
             sum_value=stats.transfer_seconds if stats else 0.0,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}kv_transfer_blocks_skipped",
+            "KV blocks not transferred because this replica's prefix cache already held them.",
+            value=stats.kv_blocks_skipped if stats else 0,
         )
         yield CounterMetricFamily(
             f"{PREFIX}kv_transfer_failures",

@@ -6,15 +6,16 @@ running request with the largest. Policies see requests, never blocks or the eng
 
 - `fifo`: arrival order (preempts the newest arrival).
 - `priority`: higher `priority` first, FIFO among equals.
-- `sjf`: shortest estimated job first (prompt + max_tokens still to compute), with aging: every second
-  of waiting takes `aging_tokens_per_second` off the estimate, so a long job is eventually admitted
-  however many short ones keep arriving.
+- `sjf`: shortest estimated job first (uncached prompt + max_tokens still to compute), with aging:
+  every second of waiting takes `aging_tokens_per_second` off the estimate, so a long job is
+  eventually admitted however many short ones keep arriving.
 - `wfq`: weighted fair queuing across tenants by token cost. Each tenant has a virtual counter of the
-  tokens it was served divided by its weight (prompt tokens charged at first admission, one token per
-  generated token); the tenant with the smallest counter goes next. A tenant that comes back from idle
-  starts at the smallest counter among backlogged tenants, so it cannot bank credit while away, and a
-  tenant that floods the queue only advances its own counter: it cannot starve another. Its state is
-  bounded by the live requests plus `max_idle_tenants` (see the class).
+  tokens it was served divided by its weight (the prompt tokens it computes, not those the prefix
+  cache served, charged at first admission; one token per generated token); the tenant with the
+  smallest counter goes next. A tenant that comes back from idle starts at the smallest counter among
+  backlogged tenants, so it cannot bank credit while away, and a tenant that floods the queue only
+  advances its own counter: it cannot starve another. Its state is bounded by the live requests plus
+  `max_idle_tenants` (see the class).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class WeightedFairQueuingPolicy(SchedulingPolicy):
     def on_admitted(self, request: ServedRequest) -> None:
         # Only the first admission is charged: recomputing after a preemption is the server's cost.
         if request.num_preemptions == 0:
-            self._charge(request.tenant, request.seq.num_prompt_tokens)
+            self._charge(request.tenant, request.seq.num_prompt_tokens - request.seq.num_cached_tokens)
 
     def on_token_generated(self, request: ServedRequest) -> None:
         self._charge(request.tenant, 1)

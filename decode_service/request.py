@@ -48,6 +48,10 @@ class ServedRequest:
     index: int = 0
     parent: ServedRequest | None = None
     forked: bool = False
+    # While WAITING: the history tokens the prefix cache held when the request was queued, so that
+    # ranking charges only the tokens admission would actually compute (an estimate: blocks may be
+    # evicted before admission). Set by the scheduler at enqueue and at preemption.
+    expected_cached_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -60,9 +64,11 @@ class ServedRequest:
 
     @property
     def estimated_remaining_tokens(self) -> int:
-        """Tokens still to compute if it runs to max_tokens: uncomputed history plus ungenerated output."""
+        """Tokens still to compute if it runs to max_tokens: uncomputed history (less what the prefix
+        cache is expected to serve, while waiting) plus ungenerated output."""
         left_to_generate = self.seq.stopping.max_tokens - self.seq.num_output_tokens
-        return self.seq.num_uncomputed_tokens + max(0, left_to_generate)
+        cached = self.expected_cached_tokens if self.state is RequestState.WAITING else 0
+        return self.seq.num_uncomputed_tokens - cached + max(0, left_to_generate)
 
 
 @dataclass

@@ -115,6 +115,7 @@ class ContinuousScheduler:
         request.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         request.state = RequestState.WAITING
+        request.expected_cached_tokens = self.engine.cached_prefix_tokens(request.seq)
         self._live[request.request_id] = [request]
         self.waiting.append(request)
         self.policy.on_enqueued(request)
@@ -190,6 +191,7 @@ class ContinuousScheduler:
             self.prefill_stage.remove(request)
         self.engine.free(request.seq)
         request.state = RequestState.WAITING
+        request.expected_cached_tokens = self.engine.cached_prefix_tokens(request.seq)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(request)
@@ -213,7 +215,7 @@ class ContinuousScheduler:
         engine = self.engine
         while self.waiting and len(self.running) + len(self.prefill_stage) < self.max_num_seqs:
             request = min(self.waiting, key=lambda r: self._rank(r, now))
-            needed = engine.blocks_for_tokens(self._reserved_tokens(request))
+            needed = engine.blocks_needed(request.seq, self._reserved_tokens(request))
             busy = bool(self.running) or len(self.prefill_stage) > 0
             reserve = self.watermark_blocks if busy else 0
             if needed + reserve > engine.num_free_blocks:

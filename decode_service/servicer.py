@@ -71,6 +71,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             block_size=engine.block_size,
             mode=pb.SERVING_MODE_DISAGGREGATED if config.disaggregated else pb.SERVING_MODE_AGGREGATED,
             server_version=self._server_version,
+            prefix_caching=engine.config.enable_prefix_caching,
         )
 
     @staticmethod

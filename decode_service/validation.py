@@ -33,6 +33,8 @@ def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_l
         limits.check_id("request_id", request.request_id)
     if request.tenant:
         limits.check_id("tenant", request.tenant)
+    if request.cache_salt:
+        limits.check_id("cache_salt", request.cache_salt)
     limits.check_prompt_bytes(prompt_bytes(request))
     if len(request.token_ids) > max_model_len:
         raise InvalidRequestError(
@@ -115,8 +117,20 @@ def num_choices(request: pb.GenerateRequest, engine: Engine) -> int:
     return request.n or 1
 
 
+def cache_salt(request: pb.GenerateRequest, salt_tenant: str | None) -> str:
+    """The request's effective prefix-cache salt: its `cache_salt`, prefixed by `salt_tenant` when the server
+    salts by tenant (length-prefixed, so no tenant/salt pair can spell another)."""
+    if salt_tenant is None:
+        return request.cache_salt
+    return f"{len(salt_tenant)}:{salt_tenant}:{request.cache_salt}"
+
+
 def build_sequence(
-    request: pb.GenerateRequest, request_id: str, engine: Engine, max_tokens_cap: int
+    request: pb.GenerateRequest,
+    request_id: str,
+    engine: Engine,
+    max_tokens_cap: int,
+    salt_tenant: str | None = None,
 ) -> Sequence:
     """Validate a public request against the served model and return its engine sequence.
 
@@ -125,6 +139,6 @@ def build_sequence(
     sampling = sampling_params(request, engine.vocab_size)
     ids = prompt_token_ids(request, engine)
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
-    seq = engine.make_sequence(ids, sampling, stopping, request_id)
+    seq = engine.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant))
     check_fits_pool(engine, seq)
     return seq

@@ -153,3 +153,4 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     attention_backend: str | None = None
+    enable_prefix_caching: bool = True

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockAllocator, BlockManager
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, ScheduledChunk
@@ -31,6 +31,15 @@ from kernels import cpu_linear
 from kernels.backend import get_backend
 
 logger = logging.getLogger(__name__)
+
+
+def kv_namespace(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> bytes:
+    """What makes cached KV reusable: the architecture, the KV dtype and the block size.
+
+    It roots every prefix-cache hash chain, so the two tiers (whose compatibility hash already covers
+    model and layout) compute equal chains for equal prompts and salts.
+    """
+    return f"{model_config!r}|{dtype}|{block_size}".encode()
 
 
 @dataclass
@@ -52,6 +61,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
+    cache_salt: str = ""
 
 
 class Engine:
@@ -85,7 +95,13 @@ class Engine:
         self.block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)
         self.kv_cache = KVCache.allocate(model_config, num_blocks, self.block_size, config.dtype, self.device)
-        self.block_manager = BlockManager(BlockAllocator(num_blocks, block_order), self.block_size)
+        self.block_manager = BlockManager(
+            num_blocks,
+            self.block_size,
+            enable_caching=config.enable_prefix_caching,
+            namespace=kv_namespace(model_config, config.dtype, self.block_size),
+            order=block_order,
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler()
         eos = set(model_config.eos_token_ids)
@@ -126,6 +142,7 @@ class Engine:
         sampling: SamplingParams,
         stopping: StoppingParams,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> Sequence:
         """Validate a request against this model and wrap it in a `Sequence`."""
         if not prompt_token_ids:
@@ -145,7 +162,9 @@ class Engine:
                 f"max_model_len ({self.max_model_len})"
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
-        return Sequence(request_id or uuid.uuid4().hex, prompt_token_ids, sampling, stopping, detok)
+        return Sequence(
+            request_id or uuid.uuid4().hex, prompt_token_ids, sampling, stopping, detok, cache_salt=cache_salt
+        )
 
     def fork(self, parent: Sequence, sampling: SamplingParams, share_kv: bool) -> Sequence:
         """Another completion of `parent`'s prompt (a choice of a request with n > 1).
@@ -158,26 +177,35 @@ class Engine:
         """
         prompt = parent.token_ids[: parent.num_prompt_tokens]
         detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer else None
-        child = Sequence(parent.request_id, prompt, sampling, parent.stopping, detok, parent.arrival_time)
+        child = Sequence(
+            parent.request_id,
+            prompt,
+            sampling,
+            parent.stopping,
+            detok,
+            parent.arrival_time,
+            parent.cache_salt,
+        )
         if not share_kv:
             return child
         if parent.num_computed_tokens < parent.num_prompt_tokens:
             raise ValueError(f"{parent.request_id}: cannot share a prompt whose KV is not computed yet")
         last = parent.num_prompt_tokens - 1
         num_shared = last // self.block_size
-        [copy] = self.block_manager.allocator.allocate(1)
-        for block in parent.block_table[:num_shared]:
-            self.block_manager.allocator.share(block)
-        self.kv_cache.copy_block(parent.block_table[num_shared], copy)
-        child.block_table = [*parent.block_table[:num_shared], copy]
+        if self.block_manager.num_free_blocks < 1:
+            raise OutOfBlocksError(f"{parent.request_id}: no free KV block for a choice's last prompt block")
+        self.block_manager.fork(parent, child)
+        self.block_manager.grow(child.block_table, num_shared * self.block_size + 1)
+        self.kv_cache.copy_block(parent.block_table[num_shared], child.block_table[num_shared])
         child.num_computed_tokens = last
         return child
 
     def step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
         """Run one forward over the chunks and sample a token for every sequence it completes.
 
-        The caller has grown each block table to cover the chunk. Finished sequences keep their
-        blocks until the caller calls `free` — in the same iteration, for continuous batching.
+        The caller has grown each block table to cover the chunk. Blocks the forward filled are
+        registered in the prefix cache. Finished sequences keep their blocks until the caller calls
+        `free` — in the same iteration, for continuous batching.
         """
         if not chunks:
             return []
@@ -185,6 +213,7 @@ class Engine:
         sampled = [c.seq for c in chunks if c.completes_sequence]
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.commit(chunk.seq)
         if not sampled:
             return []
         result = self.sampler(
@@ -211,6 +240,7 @@ class Engine:
         the next token: mark the history computed and append that token exactly as `step` would, so stop
         rules, detokenization and finishing apply (the token may end the request)."""
         seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.commit(seq)
         return self._append_sampled(seq, token_id, logprob, list(top_logprobs[: seq.sampling.logprobs]))
 
     def _append_sampled(
@@ -233,17 +263,34 @@ class Engine:
     # -- the KV pool: what schedulers use to reserve and return blocks ---------------------------------
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow a sequence's block table to hold `num_tokens` tokens; all or nothing (OutOfBlocksError)."""
-        self.block_manager.allocate(seq.block_table, num_tokens)
+        """Grow a sequence's block table to hold `num_tokens` tokens; all or nothing (OutOfBlocksError).
+
+        A sequence without blocks first takes its longest cached prefix (those tokens count as computed),
+        so only the rest is allocated and computed.
+        """
+        self.block_manager.allocate(seq, num_tokens)
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `allocate(seq, num_tokens)` would succeed now."""
-        return self.block_manager.can_allocate(seq.block_table, num_tokens)
+        return self.block_manager.can_allocate(seq, num_tokens)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Free blocks `allocate(seq, num_tokens)` would take (cache hits it reuses cost none, unless
+        they must be revived from the evictable LRU)."""
+        return self.block_manager.blocks_needed(seq, num_tokens)
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` the prefix cache would serve if it were admitted now (for cost estimates)."""
+        return self.block_manager.cached_prefix_tokens(seq)
+
+    def prefix_hash(self, seq: Sequence, num_blocks: int) -> bytes:
+        """The prefix-cache chain hash of `seq`'s first `num_blocks` full blocks (equal on both tiers for
+        equal tokens and salt): how one tier proves to the other which blocks it holds."""
+        return self.block_manager.prefix_hash(seq, num_blocks)
 
     def free(self, seq: Sequence) -> None:
-        """Return a sequence's blocks to the pool (finish, abort or preemption)."""
-        self.block_manager.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        """Drop a sequence's block references (finish, abort or preemption); its full blocks stay cached."""
+        self.block_manager.free(seq)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return self.block_manager.blocks_for_tokens(num_tokens)
@@ -270,12 +317,15 @@ class Engine:
     ) -> list[Sequence]:
         """Run requests to completion FCFS with chunked prefill: decodes first, then prompt chunks.
 
-        Admits a request only when its whole prompt fits in free blocks; never preempts. Meant for
+        Admits a request only when its uncached prompt fits in free blocks; never preempts. Meant for
         tests and benchmarks of the engine alone.
         """
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
         max_seqs = max_num_seqs or self.config.max_num_seqs
-        waiting = [self.make_sequence(r.prompt_token_ids, r.sampling, r.stopping) for r in requests]
+        waiting = [
+            self.make_sequence(r.prompt_token_ids, r.sampling, r.stopping, cache_salt=r.cache_salt)
+            for r in requests
+        ]
         done_order = list(waiting)
         running: list[Sequence] = []
         while waiting or running:

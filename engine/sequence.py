@@ -21,7 +21,10 @@ class Sequence:
     """Prompt plus generated tokens of one request, and where their KV lives in the paged cache.
 
     `num_computed_tokens` counts tokens whose KV is already in the cache; the next forward for this
-    sequence starts there. After a preemption it drops to 0 and the whole history is recomputed.
+    sequence starts there. It starts at the cached prefix the block manager found at admission; after a
+    preemption the history is matched against the cache again and only the rest is recomputed.
+    `block_hashes` are the chain hashes of the full blocks seen so far (computed once: full blocks never
+    change), `num_committed_blocks` how many of the table's blocks are registered for reuse.
     """
 
     def __init__(
@@ -32,6 +35,7 @@ class Sequence:
         stopping: StoppingParams,
         detokenizer: IncrementalDetokenizer | None = None,
         arrival_time: float | None = None,
+        cache_salt: str = "",
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -42,6 +46,10 @@ class Sequence:
         self.stop_matcher = StopStringMatcher(stopping.stop) if stopping.stop else None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -13,6 +13,7 @@ from kv_transfer.errors import (
     KVPayloadSizeError,
     KVRangeError,
     KVTransferError,
+    PrefixMismatchError,
 )
 from kv_transfer.framing import KVFrame, parse_response, serialize_response
 from kv_transfer.layout import KVLayout, compatibility_hash
@@ -30,6 +31,7 @@ __all__ = [
     "KVPayloadSizeError",
     "KVRangeError",
     "KVTransferError",
+    "PrefixMismatchError",
     "compatibility_hash",
     "encode_blocks",
     "parse_response",

@@ -38,3 +38,12 @@ class IncompatibleKVError(TandemError):
 
 class KVFramingError(KVTransferError):
     """A Prefill response's bytes are not a valid protobuf message (truncated, overlong, bad wire type)."""
+
+
+class PrefixMismatchError(IncompatibleKVError):
+    """The caller's prefix-cache chain hash for the blocks it holds differs from the one computed here.
+
+    Equal prompts, salts and model namespaces give equal chains, so a mismatch means the two replicas
+    hash differently (another tandem version): their cached blocks cannot be combined. Maps to
+    FAILED_PRECONDITION like any incompatibility; the KV would otherwise be silently mixed.
+    """

@@ -64,17 +64,19 @@ class PrefillJob:
     """A prompt being prefilled for one Prefill call.
 
     `key` is unique per call (a retried call may reuse its request_id while the old one is still
-    being torn down), so the engine thread identifies jobs by key, never by request id.
+    being torn down), so the engine thread identifies jobs by key, never by request id. The
+    caller may already hold the prompt's first blocks (`first_block`); sending starts after them.
     """
 
-    def __init__(self, seq: Sequence, arrival_time: float) -> None:
+    def __init__(self, seq: Sequence, arrival_time: float, first_block: int = 0) -> None:
         self.key = next(_job_keys)
         self.seq = seq
         self.arrival_time = arrival_time
         # Engine thread only.
         self.admitted_time: float | None = None
         self.first_step_time: float | None = None
-        self.num_blocks_streamed = 0
+        # Blocks below `first_block` are held by the caller: never sent.
+        self.num_blocks_streamed = first_block
         # Event loop only.
         self.events: asyncio.Queue[JobEvent] = asyncio.Queue()
         self.admitted = False

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from engine.engine import Engine
 from prefill_service.scheduler import ChunkedPrefillScheduler
+from serving.cache_metrics import prefix_cache_metrics
 
 PREFIX = "tandem:"
 OUTCOMES = ("finished", "failed", "cancelled", "refused")
@@ -54,6 +55,7 @@ class _LiveStateCollector(Collector):
             "Fraction of the prefill KV pool in use (0 to 1), including computed KV not yet sent.",
             value=self._engine.kv_usage,
         )
+        yield from prefix_cache_metrics(self._engine)
 
 
 class PrefillMetrics:

@@ -54,6 +54,7 @@ def done_message(job: PrefillJob, finished: PrefillFinished) -> prefill_pb2.Pref
                 for token_id, logprob in finished.top_logprobs
             ],
             num_prompt_tokens=job.num_prompt_tokens,
+            num_cached_tokens=job.seq.num_cached_tokens,
             timings=prefill_pb2.PrefillTimings(
                 queue_seconds=finished.queue_seconds, prefill_seconds=finished.prefill_seconds
             ),

@@ -36,6 +36,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV of prompt prefixes across requests (default: automatic prefix caching on)",
+    )
+    parser.add_argument(
         "--kv-cache-memory",
         default="2GiB",
         help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: 2GiB)",
@@ -129,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 

@@ -244,7 +244,7 @@ def test_wfq_forgets_tenants_without_live_requests(hf_model):
 
 
 def fake_request(tenant: str, index: int, prompt_tokens: int = 10) -> SimpleNamespace:
-    seq = SimpleNamespace(num_prompt_tokens=prompt_tokens)
+    seq = SimpleNamespace(num_prompt_tokens=prompt_tokens, num_cached_tokens=0)
     return SimpleNamespace(tenant=tenant, arrival_index=index, num_preemptions=0, seq=seq)
 
 
@@ -518,7 +518,7 @@ def test_choices_share_the_prompt_prefill_and_sample_with_seed_plus_index(hf_mod
     harness.submit_choices("multi", prompt, 6, sampling, n=3)
     harness.loop.step_once()  # prefill, choice 0's first token, fork
     prompt_blocks = -(-prompt_len // 8)
-    shared = [b for b in range(64) if engine.block_manager.allocator.refcount(b) == 3]
+    shared = [b for b in range(64) if engine.block_manager.refcount(b) == 3]
     assert len(shared) == (prompt_len - 1) // 8, "the full blocks before the last prompt token are shared"
     assert engine.block_manager.num_free_blocks == 64 - prompt_blocks - 2  # one private block per child
     events = harness.run()

@@ -98,6 +98,7 @@ class RunningPrefill:
         token_budget: int = 64,
         num_blocks: int = 512,
         tls: TLSConfig | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
@@ -105,6 +106,7 @@ class RunningPrefill:
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=16,
             max_num_batched_tokens=token_budget,
+            enable_prefix_caching=prefix_caching,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -136,12 +138,15 @@ class RunningPrefill:
 class RunningDecode:
     """A DecodeServer in this process, with a blocking client to it."""
 
-    def __init__(self, model_dir: Path, num_blocks: int = 1024, **config_kwargs) -> None:
+    def __init__(
+        self, model_dir: Path, num_blocks: int = 1024, prefix_caching: bool = True, **config_kwargs
+    ) -> None:
         engine_config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=16,
             max_num_batched_tokens=64,
+            enable_prefix_caching=prefix_caching,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -166,10 +171,19 @@ class RunningDecode:
     def replica(self, address: str):
         return next(r for r in self.pool.replicas if r.address == address)
 
-    def generate(self, prompt: list[int], max_tokens: int, request_id: str, timeout: float = 120, **kwargs):
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        request_id: str,
+        timeout: float = 120,
+        salt: str = "",
+        **kwargs,
+    ):
         request = pb.GenerateRequest(
             request_id=request_id,
             token_ids=prompt,
+            cache_salt=salt,
             sampling=pb.SamplingParams(temperature=0.0, **kwargs),
             stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
         )

@@ -163,6 +163,24 @@ def test_decode_metrics_move_by_what_the_clients_saw(decode):
     assert value(samples, "tandem:kv_transfer_bytes_total") == 0
 
 
+def test_prefix_cache_counters_count_tokens_looked_up_and_found(decode):
+    # Block size 8: a 21-token prompt resent with one more token finds its 2 full blocks cached.
+    prompt = random_prompts(1, 9, min_len=21, max_len=21, vocab=TINY_VOCAB_SIZE)[0]
+    before = decode.scrape()
+    with grpc.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        first = list(stub.Generate(greedy(prompt, 2), timeout=60))
+        again = list(stub.Generate(greedy(prompt + [5], 2), timeout=60))
+    samples = decode.scrape()
+    queries = value(samples, "tandem:prefix_cache_queries_total") - value(
+        before, "tandem:prefix_cache_queries_total"
+    )
+    hits = value(samples, "tandem:prefix_cache_hits_total") - value(before, "tandem:prefix_cache_hits_total")
+    assert (queries, hits) == (21 + 22, 16)
+    assert (first[-1].usage.cached_tokens, again[-1].usage.cached_tokens) == (0, 16)
+    assert value(samples, "tandem:kv_cache_usage_perc") == 0, "cached blocks count as free"
+
+
 def test_gauges_read_live_state_at_scrape_time(decode):
     with grpc.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -183,6 +201,7 @@ def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
         attempt_failures=3,
         retries=2,
         kv_bytes_received=123456,
+        kv_blocks_skipped=7,
         transfer_seconds=0.75,
     )
     decode.server.metrics.watch_prefill_transfer(counters)
@@ -196,6 +215,7 @@ def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
     assert value(samples, "tandem:prefills_total", outcome="remote_failed") == 1
     assert value(samples, "tandem:prefill_retries_total") == 2
     assert value(samples, "tandem:prefill_local_fallbacks_total") == 1
+    assert value(samples, "tandem:kv_transfer_blocks_skipped_total") == 7
     counters.kv_bytes_received += 1000
     assert value(decode.scrape(), "tandem:kv_transfer_bytes_total") == 124456
 

@@ -64,7 +64,7 @@ class Server:
 
     def idle(self) -> bool:
         manager = self.engine.block_manager
-        return manager.num_free_blocks == manager.allocator.num_blocks and len(self.server.registry) == 0
+        return manager.num_free_blocks == manager.num_blocks and len(self.server.registry) == 0
 
     def close(self) -> None:
         self.client.close()
@@ -296,7 +296,7 @@ def test_a_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server)
     )
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data:")
-    assert server.engine.block_manager.num_free_blocks < server.engine.block_manager.allocator.num_blocks
+    assert server.engine.block_manager.num_free_blocks < server.engine.block_manager.num_blocks
     connection.close()
     assert wait_until(server.idle)
     assert not server.server.scheduler.has_work

@@ -74,6 +74,7 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "priority",
         "tenant",
         "n",
+        "cache_salt",
     }
     assert set(_fields(generation_pb2.ChatMessage)) == {"role", "content"}
     assert set(_fields(generation_pb2.SamplingParams)) == {
@@ -166,7 +167,7 @@ def test_generate_response_shape() -> None:
         "ABORT": 3,
     }
     assert set(_fields(generation_pb2.TokenLogprob)) == {"token_id", "logprob", "top"}
-    assert set(_fields(generation_pb2.Usage)) == {"prompt_tokens", "completion_tokens"}
+    assert set(_fields(generation_pb2.Usage)) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
     assert set(_fields(generation_pb2.ServerTimings)) == {
         "queue_seconds",
         "prefill_seconds",
@@ -184,6 +185,7 @@ def test_model_info_fields() -> None:
         "block_size",
         "mode",
         "server_version",
+        "prefix_caching",
     }
     assert set(_fields(generation_pb2.AbortRequest)) == {"request_id"}
 
@@ -227,6 +229,9 @@ def test_prefill_messages() -> None:
         "prompt_token_ids",
         "sampling",
         "compatibility_hash",
+        "cache_salt",
+        "num_held_blocks",
+        "held_prefix_hash",
     }
     kind = prefill_pb2.PrefillResponse.DESCRIPTOR.oneofs_by_name["kind"]
     assert {field.name: field.message_type.name for field in kind.fields} == {

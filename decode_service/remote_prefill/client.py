@@ -89,7 +89,7 @@ class PrefillClient:
         reasons: list[str] = []
         refused = False
         while len(tried) < self.max_attempts:
-            replica = self.pool.acquire(exclude=tried)
+            replica = self.pool.acquire(exclude=tried, affinity=transfer.affinity_key)
             if replica is None:
                 break
             if tried:
@@ -131,6 +131,9 @@ class PrefillClient:
             prompt_token_ids=transfer.token_ids,
             sampling=sampling_proto(transfer.sampling),
             compatibility_hash=self.pool.compatibility_hash,
+            cache_salt=transfer.cache_salt,
+            num_held_blocks=transfer.num_held_blocks,
+            held_prefix_hash=transfer.held_prefix_hash,
         )
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -169,6 +172,7 @@ class PrefillClient:
             raise AttemptFailedError(self._penalize(replica, "the stream ended without PrefillDone"))
         self.pool.report_success(replica)
         self.stats.remote_prefills_completed += 1
+        self.stats.kv_blocks_skipped += transfer.num_held_blocks
         self.stats.transfer_seconds += done_at - started
         self.stats.kv_stream_seconds += done_at - (first_kv if first_kv is not None else done_at)
         return PrefillCompleted(
@@ -176,6 +180,7 @@ class PrefillClient:
             done.first_token_id,
             done.first_token_logprob,
             tuple((t.token_id, t.logprob) for t in done.top_logprobs),
+            done.num_cached_tokens,
         )
 
     def _penalize(self, replica: PrefillReplica, reason: str) -> str:

@@ -7,7 +7,12 @@ fails a call is put in backoff (exponential, capped) and handshaken again when i
 pod comes back by itself and a dead one costs one failed call per backoff period, not one per request.
 
 Calls go to the ready replica with the fewest calls in flight (ties: the least recently chosen), which
-spreads a burst evenly and steers away from a replica that is slow to finish its streams.
+spreads a burst evenly and steers away from a replica that is slow to finish its streams. A call with
+an affinity key (the prefix-cache hash of its prompt's first blocks) goes instead to the key's home
+replica by rendezvous hashing (highest SHA-256 of key + address), so prompts sharing a prefix meet the
+prefill replica whose cache holds it, and a replica joining or leaving moves only its share of keys;
+unless the home has more than `AFFINITY_LOAD_FACTOR` x the least-loaded replica's calls in flight plus
+`AFFINITY_LOAD_SLACK`, in which case load wins (a hot prefix must not pile up on one replica).
 
 Everything here runs on the decode server's asyncio loop, except `has_ready`, which the engine thread
 reads as a hint (a stale answer only changes where one request is prefilled, never its result).
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import itertools
 import logging
 import time
@@ -33,6 +39,8 @@ from protos.tandem.internal.v1 import prefill_pb2
 
 logger = logging.getLogger(__name__)
 
+AFFINITY_LOAD_FACTOR = 2
+AFFINITY_LOAD_SLACK = 2
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -315,8 +323,9 @@ class PrefillPool:
     def replicas(self) -> list[PrefillReplica]:
         return list(self._replicas.values())
 
-    def acquire(self, exclude: Iterable[PrefillReplica] = ()) -> PrefillReplica | None:
-        """The ready replica with the fewest calls in flight (not in `exclude`), counted as one more."""
+    def acquire(self, exclude: Iterable[PrefillReplica] = (), affinity: bytes = b"") -> PrefillReplica | None:
+        """A ready replica not in `exclude`, counted as one more call in flight: the home of `affinity`
+        unless it is loaded beyond the bound, else the one with the fewest calls in flight."""
         excluded = set(map(id, exclude))
         candidates = [
             r for r in self._replicas.values() if r.state is ReplicaState.READY and id(r) not in excluded
@@ -324,6 +333,10 @@ class PrefillPool:
         if not candidates:
             return None
         replica = min(candidates, key=lambda r: (r.in_flight, r.last_chosen))
+        if affinity:
+            home = max(candidates, key=lambda r: hashlib.sha256(affinity + r.address.encode()).digest())
+            if home.in_flight <= AFFINITY_LOAD_FACTOR * replica.in_flight + AFFINITY_LOAD_SLACK:
+                replica = home
         replica.in_flight += 1
         replica.last_chosen = next(self._choices)
         return replica

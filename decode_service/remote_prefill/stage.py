@@ -3,12 +3,14 @@
 The scheduler admits a request exactly as in aggregated mode (its prompt blocks reserved) and hands it
 to this stage, which routes it:
 
-- locally, with chunked prefill in the decode steps, when the prompt is shorter than
-  `--local-prefill-threshold` (moving its KV would cost more than computing it), when its first token
-  must suppress EOS or stop tokens (`min_tokens`; the internal API cannot ask prefill to), or when no
-  prefill replica is ready and `--fallback-local` is set;
+- locally, with chunked prefill in the decode steps, when fewer than `--local-prefill-threshold`
+  tokens are left to compute after this replica's prefix cache hit (moving their KV would cost more
+  than computing them), when its first token must suppress EOS or stop tokens (`min_tokens`; the
+  internal API cannot ask prefill to), or when no prefill replica is ready and `--fallback-local` is set;
 - otherwise remotely: a `KVTransfer` runs on the event loop (`PrefillClient`), writing arriving KV into
-  the reserved blocks, and its outcome comes back to the engine thread through `collect`.
+  the reserved blocks, and its outcome comes back to the engine thread through `collect`. The
+  `Prefill` call says how many leading blocks this replica's prefix cache already holds, with their
+  chain hash: the prefill tier checks the hash and sends only the blocks after them.
 
 On the engine thread, a completed transfer becomes exactly what a local prefill produces: the sequence
 with every history token computed and the first token appended by
@@ -46,6 +48,10 @@ from serving.kv_layout import engine_kv_layout
 from tandem.security import channel_credentials
 
 logger = logging.getLogger(__name__)
+
+# Prompts whose first blocks (up to this many) are equal go to the same prefill replica: enough to tell
+# system prompts apart, few enough that conversations on one system prompt still share a replica.
+AFFINITY_BLOCKS = 4
 
 
 class RemotePrefillStage(PrefillStage):
@@ -93,7 +99,12 @@ class RemotePrefillStage(PrefillStage):
             self.stats.local_prefills += 1
             logger.debug("prefilling %s locally: %s", request.request_id, reason)
             return
-        transfer = KVTransfer(request, self._kv)
+        seq, engine = request.seq, self.engine
+        held = seq.num_computed_tokens // engine.block_size
+        held_hash = engine.prefix_hash(seq, held) if held else b""
+        routed = min(AFFINITY_BLOCKS, (seq.num_tokens - 1) // engine.block_size)
+        affinity = engine.prefix_hash(seq, routed) if routed else b""
+        transfer = KVTransfer(request, self._kv, held_hash, affinity)
         self._remote[request] = transfer
         self.stats.remote_prefills_started += 1
         try:
@@ -103,8 +114,8 @@ class RemotePrefillStage(PrefillStage):
 
     def _local_reason(self, request: ServedRequest) -> str | None:
         seq = request.seq
-        if seq.num_tokens < self.local_prefill_threshold:
-            return f"{seq.num_tokens} tokens, under the local prefill threshold"
+        if seq.num_uncomputed_tokens < self.local_prefill_threshold:
+            return f"{seq.num_uncomputed_tokens} tokens to compute, under the local prefill threshold"
         if seq.suppressed_token_ids(self.engine.eos_token_ids):
             return "its first token must not be EOS or a stop token (min_tokens)"
         if self.fallback_local and not self._pool.has_ready:
@@ -144,6 +155,7 @@ class RemotePrefillStage(PrefillStage):
         return outputs, failures
 
     def _first_token(self, request: ServedRequest, outcome: PrefillCompleted) -> TokenOutput:
+        request.seq.num_cached_tokens = outcome.num_cached_tokens
         return self.engine.append_token_computed_elsewhere(
             request.seq, outcome.token_id, outcome.logprob, outcome.top_logprobs
         )

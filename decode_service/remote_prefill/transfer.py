@@ -41,9 +41,11 @@ class PrefillTransferStats:
 
     Each field has exactly one writer thread: the engine thread for the routing counters
     (`local_prefills`, `remote_prefills_started`, `fallbacks_local`), the event loop for the rest.
-    Over completed remote prefills, `transfer_seconds` sums the time from the `Prefill` call to its
-    `PrefillDone`, `kv_stream_seconds` from the first KV message to `PrefillDone` (pure transfer when
-    the prompt was computed in one prefill step; otherwise it includes the later chunks' compute).
+    Over completed remote prefills, `kv_blocks_skipped` counts the leading blocks not transferred
+    because this replica's prefix cache held them, `transfer_seconds` sums the time from the `Prefill`
+    call to its `PrefillDone`, `kv_stream_seconds` from the first KV message to `PrefillDone` (pure
+    transfer when the prompt was computed in one prefill step; otherwise it includes the later chunks'
+    compute).
     """
 
     local_prefills: int = 0
@@ -55,6 +57,7 @@ class PrefillTransferStats:
     retries: int = 0
     kv_messages_received: int = 0
     kv_bytes_received: int = 0
+    kv_blocks_skipped: int = 0
     transfer_seconds: float = 0.0
     kv_stream_seconds: float = 0.0
 
@@ -66,7 +69,9 @@ class KVTransfer:
     sampling, block table), so they never read the engine's `Sequence`.
     """
 
-    def __init__(self, request: ServedRequest, kv: PagedKV) -> None:
+    def __init__(
+        self, request: ServedRequest, kv: PagedKV, held_prefix_hash: bytes = b"", affinity_key: bytes = b""
+    ) -> None:
         seq = request.seq
         # Identity only: the request is engine-thread state.
         self.request = request
@@ -74,6 +79,11 @@ class KVTransfer:
         self.token_ids = tuple(seq.token_ids)
         self.sampling: SamplingParams = seq.sampling
         self.layout = layout = kv.layout
+        self.cache_salt = seq.cache_salt
+        # Leading blocks decode took from its own prefix cache (shared, read-only): never sent, never written.
+        self.num_held_blocks = seq.num_computed_tokens // layout.block_size
+        self.held_prefix_hash = held_prefix_hash
+        self.affinity_key = affinity_key
         self.num_blocks = -(-len(self.token_ids) // layout.block_size)
         self._block_table = tuple(seq.block_table[: self.num_blocks])
         if len(self._block_table) != self.num_blocks:
@@ -84,8 +94,9 @@ class KVTransfer:
         self._kv = kv
         self._lock = threading.Lock()
         self._cancelled = False
-        # Which (block, layer) pairs the current attempt has written.
+        # Which (block, layer) pairs the current attempt has written; held blocks count as written.
         self._written = np.zeros((self.num_blocks, layout.num_layers), dtype=bool)
+        self._written[: self.num_held_blocks] = True
         self.future: Future[None] | None = None
 
     def write(self, frame: KVFrame) -> int:
@@ -96,8 +107,13 @@ class KVTransfer:
         with self._lock:
             if self._cancelled:
                 raise TransferCancelledError(f"{self.request_id}: transfer cancelled")
-            written = self._kv.write(frame, self._block_table, self.num_blocks)
             header = frame.header
+            if header.block_start < self.num_held_blocks:
+                raise KVRangeError(
+                    f"chunk starts at block {header.block_start}, but blocks below {self.num_held_blocks} "
+                    "are held here (cached, shared) and must not be sent"
+                )
+            written = self._kv.write(frame, self._block_table, self.num_blocks)
             blocks = slice(header.block_start, header.block_start + header.num_blocks)
             self._written[blocks, header.layer_start : header.layer_start + header.num_layers] = True
         return written
@@ -105,7 +121,7 @@ class KVTransfer:
     def restart(self) -> None:
         """A new attempt re-sends every block: forget what the failed one wrote (it will be overwritten)."""
         with self._lock:
-            self._written[:] = False
+            self._written[self.num_held_blocks :] = False
 
     def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
         """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError).
@@ -145,6 +161,7 @@ class PrefillCompleted:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

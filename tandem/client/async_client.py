@@ -81,6 +81,7 @@ class AsyncTandemClient:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "",
+        cache_salt: str = "",
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> AsyncIterator[GenerationDelta]:
@@ -108,6 +109,7 @@ class AsyncTandemClient:
             request_id=request_id,
             priority=priority,
             tenant=tenant,
+            cache_salt=cache_salt,
         )
         return self._stream(request, timeout, metadata)
 

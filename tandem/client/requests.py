@@ -48,6 +48,7 @@ def build_request(
     request_id: str | None = None,
     priority: int = 0,
     tenant: str = "",
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; parameters mean what the fields of the same name in generation.proto mean."""
     if isinstance(stop, str):
@@ -81,4 +82,5 @@ def build_request(
         priority=priority,
         tenant=tenant,
         n=n,
+        cache_salt=cache_salt,
     )

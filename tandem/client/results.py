@@ -45,6 +45,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,9 @@ class GenerationDelta:
             logprobs=logprobs,
             finish_reason=_FINISH_REASONS.get(message.finish_reason, FinishReason.UNKNOWN) if final else None,
             matched_stop=getattr(message, stop_kind) if stop_kind else None,
-            usage=Usage(message.usage.prompt_tokens, message.usage.completion_tokens)
+            usage=Usage(
+                message.usage.prompt_tokens, message.usage.completion_tokens, message.usage.cached_tokens
+            )
             if message.HasField("usage")
             else None,
             timings=ServerTimings(timings.queue_seconds, timings.prefill_seconds, timings.first_token_seconds)
@@ -172,6 +175,7 @@ class ModelInfo:
     block_size: int
     mode: ServingMode
     server_version: str
+    prefix_caching: bool = False
 
     @classmethod
     def from_proto(cls, message: pb.ModelInfo) -> ModelInfo:
@@ -184,4 +188,5 @@ class ModelInfo:
             block_size=message.block_size,
             mode=_SERVING_MODES.get(message.mode, ServingMode.UNSPECIFIED),
             server_version=message.server_version,
+            prefix_caching=message.prefix_caching,
         )

@@ -92,6 +92,7 @@ class TandemClient:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "",
+        cache_salt: str = "",
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> Iterator[GenerationDelta]:
@@ -123,6 +124,7 @@ class TandemClient:
             request_id=request_id,
             priority=priority,
             tenant=tenant,
+            cache_salt=cache_salt,
         )
         return self._stream(request, timeout, metadata)
 

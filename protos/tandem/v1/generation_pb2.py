@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd4\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x42\r\n\x0b_max_tokens\"\xf9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x08stopping\x18\x06 \x01(\x0b\x32\x19.tandem.v1.StoppingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\t\n\x01n\x18\n \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\\\n\rServerTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x03 \x01(\x01\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x07timings\x18\t \x01(\x0b\x32\x18.tandem.v1.ServerTimings\x12\r\n\x05index\x18\n \x01(\x05\x42\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc7\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.tandem.v1.ServingMode\x12\x16\n\x0eserver_version\x18\x08 \x01(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*h\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVING_MODE_AGGREGATED\x10\x01\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x02\x32\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd4\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x42\r\n\x0b_max_tokens\"\x8d\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x08stopping\x18\x06 \x01(\x0b\x32\x19.tandem.v1.StoppingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\t\n\x01n\x18\n \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\\\n\rServerTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x03 \x01(\x01\"\xbd\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x07timings\x18\t \x01(\x0b\x32\x18.tandem.v1.ServerTimings\x12\r\n\x05index\x18\n \x01(\x05\x42\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.tandem.v1.ServingMode\x12\x16\n\x0eserver_version\x18\x08 \x01(\t\x12\x16\n\x0eprefix_caching\x18\t \x01(\x08*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03*h\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVING_MODE_AGGREGATED\x10\x01\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x02\x32\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1858
-  _globals['_FINISHREASON']._serialized_end=1936
-  _globals['_SERVINGMODE']._serialized_start=1938
-  _globals['_SERVINGMODE']._serialized_end=2042
+  _globals['_FINISHREASON']._serialized_start=1925
+  _globals['_FINISHREASON']._serialized_end=2003
+  _globals['_SERVINGMODE']._serialized_start=2005
+  _globals['_SERVINGMODE']._serialized_end=2109
   _globals['_CHATMESSAGE']._serialized_start=48
   _globals['_CHATMESSAGE']._serialized_end=92
   _globals['_SAMPLINGPARAMS']._serialized_start=95
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=566
   _globals['_STOPPINGPARAMS']._serialized_end=700
   _globals['_GENERATEREQUEST']._serialized_start=703
-  _globals['_GENERATEREQUEST']._serialized_end=952
-  _globals['_TOPLOGPROB']._serialized_start=954
-  _globals['_TOPLOGPROB']._serialized_end=1001
-  _globals['_TOKENLOGPROB']._serialized_start=1003
-  _globals['_TOKENLOGPROB']._serialized_end=1088
-  _globals['_USAGE']._serialized_start=1090
-  _globals['_USAGE']._serialized_end=1147
-  _globals['_SERVERTIMINGS']._serialized_start=1149
-  _globals['_SERVERTIMINGS']._serialized_end=1241
-  _globals['_GENERATERESPONSE']._serialized_start=1244
-  _globals['_GENERATERESPONSE']._serialized_end=1561
-  _globals['_ABORTREQUEST']._serialized_start=1563
-  _globals['_ABORTREQUEST']._serialized_end=1597
-  _globals['_ABORTRESPONSE']._serialized_start=1599
-  _globals['_ABORTRESPONSE']._serialized_end=1631
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1633
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1654
-  _globals['_MODELINFO']._serialized_start=1657
-  _globals['_MODELINFO']._serialized_end=1856
-  _globals['_GENERATION']._serialized_start=2045
-  _globals['_GENERATION']._serialized_end=2258
+  _globals['_GENERATEREQUEST']._serialized_end=972
+  _globals['_TOPLOGPROB']._serialized_start=974
+  _globals['_TOPLOGPROB']._serialized_end=1021
+  _globals['_TOKENLOGPROB']._serialized_start=1023
+  _globals['_TOKENLOGPROB']._serialized_end=1108
+  _globals['_USAGE']._serialized_start=1110
+  _globals['_USAGE']._serialized_end=1190
+  _globals['_SERVERTIMINGS']._serialized_start=1192
+  _globals['_SERVERTIMINGS']._serialized_end=1284
+  _globals['_GENERATERESPONSE']._serialized_start=1287
+  _globals['_GENERATERESPONSE']._serialized_end=1604
+  _globals['_ABORTREQUEST']._serialized_start=1606
+  _globals['_ABORTREQUEST']._serialized_end=1640
+  _globals['_ABORTRESPONSE']._serialized_start=1642
+  _globals['_ABORTRESPONSE']._serialized_end=1674
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1676
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1697
+  _globals['_MODELINFO']._serialized_start=1700
+  _globals['_MODELINFO']._serialized_end=1923
+  _globals['_GENERATION']._serialized_start=2112
+  _globals['_GENERATION']._serialized_end=2325
 # @@protoc_insertion_point(module_scope)

@@ -38,16 +38,22 @@ class PrefillInfo(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., compatibility_hash: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compatibility_hash")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "compatibility_hash", "cache_salt", "num_held_blocks", "held_prefix_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     compatibility_hash: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., compatibility_hash: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    num_held_blocks: int
+    held_prefix_hash: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., compatibility_hash: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_held_blocks: _Optional[int] = ..., held_prefix_hash: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("block_start", "num_blocks", "layer_start", "num_layers", "dtype", "shape", "payload", "crc32c")
@@ -78,18 +84,20 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "top_logprobs", "num_prompt_tokens", "timings")
+    __slots__ = ("first_token_id", "first_token_logprob", "top_logprobs", "num_prompt_tokens", "timings", "num_cached_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TopLogprob]
     num_prompt_tokens: int
     timings: PrefillTimings
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TopLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TopLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("kv", "done")
