@@ -104,10 +104,11 @@ def test_an_abort_storm_over_shared_prefixes_leaks_no_reference(hf_model):
             tail = random_prompts(1, round_ * 4 + i, min_len=1, max_len=8)[0]
             harness.submit(f"r{round_}-{i}", prefix[: rng.randint(4, 16)] + tail, rng.randint(1, 12))
         harness.loop.step_once()
-        for request_id in harness.scheduler.live_request_ids():
+        scheduler = harness.scheduler
+        for request in [*scheduler.waiting, *scheduler.prefilling, *scheduler.running]:
             if rng.random() < 0.4:
-                states.add(harness.scheduler._live[request_id].state)
-                harness.loop.abort(request_id)
+                states.add(request.state)
+                harness.loop.abort(request.request_id)
     harness.run()
     assert {RequestState.PREFILLING, RequestState.RUNNING} <= states
     assert engine.block_manager.num_hit_tokens > 0
