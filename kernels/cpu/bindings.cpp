@@ -13,6 +13,8 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
                                                     torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+const char* gemv_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::call_guard;
@@ -22,4 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm (fp32)", call_guard<gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "rotate-half RoPE on q and k (fp32)", call_guard<gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (fp32)", call_guard<gil_scoped_release>());
+  m.def("linear_gemv", &linear_gemv, "x W^T + b for a few rows of x, streaming W (fp32)",
+        call_guard<gil_scoped_release>());
+  m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv dispatched to on this CPU");
 }
