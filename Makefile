@@ -21,6 +21,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+	@# Compile the C++ CPU kernels now rather than on the first request; without a compiler the torch path serves.
+	@$(BIN)/python -m kernels.cpu_extension || echo "C++ CPU kernels not built; the torch path will serve"
 
 fetch-model: install
 	$(BIN)/tandem fetch-model

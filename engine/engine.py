@@ -90,7 +90,7 @@ class Engine:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(state_dict)
         if self.device.type == "cpu":
-            cpu_linear.use_onednn_linears(model)
+            cpu_linear.use_cpu_linears(model)
         self.model = model.eval()
         self.block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)

@@ -1,24 +1,32 @@
-"""Linear layers through oneDNN on the CPU, with each weight converted to oneDNN's tensor once.
+"""fp32 linear layers on the CPU: a streaming GEMV for a few rows, oneDNN's blocked kernel for more.
 
-`F.linear` on the CPU goes to MKL sgemm, which handles the skinny matmuls of a decode step (a few
-dozen rows against every weight, the widest a 576 x 49152 LM head) far below the machine's
-peak. oneDNN's inner-product kernel over a weight reordered once at load into its blocked layout
-was 1.3-2.5x faster for every projection of SmolLM2 at 1-64 rows on this 2-core AVX-512 machine
-(the LM head at 32 rows: 24.7 -> 9.9 ms), and no slower for 512-row prefill chunks. Only fp32 on
-the CPU is switched; `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear`.
+At one to a few rows (single-stream decode) a linear layer only has to read its weight once, and the
+best kernel is the one that streams it at memory speed: the C++ extension's `linear_gemv` reads the
+plain row-major weight front to back, ~1.3x oneDNN's inner product at 1-8 rows on this 2-core
+AVX-512 machine and level with it at 16. Past that, oneDNN over a weight reordered once into its
+blocked layout wins (1.3-2.5x `F.linear`/MKL at 1-64 rows, no slower for 512-row prefill chunks).
+So each layer keeps both copies — the plain one is the GEMV's, the blocked one oneDNN's — and picks
+by row count. Where the extension is missing the blocked oneDNN path serves every row count; where
+oneDNN is missing too, `nn.Linear` stays. `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear` everywhere.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from kernels import cpu_extension
+
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TANDEM_ONEDNN_LINEAR"
+# Largest row count the GEMV takes. Measured per projection of SmolLM2-135M on one core (weights
+# rotating through DRAM): GEMV/oneDNN 0.75x time at 8 rows, 0.9-1.04x at 16, 1.0-1.13x at 32.
+GEMV_MAX_ROWS = 16
 
 
 def available() -> bool:
@@ -31,25 +39,33 @@ def available() -> bool:
     )
 
 
-class OneDnnLinear(nn.Module):
-    """`y = x W^T + b` with W held as a oneDNN tensor; a drop-in for an fp32 `nn.Linear` at inference."""
+class CpuLinear(nn.Module):
+    """`y = x W^T + b` for fp32 on the CPU; a drop-in for an fp32 `nn.Linear` at inference.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `x` is 2-D (tokens, features), as the engine's forward passes it.
+    """
+
+    def __init__(self, linear: nn.Linear, extension: ModuleType | None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._extension = extension
+        # The GEMV reads the plain weight itself (shared with the embedding when tied).
+        self.weight = linear.weight.detach().contiguous() if extension is not None else None
         # Reordered once into oneDNN's blocked layout, so no call repacks it (1.1-1.5x at decode sizes).
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.blocked_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.weight is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return self._extension.linear_gemv(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.blocked_weight, self.bias, "none", [], "")
 
 
-def use_onednn_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU `nn.Linear` inside `model` by a `OneDnnLinear`; return how many.
+def use_cpu_linears(model: nn.Module) -> int:
+    """Replace every fp32 CPU `nn.Linear` inside `model` by a `CpuLinear`; return how many.
 
     A weight tied to another module (the LM head and the embedding) stays dense where the other
-    module uses it; the linear gets its own oneDNN copy.
+    module uses it; the linear gets its own copies.
     """
     if os.environ.get(DISABLE_ENV, "1") == "0" or not available():
         return 0
@@ -60,9 +76,13 @@ def use_onednn_linears(model: nn.Module) -> int:
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
     ]
+    extension = cpu_extension.load() if targets else None
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, OneDnnLinear(module))
-    logger.info("linear layers on oneDNN", extra={"count": len(targets)})
+        setattr(parent, child, CpuLinear(module, extension))
+    logger.info(
+        "fp32 linear layers on the CPU kernels",
+        extra={"count": len(targets), "gemv": extension is not None, "gemv_max_rows": GEMV_MAX_ROWS},
+    )
     return len(targets)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,119 @@ def test_refuses_head_dims_beyond_its_accumulator(extension):
     query, k_cache, v_cache, meta = mixed_batch(2, 1, 272, 16, [1], [5], seed=4)
     with pytest.raises(RuntimeError, match="head_dim above 256"):
         run_extension(extension, query, k_cache, v_cache, meta, 0.1)
+
+
+GEMV_SHAPES = [(960, 576), (1, 1), (5, 3), (13, 17), (37, 33), (50, 100), (7, 1536)]
+
+
+def gemv_case(rows, out_features, in_features, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    return x, weight, torch.randn(out_features, generator=gen) if bias else None
+
+
+def linear_in_fp64(x, weight, bias):
+    """The exact product, so the kernel is held to fp32 rounding, not to another kernel's order."""
+    b = None if bias is None else bias.double()
+    return torch.nn.functional.linear(x.double(), weight.double(), b).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize(("out_features", "in_features"), GEMV_SHAPES)
+def test_gemv_matches_torch(extension, rows, out_features, in_features):
+    bias = rows % 2 == 1
+    x, weight, b = gemv_case(rows, out_features, in_features, bias, seed=rows * 7919 + out_features)
+    got = extension.linear_gemv(x, weight, b)
+    torch.testing.assert_close(got, linear_in_fp64(x, weight, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_gemv_every_instruction_set_matches_torch(extension, isa):
+    best = extension.gemv_isa()
+    try:
+        extension.set_gemv_isa(isa)
+    except RuntimeError as exc:
+        assert "cannot run" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    try:
+        for rows, (out_features, in_features) in zip([1, 3, 6, 2, 5], GEMV_SHAPES[2:], strict=True):
+            x, weight, b = gemv_case(rows, out_features, in_features, bias=True, seed=rows)
+            got = extension.linear_gemv(x, weight, b)
+            torch.testing.assert_close(got, linear_in_fp64(x, weight, b), rtol=1e-5, atol=1e-4)
+    finally:
+        extension.set_gemv_isa(best)
+
+
+def test_gemv_picks_the_widest_instruction_set_of_this_cpu(extension):
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags here")
+    expected = (
+        "avx512" if {"avx512f", "avx512dq"} <= flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    )
+    assert extension.gemv_isa() == expected
+
+
+def test_gemv_reads_strided_rows_of_x(extension):
+    wide = torch.randn(4, 80, generator=torch.Generator().manual_seed(5))
+    x = wide[:, 8:72]  # rows 80 floats apart
+    weight = torch.randn(21, 64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(
+        extension.linear_gemv(x, weight, None), linear_in_fp64(x, weight, None), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_gemv_with_no_rows_returns_an_empty_result(extension):
+    out = extension.linear_gemv(torch.empty(0, 32), torch.randn(8, 32), None)
+    assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    ("x", "weight", "bias", "message"),
+    [
+        (torch.randn(2, 8).double(), torch.randn(4, 8), None, "fp32 only"),
+        (torch.randn(2, 8), torch.randn(4, 6), None, "has 8 features, weight expects 6"),
+        (torch.randn(2, 8), torch.randn(8, 4).t(), None, "contiguous"),
+        (torch.randn(2, 8), torch.randn(4, 8), torch.randn(3), "bias"),
+        (torch.randn(8, 2).t(), torch.randn(4, 8), None, "contiguous rows"),
+    ],
+)
+def test_gemv_refuses_what_it_cannot_compute(extension, x, weight, bias, message):
+    with pytest.raises(RuntimeError, match=message):
+        extension.linear_gemv(x, weight, bias)
+
+
+def test_set_gemv_isa_refuses_an_unknown_name(extension):
+    with pytest.raises(RuntimeError, match="unknown GEMV instruction set"):
+        extension.set_gemv_isa("sse9")
+
+
+def test_build_name_changes_with_the_sources(tmp_path, monkeypatch):
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(cpu_extension, "SOURCES", [source])
+    first = cpu_extension.build_name()
+    assert first == cpu_extension.build_name()
+    assert first.startswith("tandem_cpu_kernels_")
+    source.write_text("int f() { return 2; }\n")
+    assert cpu_extension.build_name() != first
+
+
+def test_a_compile_is_announced_and_a_cached_build_is_not(tmp_path, monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "load", lambda **kwargs: kwargs["name"])
+    caplog.set_level("INFO", logger=cpu_extension.__name__)
+    assert cpu_extension.load.__wrapped__() == cpu_extension.build_name()
+    assert [r.getMessage() for r in caplog.records if "compiling the C++ CPU kernels" in r.getMessage()]
+    caplog.clear()
+    (tmp_path / f"{cpu_extension.build_name()}.so").write_bytes(b"")
+    cpu_extension.load.__wrapped__()
+    assert not [r for r in caplog.records if "compiling" in r.getMessage()]

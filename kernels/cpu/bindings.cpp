@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -14,7 +15,8 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rope(torch::Tensor query, torch::
                                                     torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
-const char* gemv_isa();
+std::string gemv_isa();
+void set_gemv_isa(const std::string& name);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::call_guard;
@@ -26,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (fp32)", call_guard<gil_scoped_release>());
   m.def("linear_gemv", &linear_gemv, "x W^T + b for a few rows of x, streaming W (fp32)",
         call_guard<gil_scoped_release>());
-  m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv dispatched to on this CPU");
+  m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv runs on: avx512, avx2 or portable");
+  m.def("set_gemv_isa", &set_gemv_isa, "for tests: run linear_gemv on a narrower instruction set this CPU has");
 }

@@ -13,7 +13,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
+#include <string>
 
 namespace {
 
@@ -132,18 +134,37 @@ void tile_portable(const Problem& p, int64_t n0, int64_t m0) {
 
 enum class Isa { kAvx512, kAvx2, kPortable };
 
-Isa detect_isa() {
+bool supports(Isa isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  switch (isa) {
+    case Isa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kPortable: return true;
+  }
+  return false;
+}
+
+Isa best_isa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
+    if (supports(isa)) return isa;
   return Isa::kPortable;
 }
 
-const Isa kIsa = detect_isa();
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kPortable: return "portable";
+  }
+  return "portable";
+}
+
+// The code path every call takes; only tests change it (set_gemv_isa), to run the narrower ones too.
+std::atomic<Isa> g_isa{best_isa()};
 
 template <int NR, int MR>
 void tile(const Problem& p, int64_t n0, int64_t m0) {
-  switch (kIsa) {
+  switch (g_isa.load(std::memory_order_relaxed)) {
     case Isa::kAvx512: return tile_avx512<NR, MR>(p, n0, m0);
     case Isa::kAvx2: return tile_avx2<NR, MR>(p, n0, m0);
     case Isa::kPortable: return tile_portable<NR, MR>(p, n0, m0);
@@ -165,13 +186,16 @@ void rows_of_w(const Problem& p, int64_t n0) {
 
 }  // namespace
 
-const char* gemv_isa() {
-  switch (kIsa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kPortable: return "portable";
+std::string gemv_isa() { return isa_name(g_isa.load()); }
+
+void set_gemv_isa(const std::string& name) {
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
+    if (name != isa_name(isa)) continue;
+    TORCH_CHECK(supports(isa), "this CPU cannot run the ", name, " GEMV");
+    g_isa.store(isa);
+    return;
   }
-  return "portable";
+  TORCH_CHECK(false, "unknown GEMV instruction set ", name, "; expected avx512, avx2 or portable");
 }
 
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
