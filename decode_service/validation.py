@@ -14,9 +14,10 @@ from decode_service.request_limits import RequestLimits
 from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.params import SamplingParams, StoppingParams
+from engine.params import StoppingParams
 from engine.sequence import Sequence
 from protos.tandem.v1 import generation_pb2 as pb
+from serving.sampling import sampling_params
 
 
 def prompt_bytes(request: pb.GenerateRequest) -> int:
@@ -70,25 +71,6 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
     return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
 
 
-def sampling_params(request: pb.GenerateRequest, vocab_size: int | None = None) -> SamplingParams:
-    """SamplingParams with the server defaults for unset fields; validated (logit_bias ids below vocab)."""
-    proto = request.sampling
-    params = SamplingParams(
-        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-        top_k=proto.top_k if proto.HasField("top_k") else -1,
-        min_p=proto.min_p if proto.HasField("min_p") else 0.0,
-        seed=proto.seed if proto.HasField("seed") else None,
-        logprobs=proto.logprobs,
-        presence_penalty=proto.presence_penalty if proto.HasField("presence_penalty") else 0.0,
-        frequency_penalty=proto.frequency_penalty if proto.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
-        logit_bias=dict(proto.logit_bias),
-    )
-    params.validate(vocab_size)
-    return params
-
-
 def stopping_params(
     request: pb.GenerateRequest, num_prompt_tokens: int, engine: Engine, max_tokens_cap: int
 ) -> StoppingParams:
@@ -136,7 +118,7 @@ def build_sequence(
 
     Tokenizes text and chat prompts, so call it off the event loop.
     """
-    sampling = sampling_params(request, engine.vocab_size)
+    sampling = sampling_params(request.sampling, engine.vocab_size)
     ids = prompt_token_ids(request, engine)
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
     seq = engine.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant))

@@ -11,34 +11,16 @@ import uuid
 
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.params import SamplingParams, StoppingParams
+from engine.params import StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import IncompatibleKVError, PrefixMismatchError
 from prefill_service.job import PrefillJob
 from protos.tandem.internal.v1 import prefill_pb2
-from protos.tandem.v1 import generation_pb2
+from serving.sampling import sampling_params
 
 PREFIX_HASH_BYTES = 32
 # Prefill computes the prompt's KV and samples exactly one token; the decode tier applies the stop rules.
 PREFILL_STOPPING = StoppingParams(max_tokens=1, ignore_eos=True)
-
-
-def sampling_params(proto: generation_pb2.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
-    """SamplingParams with the public API's defaults for unset fields (as the decode tier reads them)."""
-    params = SamplingParams(
-        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-        top_k=proto.top_k if proto.HasField("top_k") else -1,
-        min_p=proto.min_p if proto.HasField("min_p") else 0.0,
-        seed=proto.seed if proto.HasField("seed") else None,
-        logprobs=proto.logprobs,
-        presence_penalty=proto.presence_penalty if proto.HasField("presence_penalty") else 0.0,
-        frequency_penalty=proto.frequency_penalty if proto.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
-        logit_bias=dict(proto.logit_bias),
-    )
-    params.validate(vocab_size)
-    return params
 
 
 def check_compatible(caller_hash: str, own_hash: str) -> None:

@@ -18,10 +18,10 @@ from decode_service.openai_http.protocol import (
     translate,
 )
 from decode_service.openai_http.responses import ResponseBuilder
-from decode_service.validation import sampling_params
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.errors import DrainingError, QueueFullError
+from serving.sampling import sampling_params
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "Once upon"}
@@ -197,7 +197,7 @@ def test_a_body_that_is_not_an_object_is_refused():
 def test_ranges_are_left_to_the_validation_grpc_requests_go_through():
     request = chat(temperature=-1.0, presence_penalty=3.0)
     with pytest.raises(InvalidRequestError, match="temperature must be >= 0"):
-        sampling_params(request.generate)
+        sampling_params(request.generate.sampling)
 
 
 # --- responses -----------------------------------------------------------------------------------
