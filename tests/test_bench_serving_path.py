@@ -37,16 +37,22 @@ def test_own_cpu_time_grows_with_work_and_threads_are_listed():
     threads_before = thread_cpu_seconds(pid)
     worker_tid: list[int] = []
 
+    busy = threading.Event()
+    release = threading.Event()
+
     def spin() -> None:
         worker_tid.append(threading.get_native_id())
-        deadline = time.process_time() + 0.3
-        while time.process_time() < deadline:
+        # Its own CPU clock, not the process's: other threads of the test process may be busy too.
+        while time.thread_time() < 0.1:
             sum(range(1000))
+        busy.set()
+        release.wait(30)
 
     worker = threading.Thread(target=spin)
     worker.start()
-    time.sleep(0.2)  # the worker is alive while we snapshot it
-    threads_after = thread_cpu_seconds(pid)
+    assert busy.wait(30)
+    threads_after = thread_cpu_seconds(pid)  # the worker is alive while we snapshot it
+    release.set()
     worker.join()
     assert process_cpu_seconds(pid) > before
     rows = thread_cpu_delta(threads_before, threads_after, pid)
