@@ -135,12 +135,29 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
         summary = result["summary"]
         cpu = summary["server_cpu_us_per_token"]
         floor = result.get("engine_floor")
+        own_figures = []
         if floor:
             step = floor["decode_step_cpu_us_per_token"]
             cpu_note = (
-                f"engine loop alone {summary['engine_loop_alone_cpu_us_per_token']:.0f} µs/token (forward "
-                f"{step['forward_with_prepare']:.0f}, sampler {step['sampler']:.0f}), edge (asyncio, "
-                f"messages) {summary['edge_cpu_us_per_token']:.0f}"
+                f"model math {summary['model_math_cpu_us_per_token']:.0f} µs/token (forward with its "
+                f"49k-wide LM head {step['forward_with_prepare']:.0f}, sampler {step['sampler']:.0f}), "
+                f"engine thread's Python {summary['engine_python_cpu_us_per_token']:.0f}, edge (asyncio, "
+                "gRPC messages) "
+                f"{summary['edge_cpu_us_per_token']:.0f}"
+            )
+            own_figures.append(
+                Figure(
+                    "serving",
+                    f"serving path's own CPU per token (server minus model math), {api} "
+                    f"{sizes.serving_streams} streams",
+                    summary["serving_path_own_cpu_us_per_token"],
+                    "µs",
+                    perf_targets.SERVER_CPU_PER_TOKEN,
+                    None,
+                    f"engine thread's Python {summary['engine_python_cpu_us_per_token']:.0f} + edge "
+                    f"{summary['edge_cpu_us_per_token']:.0f}; one stream message per token costs "
+                    "grpc.aio itself ~41-47 µs of server CPU (a bare servicer, measured 2026-11-30)",
+                )
             )
         else:
             cpu_note = (
@@ -159,6 +176,7 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
                 before["server_cpu_us_per_token"] if comparable else None,
                 cpu_note,
             ),
+            *own_figures,
             Figure(
                 "serving",
                 f"served tok/s, {label}",

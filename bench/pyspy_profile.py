@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ class ProfilerUnavailableError(TandemError):
 
 
 def py_spy_binary() -> str:
-    binary = shutil.which("py-spy")
+    """py-spy on PATH, else beside this interpreter (a virtual environment that was not activated)."""
+    binary = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if binary is None:
         raise ProfilerUnavailableError("py-spy is not installed: `pip install py-spy` (in the bench extra)")
     return binary

@@ -21,6 +21,7 @@ import grpc
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
 from decode_service.request import ServedRequest, StreamDelta
+from decode_service.stream_interval import coalesce
 from decode_service.streams import StreamHub
 from decode_service.validation import build_sequence, check_limits, num_choices, prompt_bytes
 from decode_service.validation_pool import ValidationPool
@@ -232,6 +233,7 @@ class Generation:
         self._arrival = arrival
         self._finished = False
         self._closed = False
+        self._choices_left = served.n
 
     @property
     def request_id(self) -> str:
@@ -239,37 +241,51 @@ class Generation:
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         """The stream's messages, every choice's last one included; raises the error the engine hit."""
-        served = self.served
         completion: list[str] = []
-        choices_left = served.n
         try:
             while not self._finished:
-                delta = await self._queue.get()
-                if delta.is_last:
-                    # A request aborted before its prompt was prefilled never forked its other choices.
-                    choices_left = choices_left - 1 if served.forked else 0
-                self._finished = choices_left == 0
-                if delta.error is not None:
-                    code, _ = status_for(delta.error)
-                    log_event(
-                        logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name
-                    )
-                    raise delta.error
-                if log_prompts_enabled():
-                    completion.append(delta.text)
-                if self._finished and delta.finish_reason is not None:
-                    log_event(
-                        logger,
-                        logging.INFO,
-                        "request finished",
-                        request_id=self.request_id,
-                        finish_reason=delta.finish_reason.value,
-                        **_finish_log_fields(served, time.monotonic()),
-                        **prompt_fields(completion="".join(completion)),
-                    )
-                yield to_response(delta)
+                for delta in await self._waiting_deltas():
+                    if self._finished:
+                        break
+                    yield self._respond(delta, completion)
         finally:
             self.close()
+
+    async def _waiting_deltas(self) -> list[StreamDelta]:
+        """Every delta this stream has waiting (at least one), merged per choice by `coalesce`.
+
+        A writer that keeps up gets one token per message, as produced; one that fell behind — many
+        streams on one event loop, a slow network — sends the tokens that piled up in one message, so
+        the per-message cost (protobuf, HTTP/2 frame, the client's wake-up) is paid once per batch.
+        """
+        waiting = [await self._queue.get()]
+        while not self._queue.empty():
+            waiting.append(self._queue.get_nowait())
+        return coalesce(waiting) if len(waiting) > 1 else waiting
+
+    def _respond(self, delta: StreamDelta, completion: list[str]) -> pb.GenerateResponse:
+        """Account for one delta (choices left, logs) and build its message; raises the delta's error."""
+        if delta.is_last:
+            # A request aborted before its prompt was prefilled never forked its other choices.
+            self._choices_left = self._choices_left - 1 if self.served.forked else 0
+        self._finished = self._choices_left == 0
+        if delta.error is not None:
+            code, _ = status_for(delta.error)
+            log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
+            raise delta.error
+        if log_prompts_enabled():
+            completion.append(delta.text)
+        if self._finished and delta.finish_reason is not None:
+            log_event(
+                logger,
+                logging.INFO,
+                "request finished",
+                request_id=self.request_id,
+                finish_reason=delta.finish_reason.value,
+                **_finish_log_fields(self.served, time.monotonic()),
+                **prompt_fields(completion="".join(completion)),
+            )
+        return to_response(delta)
 
     def close(self) -> None:
         """Leave the stream; a request not finished yet is aborted and its blocks freed at once."""

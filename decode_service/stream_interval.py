@@ -1,5 +1,9 @@
-"""Sends a request's tokens in groups of `interval` instead of one message per token, like vLLM's
-`--stream-interval`.
+"""How a request's tokens are grouped into stream messages.
+
+`coalesce` (always on, at the edge) merges whatever a stream has waiting when its writer wakes up, so
+a writer that fell behind catches up in one message instead of one per token. `StreamIntervalBuffer`
+(on the engine thread, `--stream-interval`, like vLLM's) holds each request's tokens until `interval`
+of them are ready, even when the writer keeps up.
 
 Every stream message costs the event loop, the network and the client some work; with many streams
 or a slow link, holding a request's tokens until `interval` of them are ready divides that by
@@ -24,6 +28,26 @@ def merge(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
         finish_reason=later.finish_reason,
         error=later.error,
     )
+
+
+def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """`deltas` in arrival order with each choice's consecutive run merged into one delta.
+
+    Costs no latency: only deltas that are already waiting merge. An error is never merged into the
+    tokens before it, so those tokens still reach the client before the stream fails.
+    """
+    merged: list[StreamDelta] = []
+    open_at: dict[int, int] = {}  # id(request) -> index in `merged` of its delta still taking tokens
+    for delta in deltas:
+        at = open_at.get(id(delta.request))
+        if at is not None and delta.error is None:
+            merged[at] = merge(merged[at], delta)
+        else:
+            open_at[id(delta.request)] = len(merged)
+            merged.append(delta)
+        if merged[open_at[id(delta.request)]].is_last:
+            del open_at[id(delta.request)]
+    return merged
 
 
 class StreamIntervalBuffer:

@@ -164,3 +164,22 @@ def test_http_api_is_refused_clearly_when_the_server_has_none(monkeypatch, tmp_p
     assert status == 2
     assert "no HTTP API" in caplog.text
     assert not (tmp_path / "r.json").exists()
+
+
+def test_server_cpu_splits_into_model_math_engine_python_and_edge():
+    from bench.serving_path import split_server_cpu
+
+    floor = {
+        "engine_loop_alone": {"cpu_us_per_token": 110.0},
+        "decode_step_cpu_us_per_token": {"forward_with_prepare": 64.5, "sampler": 14.5},
+    }
+    split = split_server_cpu(160.0, floor)
+    assert split == {
+        "engine_loop_alone_cpu_us_per_token": 110.0,
+        "model_math_cpu_us_per_token": 79.0,
+        "engine_python_cpu_us_per_token": 31.0,
+        "edge_cpu_us_per_token": 50.0,
+        "serving_path_own_cpu_us_per_token": 81.0,
+    }
+    layers = ("model_math", "engine_python", "edge")
+    assert sum(split[f"{name}_cpu_us_per_token"] for name in layers) == 160.0

@@ -126,7 +126,10 @@ def test_concurrent_streams_match_hf_greedy(server, model):
 
     for i, responses in enumerate(results):
         assert output_tokens(responses) == hf_greedy(hf, prompts[i], max_tokens[i]), f"stream {i} diverged"
-        assert len(responses) == max_tokens[i], "one message per step, one token each"
+        # One token per message while the writer keeps up; tokens that piled up behind a busy event loop
+        # go out together (coalesced), never out of order and never an empty message before the last.
+        assert 1 <= len(responses) <= max_tokens[i]
+        assert all(r.token_ids for r in responses)
         assert all(r.request_id == f"stream-{i}" for r in responses)
         assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
         last = responses[-1]
@@ -143,9 +146,10 @@ def test_logprobs_are_streamed_per_token(server, model):
     request = greedy_request(prompt, 4)
     request.sampling.logprobs = 3
     responses = list(server.stub.Generate(request, timeout=60))
-    for response in responses:
-        (entry,) = response.logprobs
-        assert entry.token_id == response.token_ids[0]
+    assert sum(len(r.token_ids) for r in responses) == 4
+    for response in responses:  # one entry per token, also in a message that carries several
+        assert [entry.token_id for entry in response.logprobs] == list(response.token_ids)
+    for entry in (entry for response in responses for entry in response.logprobs):
         assert len(entry.top) == 3
         assert entry.top[0].token_id == entry.token_id
         assert entry.logprob == pytest.approx(entry.top[0].logprob)

@@ -1,9 +1,10 @@
-"""The stream-interval buffer: merges a request's deltas, never holds a first token or an ending."""
+"""How tokens become messages: the stream-interval buffer (merges a request's deltas, never holds a first
+token or an ending) and the edge's coalescing of deltas that are already waiting."""
 
 from __future__ import annotations
 
 from decode_service.request import ServedRequest, StreamDelta
-from decode_service.stream_interval import StreamIntervalBuffer
+from decode_service.stream_interval import StreamIntervalBuffer, coalesce
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
@@ -50,3 +51,46 @@ def test_interval_one_passes_every_step_through():
     buffer(step)
     buffer([token(a, 2)])
     assert sent[0] is step and len(sent) == 2
+
+
+def summary(deltas: list[StreamDelta]) -> list[tuple]:
+    return [(d.request.request_id, d.token_ids, d.text, d.finish_reason, d.error is not None) for d in deltas]
+
+
+def test_coalesce_merges_each_choice_run_in_order():
+    a, b = request("a"), request("b")  # two choices of one stream interleave in its queue
+    waiting = [
+        token(a, 1),
+        token(b, 1),
+        token(a, 2),
+        token(b, 2, finish_reason=FinishReason.STOP),
+        token(a, 3),
+    ]
+    assert summary(coalesce(waiting)) == [
+        ("a", [1, 2, 3], "<1><2><3>", None, False),
+        ("b", [1, 2], "<1><2>", FinishReason.STOP, False),
+    ]
+
+
+def test_coalesce_keeps_an_error_apart_and_nothing_joins_an_ended_delta():
+    a, b = request("a"), request("b")
+    ended = token(b, 7, finish_reason=FinishReason.LENGTH)
+    waiting = [
+        token(a, 1),
+        token(a, 2),
+        StreamDelta(a, error=InvalidRequestError("boom")),
+        ended,
+        token(b, 8),
+    ]
+    assert summary(coalesce(waiting)) == [
+        ("a", [1, 2], "<1><2>", None, False),
+        ("a", [], "", None, True),
+        ("b", [7], "<7>", FinishReason.LENGTH, False),
+        ("b", [8], "<8>", None, False),
+    ]
+
+
+def test_coalesce_of_one_delta_is_that_delta():
+    a = request("a")
+    only = token(a, 1)
+    assert coalesce([only]) == [only]
