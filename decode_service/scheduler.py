@@ -130,7 +130,10 @@ class ContinuousScheduler:
 
     def _choice_of(self, seq: Sequence) -> ServedRequest | None:
         """The live request (choice) that runs `seq`."""
-        return next((r for r in self._live.get(seq.request_id, ()) if r.seq is seq), None)
+        choices = self._live.get(seq.request_id, ())
+        if len(choices) == 1:  # n == 1, the common case: skip the generator
+            return choices[0] if choices[0].seq is seq else None
+        return next((r for r in choices if r.seq is seq), None)
 
     def idle_wait_seconds(self) -> float | None:
         """How long the loop may sleep for new input when `schedule` found nothing to run (None: forever)."""
@@ -165,6 +168,12 @@ class ContinuousScheduler:
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
             needed = request.seq.num_tokens
+            if engine.holds_slots(request.seq, needed):
+                # The common case (all but one step in a block's worth): no allocation to plan.
+                plan.add(ScheduledChunk(request.seq, 1), "decode")
+                scheduled.add(request)
+                budget -= 1
+                continue
             while not engine.can_allocate(request.seq, needed):
                 victim = self._pick_victim(request, scheduled, now)
                 self._preempt(victim)

@@ -274,6 +274,11 @@ class Engine:
         """Whether `allocate(seq, num_tokens)` would succeed now."""
         return self.block_manager.can_allocate(seq, num_tokens)
 
+    def holds_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """True when `seq`'s blocks already hold `num_tokens` tokens (`allocate` would add nothing); the
+        scheduler's per-token fast path, so it is one comparison."""
+        return len(seq.block_table) * self.block_manager.block_size >= num_tokens
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Free blocks `allocate(seq, num_tokens)` would take (cache hits it reuses cost none, unless
         they must be revived from the evictable LRU)."""
