@@ -404,6 +404,20 @@ def test_served_model_name_and_http_node_port_follow_values(helm: Path, tmp_path
     assert (http["port"], http["nodePort"]) == (8080, 30080)
 
 
+def test_prefix_caching_values_reach_both_tiers(helm: Path, tmp_path: Path) -> None:
+    def args(values: dict) -> tuple[list[str], list[str]]:
+        manifests = parse_manifests(
+            run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout
+        )
+        return container(manifests, "prefill")["args"], container(manifests, "decode")["args"]
+
+    prefill, decode = args({})
+    assert "--no-prefix-caching" not in prefill + decode and "--cache-salt-by-tenant" not in decode
+    prefill, decode = args({"prefixCaching": {"enabled": False, "saltByTenant": True}})
+    assert "--no-prefix-caching" in prefill and "--no-prefix-caching" in decode
+    assert "--cache-salt-by-tenant" in decode and "--cache-salt-by-tenant" not in prefill
+
+
 def test_one_image_runs_both_tiers_with_different_args(rendered: dict[str, list[dict]]) -> None:
     for variant in ("default", "all-features"):
         prefill, decode = container(rendered[variant], "prefill"), container(rendered[variant], "decode")

@@ -157,6 +157,19 @@ def test_chat_plain_and_streamed_equal_the_grpc_answer(server):
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(server):
+    prompt = "cached usage " + " ".join(f"w{i}" for i in range(60))  # several KV blocks long
+
+    def cached_tokens() -> tuple[int, int]:
+        usage = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY).usage
+        return usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+    first, prompt_tokens = cached_tokens()
+    again, _ = cached_tokens()
+    assert first == 0
+    assert 0 < again < prompt_tokens  # whole blocks of the prompt, never its last token
+
+
 def test_text_completion_plain_and_streamed_equal_the_grpc_answer(server):
     expected = grpc_text(grpc_greedy(server, 10, prompt="Once upon a time"))
     plain = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, **GREEDY)

@@ -49,6 +49,7 @@ class ResponseBuilder:
         self._created = int(time.time()) if created is None else created
         self._choices: dict[int, _Choice] = {}
         self._prompt_tokens = 0
+        self._cached_tokens = 0
         self._completion_tokens = 0
 
     # -- streaming -----------------------------------------------------------------------------------
@@ -111,9 +112,16 @@ class ResponseBuilder:
             choices.append(entry)
         return {**self._envelope(chunk=False), "choices": choices, "usage": self.usage()}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix
+        cache served (not recomputed), as OpenAI reports its own prompt caching."""
         prompt, completion = self._prompt_tokens, self._completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens},
+        }
 
     # -- shared --------------------------------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class ResponseBuilder:
             stop = message.WhichOneof("matched_stop")
             choice.stop_reason = getattr(message, stop) if stop else None
             self._prompt_tokens = message.usage.prompt_tokens
+            self._cached_tokens = message.usage.cached_tokens
             self._completion_tokens += message.usage.completion_tokens
         return choice
 

@@ -41,6 +41,12 @@
 - {{ .Values.drain.drainGraceSeconds | quote }}
 - --log-format
 - {{ .Values.logFormat }}
+{{- if not .Values.prefixCaching.enabled }}
+- --no-prefix-caching
+{{- end }}
+{{- if .Values.prefixCaching.saltByTenant }}
+- --cache-salt-by-tenant
+{{- end }}
 {{- if $d.gpu.enabled }}
 - --device
 - cuda

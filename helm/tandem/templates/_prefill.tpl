@@ -27,6 +27,9 @@
 - {{ .Values.drain.drainGraceSeconds | quote }}
 - --log-format
 - {{ .Values.logFormat }}
+{{- if not .Values.prefixCaching.enabled }}
+- --no-prefix-caching
+{{- end }}
 {{- if $p.gpu.enabled }}
 - --device
 - cuda
