@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="tokens per stream message: a request's tokens are sent once this many are ready (the "
-        "first token and the end at once); larger values cut per-message CPU under load (default: 1)",
+        "first token and the end at once); larger values cut per-message CPU under load (default: 1). "
+        "Whatever the interval, tokens that piled up while a stream's writer was busy go out together, "
+        "so a message may carry several tokens",
     )
     _add_prefill_arguments(parser)
     _add_limit_arguments(parser)
