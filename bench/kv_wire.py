@@ -12,6 +12,7 @@ seconds and in CPU seconds of each process (the latter move far less on a loaded
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import multiprocessing
 import random
@@ -25,6 +26,7 @@ import crc32c
 import grpc
 import torch
 
+from decode_service.remote_prefill.write_pipeline import WritePipeline
 from engine.kv_cache import KVCache
 from kv_transfer import KVFrame, KVLayout, PagedKV
 from kv_transfer.grpc_method import (
@@ -33,6 +35,7 @@ from kv_transfer.grpc_method import (
     PrefillStub,
     add_prefill_servicer,
 )
+from kv_transfer.heap import keep_message_buffers_in_heap
 from prefill_service.job import KVReady
 from prefill_service.kv_sender import KVSender
 from protos.tandem.internal.v1 import prefill_pb2
@@ -105,14 +108,15 @@ def _serve(setup: WireSetup, conn: Connection) -> None:
         await server.stop(0)
 
     torch.set_num_threads(1)
+    keep_message_buffers_in_heap()
     asyncio.run(serve())
 
 
 async def _receive(setup: WireSetup, port: int, lengths: list[int], repeats: int) -> list[dict]:
+    keep_message_buffers_in_heap()
     cache = setup.caches(seed=1)
     receiver = PagedKV(cache.k, cache.v, setup.layout)
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write")
-    loop = asyncio.get_running_loop()
     rows = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=setup.channel_options()) as channel:
         stub = PrefillStub(channel)
@@ -123,14 +127,16 @@ async def _receive(setup: WireSetup, port: int, lengths: list[int], repeats: int
                 payload = messages = 0
                 started, cpu_started = time.perf_counter(), time.process_time()
                 request = prefill_pb2.PrefillRequest(prompt_token_ids=range(length))
+                write = functools.partial(receiver.write, block_table=table, num_logical_blocks=len(table))
+                writes = WritePipeline(writer, write)
                 async for response in stub.Prefill(request):
                     if isinstance(response, Exception):
                         raise response
                     if isinstance(response, KVFrame):
-                        write = receiver.write
-                        payload += await loop.run_in_executor(writer, write, response, table, len(table))
+                        payload += await writes.put(response)
                         messages += 1
                     else:
+                        payload += await writes.flush()
                         sender_cpu.append(response.done.timings.prefill_seconds)
                 seconds.append(time.perf_counter() - started)
                 receiver_cpu.append(time.process_time() - cpu_started)
@@ -165,8 +171,10 @@ def measure_wire(layout: KVLayout, lengths: list[int], message_sizes: list[int],
         sender = context.Process(target=_serve, args=(setup, child), daemon=True)
         sender.start()
         try:
-            if not parent.poll(300):
-                raise RuntimeError(f"the sender process did not start (exit code {sender.exitcode})")
+            deadline = time.monotonic() + 300
+            while not parent.poll(1):
+                if not sender.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the sender process did not start (exit code {sender.exitcode})")
             port = parent.recv()
             rows = asyncio.run(_receive(setup, port, lengths, repeats))
         finally:

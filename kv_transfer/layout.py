@@ -17,9 +17,10 @@ import torch
 from kv_transfer.errors import KVLayoutMismatchError
 from protos.tandem.internal.v1 import prefill_pb2
 
-# Bump whenever the meaning of KVChunk's bytes changes: replicas on different versions then
-# get different compatibility hashes and refuse to talk.
-WIRE_FORMAT_VERSION = 1
+# Bump whenever the meaning of KVChunk's bytes or their size limit changes: replicas on different
+# versions then get different compatibility hashes and refuse to talk. 2: KV messages of up to 4 MiB of
+# payload (1 MiB before), which a version-1 receiver refuses as too large.
+WIRE_FORMAT_VERSION = 2
 
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {
     "float32": torch.float32,

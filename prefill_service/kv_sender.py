@@ -1,8 +1,8 @@
 """Turning KVReady events into KV frames off the event loop, in step with the engine's writes.
 
 Encoding (copy the blocks into the message's bytes, CRC32C) runs on a small thread pool so the event
-loop keeps serving other streams, one message at a time so a slow reader holds at most one built
-message. On CUDA the engine thread records an event after each step and the sender reads on its own
+loop keeps serving other streams, one message ahead of the stream so a slow reader holds at most two
+built messages. On CUDA the engine thread records an event after each step and the sender reads on its own
 stream after waiting for that event: the copy to the host then waits only for the step that wrote the
 blocks, not for whatever the engine has queued since, so transfer overlaps the next chunk's compute.
 """
@@ -50,14 +50,21 @@ class KVSender:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     async def frames(self, ready: KVReady) -> AsyncIterator[KVFrame]:
-        """The frames of the ready blocks, each built on the pool when the caller asks for it."""
+        """The frames of the ready blocks, built on the pool one ahead of the caller.
+
+        While the caller sends a frame (gRPC copies it and writes it to the socket on the event loop), the
+        pool builds the next one; without that the two would take turns. A frame being built when the
+        caller stops early is dropped: it only read the blocks.
+        """
         loop = asyncio.get_running_loop()
         frames = await loop.run_in_executor(self._executor, self._start, ready)
-        while True:
-            frame = await loop.run_in_executor(self._executor, self._next, frames, ready)
-            if frame is None:
-                return
-            yield frame
+        upcoming = loop.run_in_executor(self._executor, self._next, frames, ready)
+        try:
+            while (frame := await upcoming) is not None:
+                upcoming = loop.run_in_executor(self._executor, self._next, frames, ready)
+                yield frame
+        finally:
+            upcoming.cancel()
 
     def _start(self, ready: KVReady) -> Iterator[KVFrame]:
         return self._blocks.frames(

@@ -14,6 +14,7 @@ from engine.engine import Engine
 from engine.errors import ConfigError
 from kv_transfer import MAX_MESSAGE_BYTES, compatibility_hash
 from kv_transfer.grpc_method import MAX_GRPC_MESSAGE_BYTES, add_prefill_servicer
+from kv_transfer.heap import keep_message_buffers_in_heap
 from prefill_service.config import PrefillServiceConfig
 from prefill_service.engine_loop import PrefillEngineLoop
 from prefill_service.kv_sender import KVSender
@@ -71,6 +72,7 @@ class PrefillServer(TierServer):
             engine, engine.config.max_num_batched_tokens, engine.config.max_num_seqs
         )
         self.engine_loop = PrefillEngineLoop(engine, scheduler, self.registry.deliver_threadsafe, self.events)
+        keep_message_buffers_in_heap()
         self.sender = KVSender(engine.kv_cache, self.layout, engine.device)
         self.metrics = PrefillMetrics(scheduler, engine, metrics_registry)
         servicer = PrefillServicer(

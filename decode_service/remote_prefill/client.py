@@ -7,12 +7,12 @@ replica not tried yet. When none is left, the request falls back to local prefil
 UNAVAILABLE, a message naming each replica tried and what went wrong.
 
 KV writes run on a one-thread executor, so validating (CRC32C) and copying a megabyte-sized chunk
-never stalls the event loop that streams every client's tokens.
+never stalls the event loop that streams every client's tokens; one write is in flight while the next
+message arrives (`WritePipeline`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from concurrent.futures import Executor
@@ -29,6 +29,7 @@ from decode_service.remote_prefill.transfer import (
     PrefillUnavailableError,
     TransferCancelledError,
 )
+from decode_service.remote_prefill.write_pipeline import WritePipeline
 from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVFramingError, KVTransferError
@@ -135,9 +136,9 @@ class PrefillClient:
             num_held_blocks=transfer.num_held_blocks,
             held_prefix_hash=transfer.held_prefix_hash,
         )
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
         call = replica.stub.Prefill(request, timeout=self.timeout_s)
+        writes = WritePipeline(self._writer, transfer.write)
         done: prefill_pb2.PrefillDone | None = None
         first_kv: float | None = None
         done_at = started
@@ -150,11 +151,10 @@ class PrefillClient:
                 if isinstance(response, KVFrame):
                     if first_kv is None:
                         first_kv = time.monotonic()
-                    written = await loop.run_in_executor(self._writer, transfer.write, response)
                     self.stats.kv_messages_received += 1
-                    self.stats.kv_bytes_received += written
-                    self.pool.report_kv_received(replica, written)
+                    self._count_written(replica, await writes.put(response))
                 else:
+                    self._count_written(replica, await writes.flush())
                     done = response.done
                     done_at = time.monotonic()
                     transfer.check_complete(done, self._vocab_size)
@@ -168,6 +168,7 @@ class PrefillClient:
             raise AttemptFailedError(self._penalize(replica, reason)) from exc
         finally:
             call.cancel()
+            await writes.discard()
         if done is None:
             raise AttemptFailedError(self._penalize(replica, "the stream ended without PrefillDone"))
         self.pool.report_success(replica)
@@ -182,6 +183,10 @@ class PrefillClient:
             tuple((t.token_id, t.logprob) for t in done.top_logprobs),
             done.num_cached_tokens,
         )
+
+    def _count_written(self, replica: PrefillReplica, num_bytes: int) -> None:
+        self.stats.kv_bytes_received += num_bytes
+        self.pool.report_kv_received(replica, num_bytes)
 
     def _penalize(self, replica: PrefillReplica, reason: str) -> str:
         self.pool.report_failure(replica, reason)

@@ -44,6 +44,7 @@ from decode_service.request import ServedRequest
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
 from kv_transfer import PagedKV
+from kv_transfer.heap import keep_message_buffers_in_heap
 from serving.kv_layout import engine_kv_layout
 from tandem.security import channel_credentials
 
@@ -191,6 +192,7 @@ class RemotePrefill:
             credentials = channel_credentials(
                 config.prefill_tls_ca, config.prefill_tls_cert, config.prefill_tls_key
             )
+        keep_message_buffers_in_heap()
         self.stats = PrefillTransferStats()
         self.pool = PrefillPool(
             config.prefill_targets,
