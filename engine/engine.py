@@ -27,7 +27,7 @@ from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler, TokenHistory
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
-from kernels import cpu_linear
+from kernels import cpu_decode_stack, cpu_linear
 from kernels.backend import get_backend
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class Engine:
         model.load_weights(state_dict)
         if self.device.type == "cpu":
             cpu_linear.use_cpu_linears(model)
+            model.decode_stack = cpu_decode_stack.build(model.layers)
         self.model = model.eval()
         self.block_size = config.cache.block_size
         num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)

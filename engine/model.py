@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.kv_cache import KVCache
 from kernels.backend import AttentionBackend
+from kernels.cpu_decode_stack import CpuDecodeStack
 from kernels.metadata import AttentionMetadata
 
 
@@ -148,6 +149,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Set by the engine on the CPU (`kernels.cpu_decode_stack`): the layers of a decode-only step in
+        # one C++ call. The layer loop below is the reference it matches.
+        self.decode_stack: CpuDecodeStack | None = None
 
     @torch.inference_mode()
     def forward(
@@ -155,9 +159,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+        if self.decode_stack is not None and self.decode_stack.accepts(hidden, meta):
+            hidden, residual = self.decode_stack(hidden, cos_sin, kv_cache, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -77,7 +77,10 @@ class TorchBackend(AttentionBackend):
         )
 
     def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        if self._native(key, value, k_cache, v_cache):
+            self._extension.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
         if self._native(query, k_cache, v_cache):

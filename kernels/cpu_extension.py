@@ -1,5 +1,5 @@
-"""The C++ CPU kernels, compiled on first use and cached: paged attention, the fused small ops, and the
-few-row GEMV of the linear layers.
+"""The C++ CPU kernels, compiled on first use and cached: paged attention and the cache write, the fused
+small ops, the few-row GEMV of the linear layers, and the decode-only decoder stack built from them.
 
 Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
 copy, once per layer per step; on a CPU that copy cost more than the attention itself. The C++
@@ -29,8 +29,11 @@ SOURCES = [
     CPU_DIR / "paged_attention.cpp",
     CPU_DIR / "fused_ops.cpp",
     CPU_DIR / "gemv.cpp",
+    CPU_DIR / "kv_cache.cpp",
+    CPU_DIR / "decode_stack.cpp",
     CPU_DIR / "bindings.cpp",
 ]
+HEADERS = [CPU_DIR / "kernels.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 DISABLE_ENV = "TANDEM_CPU_EXTENSION"
@@ -38,9 +41,10 @@ COMPILE_SECONDS = 60  # measured on the 2-core development machine; told to the 
 
 
 def build_name() -> str:
-    """`tandem_cpu_kernels_<hash>`: the hash covers every source and flag, so a change is a new build."""
+    """`tandem_cpu_kernels_<hash>`: the hash covers every source, header and flag: a change is a new build."""
     digest = hashlib.sha256()
-    for part in [*(path.read_bytes() for path in SOURCES), " ".join(CFLAGS + LDFLAGS).encode()]:
+    sources = [path.read_bytes() for path in [*SOURCES, *HEADERS]]
+    for part in [*sources, " ".join(CFLAGS + LDFLAGS).encode()]:
         digest.update(part)
     return f"tandem_cpu_kernels_{digest.hexdigest()[:10]}"
 

@@ -2,26 +2,15 @@
 // loop thread can run while the engine thread computes.
 #include <torch/extension.h>
 
-#include <optional>
-#include <string>
-#include <tuple>
-
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  std::optional<torch::Tensor> residual);
-std::tuple<torch::Tensor, torch::Tensor> apply_rope(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
-                                                    torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
-std::string gemv_isa();
-void set_gemv_isa(const std::string& name);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using pybind11::arg;
   using pybind11::call_guard;
   using pybind11::gil_scoped_release;
   m.def("paged_attention", &paged_attention, "paged attention over a mixed batch (fp32)",
+        call_guard<gil_scoped_release>());
+  m.def("write_kv_cache", &write_kv_cache, "store new K/V rows at their cache slots; slot -1 skips (fp32)",
         call_guard<gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm (fp32)", call_guard<gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "rotate-half RoPE on q and k (fp32)", call_guard<gil_scoped_release>());
@@ -30,4 +19,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         call_guard<gil_scoped_release>());
   m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv runs on: avx512, avx2 or portable");
   m.def("set_gemv_isa", &set_gemv_isa, "for tests: run linear_gemv on a narrower instruction set this CPU has");
+  // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
+  pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())
+      .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
+                             torch::Tensor o, std::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
+                             torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
+                             std::optional<torch::Tensor> down_bias) {
+             return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
+                                        qkv_bias, o_bias, gate_up_bias, down_bias};
+           }),
+           arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
+           arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"));
+  m.def("decode_layers", &decode_layers,
+        "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
+        call_guard<gil_scoped_release>());
 }

@@ -1,0 +1,45 @@
+// Every decoder layer of a decode-only fp32 step, run in one call.
+//
+// At batch 1 a layer of SmolLM2-135M reads ~14 MB of weights in well under a millisecond; driven from
+// Python the same layer is ~10 module calls and ~40 small aten ops (views, splits, casts, a host sync in
+// the cache write, allocations), worth a tenth of the step, and the engine thread holds the GIL between
+// them, so the server's event loop waits for it to stream the previous token. Here the same kernels run
+// in the same order (so the numbers are the per-op path's, bit for bit) with the GIL released for the
+// whole stack. The per-op torch path stays the reference and serves everything else: prefill chunks,
+// other dtypes, GPUs.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+std::tuple<torch::Tensor, torch::Tensor> decode_layers(
+    torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
+    const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
+    double eps, double scale) {
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "one K and one V cache per layer");
+  TORCH_CHECK(!layers.empty(), "no layers");
+  const int64_t tokens = hidden.size(0), num_kv_heads = k_caches[0].size(2), head_dim = k_caches[0].size(3);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Converted once here, not once per layer inside the attention kernel.
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto lens = seq_lens.to(torch::kInt64).contiguous();
+  auto starts = query_start_loc.to(torch::kInt64).contiguous();
+  std::optional<torch::Tensor> residual;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecoderLayerWeights& w = layers[i];
+    auto [normed, sum] = rms_norm(hidden, w.input_norm, eps, residual);
+    auto qkv = linear_gemv(normed, w.qkv, w.qkv_bias);
+    auto q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    auto [q_rot, k_rot] = apply_rope(q, k, cos, sin);
+    write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping);
+    auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale);
+    auto attn_out = linear_gemv(attended.view({tokens, q_size}), w.o, w.o_bias);
+    auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);
+    hidden = linear_gemv(silu_and_mul(linear_gemv(mlp_in, w.gate_up, w.gate_up_bias)), w.down, w.down_bias);
+    residual = attn_sum;
+  }
+  return {hidden, *residual};
+}

@@ -1,0 +1,129 @@
+"""The C++ decoder stack computes exactly what the per-layer path computes on decode-only CPU steps, and the
+model hands it those steps only; the C++ cache write equals the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import engine_for, random_prompts, tiny_hf_model
+
+from engine.model_runner import ScheduledChunk
+from engine.params import SamplingParams, StoppingParams
+from kernels import cpu_decode_stack, cpu_extension, cpu_linear
+from kernels import torch_reference as ref
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module = cpu_extension.load()
+    if module is None:
+        pytest.skip("no C++ extension here: the per-layer torch path serves every step")
+    return module
+
+
+def engine_with_prompts(kind: str, heads: int, kv_heads: int, head_dim: int, num_prompts: int, seed: int):
+    """An fp32 CPU engine whose sequences' prompts are prefilled, each with room for decode tokens."""
+    hf = tiny_hf_model(seed, kind=kind, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    engine = engine_for(hf, block_size=16, num_blocks=200, shuffle_seed=seed, device="cpu")
+    seqs = []
+    for prompt in random_prompts(num_prompts, seed, min_len=3, max_len=60):
+        seq = engine.make_sequence(prompt, SamplingParams(temperature=0.0), StoppingParams(max_tokens=8))
+        engine.allocate(seq, seq.num_tokens + 8)
+        engine.step([ScheduledChunk(seq, seq.num_tokens)])
+        seqs.append(seq)
+    return engine, seqs
+
+
+def forward_both_ways(engine, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states of one step from the stack and from the layer loop (both write the same K/V rows)."""
+    model, stack = engine.model, engine.model.decode_stack
+    inputs = engine.runner.prepare(chunks)
+    fused = model(*inputs[:2], engine.kv_cache, inputs[2])
+    model.decode_stack = None
+    try:
+        per_layer = model(*inputs[:2], engine.kv_cache, inputs[2])
+    finally:
+        model.decode_stack = stack
+    return fused, per_layer
+
+
+@pytest.mark.parametrize(
+    ("kind", "heads", "kv_heads", "head_dim", "num_seqs"),
+    [("llama", 4, 2, 64, 1), ("llama", 6, 1, 128, 5), ("qwen2", 4, 2, 64, 3), ("qwen2", 2, 2, 80, 16)],
+)
+def test_decode_step_equals_the_per_layer_path(extension, kind, heads, kv_heads, head_dim, num_seqs):
+    """Same kernels in the same order: equal to the last bit, with and without qkv bias, GQA/MQA/MHA."""
+    engine, seqs = engine_with_prompts(kind, heads, kv_heads, head_dim, num_seqs, seed=num_seqs)
+    assert engine.model.decode_stack is not None
+    for _ in range(3):
+        fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
+        assert torch.equal(fused, per_layer)
+        engine.step([ScheduledChunk(seq, 1) for seq in seqs])
+
+
+class StackSpy:
+    def __init__(self, stack) -> None:
+        self.stack, self.rows = stack, []
+
+    def accepts(self, hidden, meta) -> bool:
+        return self.stack.accepts(hidden, meta)
+
+    def __call__(self, hidden, *args):
+        self.rows.append(hidden.shape[0])
+        return self.stack(hidden, *args)
+
+
+def test_only_few_row_decode_only_steps_take_the_stack(extension):
+    engine, seqs = engine_with_prompts("llama", 4, 2, 64, cpu_linear.GEMV_MAX_ROWS + 1, seed=3)
+    spy = StackSpy(engine.model.decode_stack)
+    engine.model.decode_stack = spy
+    engine.step([ScheduledChunk(seq, 1) for seq in seqs[:2]])
+    engine.step([ScheduledChunk(seq, 1) for seq in seqs])  # more rows than the GEMV takes
+    mixed = engine.make_sequence([5, 6, 7], SamplingParams(), StoppingParams(max_tokens=2))
+    engine.allocate(mixed, 4)
+    engine.step([ScheduledChunk(seqs[0], 1), ScheduledChunk(mixed, 3)])  # a prefill chunk beside a decode
+    assert spy.rows == [2]
+
+
+def test_not_built_for_bf16_or_when_disabled(extension, monkeypatch):
+    engine, _ = engine_with_prompts("llama", 4, 2, 64, 1, seed=1)
+    assert cpu_decode_stack.build(engine.model.layers) is not None
+    monkeypatch.setenv(cpu_decode_stack.DISABLE_ENV, "0")
+    assert cpu_decode_stack.build(engine.model.layers) is None
+    monkeypatch.delenv(cpu_decode_stack.DISABLE_ENV)
+    bf16 = engine_for(tiny_hf_model(1), dtype=torch.bfloat16, device="cpu")
+    assert bf16.model.decode_stack is None
+
+
+def kv_case(tokens: int, kv_heads: int, head_dim: int, seed: int):
+    """K and V as strided views into a fused qkv output, and empty caches."""
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = 3 * kv_heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen)
+    _, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    shape = (tokens, kv_heads, head_dim)
+    caches = [torch.zeros(8, 4, kv_heads, head_dim) for _ in range(4)]
+    return key.view(shape), value.view(shape), caches
+
+
+def test_cache_write_equals_the_reference_and_skips_padding_rows(extension):
+    key, value, (k_got, v_got, k_ref, v_ref) = kv_case(5, 2, 64, seed=0)
+    slots = torch.tensor([7, -1, 0, 31, 12])
+    extension.write_kv_cache(key, value, k_got, v_got, slots)
+    ref.write_kv_cache(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    assert k_got.view(32, 2, 64).abs().sum(dim=(1, 2)).count_nonzero() == 4
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        (torch.tensor([0, 32]), "slot 32 is outside the cache's 32 slots"),
+        (torch.tensor([0, 1], dtype=torch.int32), "int64"),
+        (torch.tensor([0]), "int64 \\[T\\]"),
+    ],
+)
+def test_cache_write_refuses_slots_it_cannot_write(extension, slots, message):
+    key, value, (k_cache, v_cache, _, _) = kv_case(2, 2, 64, seed=1)
+    with pytest.raises(RuntimeError, match=message):
+        extension.write_kv_cache(key, value, k_cache, v_cache, slots)
