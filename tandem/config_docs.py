@@ -62,6 +62,12 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
         "`1`",
         "`0` keeps fp32 CPU linear layers on `nn.Linear` (MKL) instead of oneDNN with weights converted once",
     ),
+    (
+        "TANDEM_CPU_DECODE_STACK",
+        "`1`",
+        "`0` runs decode-only fp32 CPU steps layer by layer from Python, not all layers in one C++ call "
+        "(same numbers; the C++ call saves the per-layer Python and op overhead)",
+    ),
 )
 
 EXIT_STALE = 1

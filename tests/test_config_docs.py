@@ -65,7 +65,7 @@ def test_rows_show_defaults_and_help_as_the_parser_declares_them():
 
 def test_documented_environment_variables_are_the_ones_the_code_reads():
     from engine import model_store
-    from kernels import cpu_extension, cpu_linear
+    from kernels import cpu_decode_stack, cpu_extension, cpu_linear
     from kernels.backend import BACKEND_ENV
     from tandem.client.generate_command import TARGET_ENV
     from tandem.security import AUTH_TOKEN_ENV
@@ -77,6 +77,7 @@ def test_documented_environment_variables_are_the_ones_the_code_reads():
         BACKEND_ENV,
         cpu_extension.DISABLE_ENV,
         cpu_linear.DISABLE_ENV,
+        cpu_decode_stack.DISABLE_ENV,
         TARGET_ENV,
     }
     assert '"TANDEM_HOME"' in inspect.getsource(model_store.tandem_home)
