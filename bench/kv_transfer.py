@@ -5,9 +5,9 @@ Two sections, on SmolLM2-135M-Instruct's KV layout (the default model; fp32, 16-
 - wire (`bench.kv_wire`, no model runs): a sender process streams a prompt's KV blocks through the
   prefill tier's KVSender and Prefill codec; this process receives with the decode tier's stub and
   writes into its own cache. Per prompt length (default 128/1k/4k/16k) and per payload budget per
-  message (default 256 KiB-4 MiB): GB/s by wall clock, and the CPU seconds each side spent (which
-  move far less than wall time on a loaded machine). Plus the GB/s of one CRC32C pass: each byte
-  gets two (computed by the sender, checked by the receiver).
+  message (default 1-16 MiB; the product sends 4 MiB): GB/s by wall clock, and the CPU seconds each
+  side spent (which move far less than wall time on a loaded machine). Plus the GB/s of one CRC32C
+  pass: each byte gets two (computed by the sender, checked by the receiver).
 - serve: real servers in this process. A disaggregated decode server calls a prefill server whose
   token budget holds the whole prompt, so every KV block is ready after one forward; the decode
   side's time from the first KV message to `PrefillDone` is then pure transfer. Then TTFT through
@@ -16,7 +16,7 @@ Two sections, on SmolLM2-135M-Instruct's KV layout (the default model; fp32, 16-
   price of moving the KV (target <= 1.2 for prompts of 1k tokens and more).
 
     python -m bench.kv_transfer [--sections wire,serve] [--model DIR] [--wire-lengths 128,1024,4096,16384]
-        [--message-sizes 256,1024,2048,4096] [--lengths 128,1024,4096] [--repeats 3]
+        [--message-sizes 1024,2048,4096,8192,16384] [--lengths 128,1024,4096] [--repeats 3]
         [--out bench/results/kv_transfer.json]
 
 The serve section runs one CPU forward per prompt (a 4k prompt takes tens of seconds on two cores).
@@ -332,7 +332,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model dir (default: the cached SmolLM2-135M-Instruct)")
     parser.add_argument("--wire-lengths", default="128,1024,4096,16384", help="wire section prompt lengths")
     parser.add_argument(
-        "--message-sizes", default="256,1024,2048,4096", help="wire section payload budgets per message, KiB"
+        "--message-sizes",
+        default="1024,2048,4096,8192,16384",
+        help="wire section payload budgets per message, KiB",
     )
     parser.add_argument("--lengths", default="128,1024,4096", help="serve section prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="runs per length and path (median reported)")
