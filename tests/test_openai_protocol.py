@@ -215,6 +215,7 @@ def message(index=0, text="", token_ids=(), logprobs=(), finish=None, completion
         response.finish_reason = finish
         response.usage.prompt_tokens = 5
         response.usage.completion_tokens = completion_tokens
+        response.usage.cached_tokens = 4
         if stop is not None:
             response.stop_string = stop
     return response
@@ -241,6 +242,7 @@ def test_chat_stream_chunks_role_first_then_deltas_then_finish_and_usage():
         "prompt_tokens": 5,
         "completion_tokens": 2,
         "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 4},
     }
 
 
@@ -273,7 +275,12 @@ def test_non_streamed_chat_with_two_choices_and_logprobs():
     ]
     assert len(content[0]["top_logprobs"]) == 2, "trimmed to top_logprobs"
     assert second["logprobs"]["content"][0]["bytes"] == list("é".encode())
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 def test_completion_logprobs_format_and_stream_chunks():
