@@ -11,6 +11,7 @@ from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import cpu_decode_stack, cpu_extension, cpu_linear
 from kernels import torch_reference as ref
+from kernels.backend import TorchBackend
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +128,23 @@ def test_cache_write_refuses_slots_it_cannot_write(extension, slots, message):
     key, value, (k_cache, v_cache, _, _) = kv_case(2, 2, 64, seed=1)
     with pytest.raises(RuntimeError, match=message):
         extension.write_kv_cache(key, value, k_cache, v_cache, slots)
+
+
+def test_backend_writes_fp32_in_cpp_and_other_dtypes_through_the_reference(extension, monkeypatch):
+    calls = []
+    backend = TorchBackend()
+    original = backend._extension
+
+    class Spy:
+        def write_kv_cache(self, *args):
+            calls.append(args[0].dtype)
+            return original.write_kv_cache(*args)
+
+    monkeypatch.setattr(backend, "_extension", Spy())
+    key, value, (k_cache, v_cache, _, _) = kv_case(2, 2, 64, seed=2)
+    slots = torch.tensor([3, 9])
+    backend.write_kv_cache(key, value, k_cache, v_cache, slots)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    backend.write_kv_cache(key.bfloat16(), value.bfloat16(), k16, v16, slots)
+    assert calls == [torch.float32]
+    assert torch.equal(k16.view(32, 2, 64)[9], key[1].bfloat16())
