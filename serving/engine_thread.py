@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from engine.engine import Engine
+from serving import openmp_pool
 from serving.event_log import EventLog
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,11 @@ class EngineThread(ABC, Generic[CommandT, EventT, RecordT]):
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self, warm_up: bool = True) -> None:
-        """Start the thread; with `warm_up` it first runs one tiny forward (see `wait_ready`)."""
+        """Start the thread; with `warm_up` it first runs one tiny forward (see `wait_ready`).
+
+        The caller built the engine; its idle OpenMP workers are released first (`serving.openmp_pool`).
+        """
+        openmp_pool.release_caller_pool()
         self._thread = threading.Thread(target=self._run, args=(warm_up,), name=self.thread_name, daemon=True)
         self._thread.start()
 
