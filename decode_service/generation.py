@@ -261,7 +261,7 @@ class Generation:
         waiting = [await self._queue.get()]
         while not self._queue.empty():
             waiting.append(self._queue.get_nowait())
-        return coalesce(waiting) if len(waiting) > 1 else waiting
+        return coalesce(waiting)
 
     def _respond(self, delta: StreamDelta, completion: list[str]) -> pb.GenerateResponse:
         """Account for one delta (choices left, logs) and build its message; raises the delta's error."""

@@ -168,24 +168,29 @@ class ContinuousScheduler:
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
             needed = request.seq.num_tokens
-            if engine.holds_slots(request.seq, needed):
-                # The common case (all but one step in a block's worth): no allocation to plan.
-                plan.add(ScheduledChunk(request.seq, 1), "decode")
-                scheduled.add(request)
-                budget -= 1
+            # Most steps the blocks already hold the next token (one comparison); else make room.
+            if not engine.holds_slots(request.seq, needed) and not self._make_room(
+                request, needed, scheduled, plan, now
+            ):
                 continue
-            while not engine.can_allocate(request.seq, needed):
-                victim = self._pick_victim(request, scheduled, now)
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                engine.allocate(request.seq, needed)
-                plan.add(ScheduledChunk(request.seq, 1), "decode")
-                scheduled.add(request)
-                budget -= 1
+            plan.add(ScheduledChunk(request.seq, 1), "decode")
+            scheduled.add(request)
+            budget -= 1
         return budget
+
+    def _make_room(
+        self, request: ServedRequest, needed: int, scheduled: set[ServedRequest], plan: StepPlan, now: float
+    ) -> bool:
+        """Allocate blocks for `needed` tokens of `request`, preempting less urgent requests not yet
+        scheduled this step; False when `request` itself was the one preempted."""
+        while not self.engine.can_allocate(request.seq, needed):
+            victim = self._pick_victim(request, scheduled, now)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return False
+        self.engine.allocate(request.seq, needed)
+        return True
 
     def _pick_victim(self, needy: ServedRequest, scheduled: set[ServedRequest], now: float) -> ServedRequest:
         """The least urgent request holding blocks that this step has not already scheduled."""

@@ -36,6 +36,8 @@ def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
     Costs no latency: only deltas that are already waiting merge. An error is never merged into the
     tokens before it, so those tokens still reach the client before the stream fails.
     """
+    if len(deltas) < 2:
+        return deltas
     merged: list[StreamDelta] = []
     open_at: dict[int, int] = {}  # id(request) -> index in `merged` of its delta still taking tokens
     for delta in deltas:
