@@ -3,15 +3,17 @@
 Measured in this process on the same model and batch size as the served run, as CPU seconds
 (`time.process_time`), so the served figure splits into layers:
 
-- forward: `ModelRunner.execute` on a full decode batch (input preparation included, shown apart);
-- sampler: one `Sampler` call on that batch's logits;
-- engine step: `Engine.step` on that batch (forward + sampler + appending, detokenizing and stop checks
-  per sequence);
+- forward: `ModelRunner.execute` on a full decode batch, the decoder stack up to the final hidden
+  states (input preparation included, shown apart);
+- LM head and sampler: `Engine.sample` on those hidden states (for a greedy batch, the LM head's
+  slice-wise argmax: no logits are written);
+- engine step: `Engine.step` on that batch (forward + LM head and sampler + appending, detokenizing and
+  stop checks per sequence);
 - engine loop alone: the decode tier's scheduler and engine loop running the whole workload with the
   stream deltas dropped (scheduling, bookkeeping, event log on top of engine steps).
 
 Served CPU minus the engine loop alone is what gRPC, asyncio and message building cost; the engine loop
-minus forward and sampler is the engine thread's per-sequence Python.
+minus forward, LM head and sampler is the engine thread's per-sequence Python.
 """
 
 from __future__ import annotations
@@ -69,12 +71,7 @@ def measure_engine_floor(
         engine.allocate(seq, seq.num_tokens)
     chunks = [ScheduledChunk(seq, 1) for seq in seqs]
     batch = len(chunks)
-    logits = engine.runner.execute(chunks)
-    sampler_args = (
-        [s.sampling for s in seqs],
-        [s.num_tokens for s in seqs],
-        [s.suppressed_token_ids(engine.eos_token_ids) for s in seqs],
-    )
+    hidden = engine.runner.execute(chunks)
 
     def engine_step() -> None:
         for seq in seqs:
@@ -84,7 +81,7 @@ def measure_engine_floor(
     parts = {
         "prepare_inputs": _cpu_us_per_token(lambda: engine.runner.prepare(chunks), steps, batch),
         "forward_with_prepare": _cpu_us_per_token(lambda: engine.runner.execute(chunks), steps, batch),
-        "sampler": _cpu_us_per_token(lambda: engine.sampler(logits, *sampler_args), steps, batch),
+        "lm_head_and_sampler": _cpu_us_per_token(lambda: engine.sample(hidden, seqs), steps, batch),
         "engine_step": _cpu_us_per_token(engine_step, steps, batch),
     }
     for seq in seqs:

@@ -139,8 +139,9 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
         if floor:
             step = floor["decode_step_cpu_us_per_token"]
             cpu_note = (
-                f"model math {summary['model_math_cpu_us_per_token']:.0f} µs/token (forward with its "
-                f"49k-wide LM head {step['forward_with_prepare']:.0f}, sampler {step['sampler']:.0f}), "
+                f"model math {summary['model_math_cpu_us_per_token']:.0f} µs/token (forward "
+                f"{step['forward_with_prepare']:.0f}, 49k-wide LM head and sampler "
+                f"{step['lm_head_and_sampler']:.0f}), "
                 f"engine thread's Python {summary['engine_python_cpu_us_per_token']:.0f}, edge (asyncio, "
                 "gRPC messages) "
                 f"{summary['edge_cpu_us_per_token']:.0f}"

@@ -39,7 +39,7 @@ STEP_PARTS = {
     "  input prep (model_runner.prepare)": ("engine/model_runner.py", "prepare"),
     "  attention (backend.attention)": ("kernels/backend.py", "attention"),
     "  kv cache write": ("kernels/backend.py", "write_kv_cache"),
-    "sampler": ("engine/sampler.py", "__call__"),
+    "LM head and sampler (engine.sample)": ("engine/engine.py", "sample"),
     "append token + detokenize + stops": ("engine/sequence.py", "append_token"),
     "  detokenizer": ("engine/detokenizer.py", "add"),
     "complete_step (outputs to deltas)": ("decode_service/scheduler.py", "complete_step"),

@@ -13,9 +13,9 @@ server's whole cost: engine thread, asyncio loop, gRPC threads) and reports:
 - served tokens per second (wall clock: moves with the machine's load, unlike CPU time);
 - the load generator's own CPU per token (it shares the machine with the server).
 
-Then it splits the figure (bench.engine_floor): the engine loop alone, one decode step, the forward
-and the sampler, measured in this process on the same model and batch. `--profile` adds a round
-under py-spy (every thread) and one sampling only the GIL holder (bench.pyspy_profile).
+Then it splits the figure (bench.engine_floor): the engine loop alone, one decode step, the forward,
+the LM head with the sampler, measured in this process on the same model and batch. `--profile` adds a
+round under py-spy (every thread) and one sampling only the GIL holder (bench.pyspy_profile).
 
 `--api http` drives the OpenAI-compatible HTTP API instead of gRPC, when the server has one
 (`tandem serve decode --http-port`).
@@ -183,8 +183,8 @@ async def _drive(args: argparse.Namespace, backend: StreamingBackend, pid: int, 
 
 
 def split_server_cpu(server_cpu_us_per_token: float, floor: dict) -> dict[str, float]:
-    """The served figure in layers (µs per token): the model's math (forward with its LM head, and the
-    sampler's vocabulary-wide passes), the engine thread's Python around it, and the edge (asyncio, gRPC
+    """The served figure in layers (µs per token): the model's math (the forward, then its LM head and
+    the sampler), the engine thread's Python around it, and the edge (asyncio, gRPC
     or HTTP messages); `serving_path_own` is the last two, what the server adds to the model's work.
 
     The split matters because the "near-zero" model is not near zero where it is vocabulary-sized: its
@@ -192,7 +192,7 @@ def split_server_cpu(server_cpu_us_per_token: float, floor: dict) -> dict[str, f
     deployment does on the device, not on the CPU the serving path runs on.
     """
     step = floor["decode_step_cpu_us_per_token"]
-    model_math = step["forward_with_prepare"] + step["sampler"]
+    model_math = step["forward_with_prepare"] + step["lm_head_and_sampler"]
     engine_loop = floor["engine_loop_alone"]["cpu_us_per_token"]
     return {
         "engine_loop_alone_cpu_us_per_token": engine_loop,

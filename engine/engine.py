@@ -24,10 +24,10 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from engine.sampler import Sampler, TokenHistory
+from engine.sampler import Sampler, SamplerOutput, TokenHistory, argmax_suffices
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
-from kernels import cpu_decode_stack, cpu_linear
+from kernels import cpu_decode_stack, cpu_linear, cpu_lm_head
 from kernels.backend import get_backend
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Engine:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(state_dict)
         if self.device.type == "cpu":
+            cpu_lm_head.use_cpu_lm_head(model)
             cpu_linear.use_cpu_linears(model)
             model.decode_stack = cpu_decode_stack.build(model.layers)
         self.model = model.eval()
@@ -210,20 +211,14 @@ class Engine:
         """
         if not chunks:
             return []
-        logits = self.runner.execute(chunks)
+        hidden = self.runner.execute(chunks)
         sampled = [c.seq for c in chunks if c.completes_sequence]
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.commit(chunk.seq)
         if not sampled:
             return []
-        result = self.sampler(
-            logits,
-            [s.sampling for s in sampled],
-            [s.num_tokens for s in sampled],
-            [s.suppressed_token_ids(self.eos_token_ids) for s in sampled],
-            [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in sampled],
-        )
+        result = self.sample(hidden, sampled)
         token_ids = result.token_ids.tolist()
         logprobs = result.logprobs.tolist()
         top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
@@ -233,6 +228,24 @@ class Engine:
             top = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True))
             outputs.append(self._append_sampled(seq, token_ids[row], logprobs[row], top))
         return outputs
+
+    def sample(self, hidden: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
+        """The LM head and the sampler over `hidden` (one final hidden state per sequence in `seqs`).
+
+        When every row only wants its argmax, the LM head answers directly and the vocabulary-wide
+        logits are never written (the sampler would return exactly that argmax).
+        """
+        params = [s.sampling for s in seqs]
+        suppressed = [s.suppressed_token_ids(self.eos_token_ids) for s in seqs]
+        if argmax_suffices(params, suppressed):
+            return SamplerOutput.without_logprobs(self.model.greedy_tokens(hidden))
+        return self.sampler(
+            self.model.compute_logits(hidden),
+            params,
+            [s.num_tokens for s in seqs],
+            suppressed,
+            [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in seqs],
+        )
 
     def append_token_computed_elsewhere(
         self, seq: Sequence, token_id: int, logprob: float, top_logprobs: SequenceOf[tuple[int, float]]

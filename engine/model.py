@@ -17,8 +17,10 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
 from engine.kv_cache import KVCache
+from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
+from kernels.cpu_lm_head import CpuLmHead
 from kernels.metadata import AttentionMetadata
 
 
@@ -171,6 +173,13 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax token; the CPU LM head finds it without writing the logits out."""
+        if isinstance(self.lm_head, CpuLmHead):
+            return self.lm_head.greedy(hidden)
+        return greedy_argmax(self.compute_logits(hidden))
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face parameters in, concatenating q/k/v and gate/up into our fused layers."""

@@ -1,4 +1,4 @@
-"""Turns one scheduled step into tensors, runs the model, and returns the logits to sample from."""
+"""Turns one scheduled step into tensors, runs the model, and returns the hidden states to sample from."""
 
 from __future__ import annotations
 
@@ -82,7 +82,11 @@ class ModelRunner:
         return ids, pos, meta
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one forward; return fp32 logits, one row per chunk that completes its sequence."""
+        """Run one forward; return the final hidden state of each chunk that completes its sequence.
+
+        The LM head is the caller's (`CausalLM.compute_logits` or `greedy_tokens`): an all-greedy step
+        never needs the logits themselves.
+        """
         input_ids, positions, meta = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         last_rows, end = [], 0
@@ -90,6 +94,4 @@ class ModelRunner:
             end += chunk.num_tokens
             if chunk.completes_sequence:
                 last_rows.append(end - 1)
-        if not last_rows:
-            return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return hidden[torch.tensor(last_rows, dtype=torch.long, device=self.device)]

@@ -146,6 +146,26 @@ class SamplerOutput:
     top_token_ids: torch.Tensor  # [B, N] int64, N = max logprobs requested in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, N] fp32, raw log-softmax, sorted descending
 
+    @classmethod
+    def without_logprobs(cls, token_ids: torch.Tensor) -> SamplerOutput:
+        """The output for a batch where no row asked for logprobs."""
+        empty = torch.empty((token_ids.shape[0], 0), device=token_ids.device)
+        return cls(
+            token_ids=token_ids,
+            logprobs=torch.full(token_ids.shape, float("nan"), device=token_ids.device),
+            top_token_ids=empty.long(),
+            top_logprobs=empty,
+        )
+
+
+def argmax_suffices(params: Sequence[SamplingParams], suppress_token_ids: Sequence[Collection[int]]) -> bool:
+    """True when the sampler would return each row's argmax of the raw logits and nothing else: every
+    row greedy, without logprobs, logit bias, penalties or suppressed ids. Then the logits themselves
+    need not exist (`CausalLM.greedy_tokens`)."""
+    return all(
+        p.is_greedy and not p.logprobs and not p.logit_bias and not p.has_penalties for p in params
+    ) and not any(suppress_token_ids)
+
 
 class Sampler:
     """Picks one token per row of a logits batch.
@@ -201,13 +221,7 @@ class Sampler:
 
         num_top = max((p.logprobs for p in params), default=0)
         if num_top == 0:
-            empty = logits.new_empty((batch, 0))
-            return SamplerOutput(
-                token_ids=token_ids,
-                logprobs=torch.full((batch,), float("nan"), device=logits.device),
-                top_token_ids=empty.long(),
-                top_logprobs=empty,
-            )
+            return SamplerOutput.without_logprobs(token_ids)
         raw_logprobs = torch.log_softmax(raw_logits, dim=-1)
         chosen_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_logprobs, top_token_ids = raw_logprobs.topk(min(num_top, vocab), dim=-1, sorted=True)

@@ -29,6 +29,7 @@ SOURCES = [
     CPU_DIR / "paged_attention.cpp",
     CPU_DIR / "fused_ops.cpp",
     CPU_DIR / "gemv.cpp",
+    CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",
     CPU_DIR / "bindings.cpp",

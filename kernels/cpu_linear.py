@@ -29,6 +29,11 @@ DISABLE_ENV = "TANDEM_ONEDNN_LINEAR"
 GEMV_MAX_ROWS = 16
 
 
+def enabled() -> bool:
+    """False when `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear` (the LM head included) everywhere."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
 def available() -> bool:
     """True when this torch build has oneDNN and the linear op this module calls."""
     mkldnn = torch.ops.mkldnn
@@ -67,7 +72,7 @@ def use_cpu_linears(model: nn.Module) -> int:
     A weight tied to another module (the LM head and the embedding) stays dense where the other
     module uses it; the linear gets its own copies.
     """
-    if os.environ.get(DISABLE_ENV, "1") == "0" or not available():
+    if not enabled() or not available():
         return 0
     targets = [
         (name, module)

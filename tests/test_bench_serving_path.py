@@ -171,7 +171,7 @@ def test_server_cpu_splits_into_model_math_engine_python_and_edge():
 
     floor = {
         "engine_loop_alone": {"cpu_us_per_token": 110.0},
-        "decode_step_cpu_us_per_token": {"forward_with_prepare": 64.5, "sampler": 14.5},
+        "decode_step_cpu_us_per_token": {"forward_with_prepare": 64.5, "lm_head_and_sampler": 14.5},
     }
     split = split_server_cpu(160.0, floor)
     assert split == {

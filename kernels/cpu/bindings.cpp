@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gemv", &linear_gemv, "x W^T + b for a few rows of x, streaming W (fp32)",
         call_guard<gil_scoped_release>());
   m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv runs on: avx512, avx2 or portable");
+  m.def("greedy_lm_head", &greedy_lm_head,
+        "each row's argmax of hidden W^T, a vocabulary slice at a time (fp32; the GEMV up to gemv_max_rows rows)",
+        call_guard<gil_scoped_release>());
   m.def("set_gemv_isa", &set_gemv_isa, "for tests: run linear_gemv on a narrower instruction set this CPU has");
   // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
   pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())

@@ -17,6 +17,8 @@
 #include <optional>
 #include <string>
 
+#include "kernels.h"
+
 namespace {
 
 // Output rows each thread takes at least: ~64 KiB of W, below which waking a second thread costs
@@ -39,9 +41,6 @@ inline void prefetch_next_group(const Problem& p, int64_t n0, int64_t c) {
     if (offset < p.n * p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + offset), _MM_HINT_T1);
   }
 }
-
-#define TANDEM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
-#define TANDEM_AVX2 __attribute__((target("avx2,fma")))
 
 // NR rows of W against MR rows of x over the whole K, 16 floats at a time; a masked load does the tail.
 template <int NR, int MR>
@@ -198,6 +197,24 @@ void set_gemv_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown GEMV instruction set ", name, "; expected avx512, avx2 or portable");
 }
 
+void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+               int64_t k) {
+  if (m == 0 || n == 0) return;
+  const Problem p{x, w, bias, y, m, n, k, ldx};
+  // Tasks are groups of 4 W rows, so a thread's slice of W is contiguous and 4-row aligned.
+  const int64_t groups = (n + 3) / 4;
+  at::parallel_for(0, groups, row_grain(k) / 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * 4;
+      if (n0 + 4 <= n) {
+        rows_of_w<4>(p, n0);
+      } else {
+        for (int64_t r = n0; r < n; ++r) rows_of_w<1>(p, r);
+      }
+    }
+  });
+}
+
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
               "linear_gemv is fp32 only");
@@ -212,20 +229,6 @@ torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<t
   }
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   auto y = torch::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const Problem p{x.data_ptr<float>(), weight.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), m, n, k,
-                  x.stride(0)};
-  // Tasks are groups of 4 W rows, so a thread's slice of W is contiguous and 4-row aligned.
-  const int64_t groups = (n + 3) / 4;
-  at::parallel_for(0, groups, row_grain(k) / 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * 4;
-      if (n0 + 4 <= n) {
-        rows_of_w<4>(p, n0);
-      } else {
-        for (int64_t r = n0; r < n; ++r) rows_of_w<1>(p, r);
-      }
-    }
-  });
+  gemv_into(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), m, n, k);
   return y;
 }

@@ -7,6 +7,10 @@
 #include <string>
 #include <tuple>
 
+// Functions built for one instruction set, chosen at run time from the CPU's features.
+#define TANDEM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+#define TANDEM_AVX2 __attribute__((target("avx2,fma")))
+
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale);
@@ -17,9 +21,13 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
                                                     torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+// y[m, n] = x[m, k] W[n, k]^T + bias, x rows ldx apart, y contiguous (the GEMV behind linear_gemv).
+void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+               int64_t k);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 std::string gemv_isa();
 void set_gemv_isa(const std::string& name);
+torch::Tensor greedy_lm_head(torch::Tensor hidden, torch::Tensor weight, torch::Tensor weight_t, int64_t gemv_max_rows);
 
 // One decoder layer's parameters as the decode stack reads them: plain row-major fp32 weights, shared
 // with the model's own modules (nothing is copied).
