@@ -61,7 +61,8 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
         "TANDEM_ONEDNN_LINEAR",
         "`1`",
         "`0` keeps fp32 CPU linear layers on `nn.Linear` (MKL) instead of tandem's GEMV (up to 16 rows) "
-        "and oneDNN with weights converted once (more rows)",
+        "and oneDNN with weights converted once (more rows), and the LM head off its greedy path that "
+        "never writes the logits",
     ),
     (
         "TANDEM_CPU_DECODE_STACK",
