@@ -156,8 +156,7 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
                     perf_targets.SERVER_CPU_PER_TOKEN,
                     None,
                     f"engine thread's Python {summary['engine_python_cpu_us_per_token']:.0f} + edge "
-                    f"{summary['edge_cpu_us_per_token']:.0f}; one stream message per token costs "
-                    "grpc.aio itself ~41-47 µs of server CPU (a bare servicer, measured 2026-11-30)",
+                    f"{summary['edge_cpu_us_per_token']:.0f}{_floors_note(summary)}",
                 )
             )
         else:
@@ -194,6 +193,22 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
             figures[-1] = replace(figures[-1], note=figures[-1].note + "; some requests failed")
     details["before"] = before
     return details, figures
+
+
+def _floors_note(summary: dict) -> str:
+    """The floors bench.serving_bounds measured in the same run, as a note's tail ("" if none)."""
+    floors = []
+    if "grpc_write_floor_cpu_us_per_message" in summary:
+        floors.append(
+            f"a bare grpc.aio server spends {summary['grpc_write_floor_cpu_us_per_message']:.0f} µs "
+            "per stream message"
+        )
+    if "lm_head_floor_cpu_us_per_token" in summary:
+        floors.append(
+            f"the LM head alone needs {summary['lm_head_floor_cpu_us_per_token']:.0f} µs/token at this "
+            "core's fp32 GEMM peak"
+        )
+    return "; floors in this run: " + ", ".join(floors) if floors else ""
 
 
 def _server_cores_busy(result: dict) -> float:

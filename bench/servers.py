@@ -53,7 +53,7 @@ def decode_supports_prefill_tier() -> bool:
     return "--prefill" in help_text
 
 
-def _grpc_healthy(target: str) -> bool:
+def grpc_healthy(target: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -162,7 +162,7 @@ def tandem_decode_server(
     )
     if prefill_target is not None:
         command += ["--prefill", prefill_target]
-    return ServerProcess(name, command, lambda: _grpc_healthy(target), thread_env(threads)), target
+    return ServerProcess(name, command, lambda: grpc_healthy(target), thread_env(threads)), target
 
 
 def tandem_prefill_server(
@@ -184,7 +184,7 @@ def tandem_prefill_server(
         str(threads),
         *server_args,
     )
-    return ServerProcess(name, command, lambda: _grpc_healthy(target), thread_env(threads)), target
+    return ServerProcess(name, command, lambda: grpc_healthy(target), thread_env(threads)), target
 
 
 def llama_server(

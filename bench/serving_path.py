@@ -14,8 +14,10 @@ server's whole cost: engine thread, asyncio loop, gRPC threads) and reports:
 - the load generator's own CPU per token (it shares the machine with the server).
 
 Then it splits the figure (bench.engine_floor): the engine loop alone, one decode step, the forward,
-the LM head with the sampler, measured in this process on the same model and batch. `--profile` adds a
-round under py-spy (every thread) and one sampling only the GIL holder (bench.pyspy_profile).
+the LM head with the sampler, measured in this process on the same model and batch; and the floors
+under it (bench.serving_bounds): the LM head at this core's GEMM peak, and what a bare grpc.aio server
+spends per stream message. `--profile` adds a round under py-spy (every thread) and one sampling only
+the GIL holder (bench.pyspy_profile).
 
 `--api http` drives the OpenAI-compatible HTTP API instead of gRPC, when the server has one
 (`tandem serve decode --http-port`).
@@ -203,6 +205,20 @@ def split_server_cpu(server_cpu_us_per_token: float, floor: dict) -> dict[str, f
     }
 
 
+def _measure_bounds(args: argparse.Namespace, model_dir: Path, step_ms: float) -> dict:
+    """The floors under the figure (bench.serving_bounds): the LM head at this core's GEMM peak, and
+    for gRPC what a bare grpc.aio server spends per stream message when each stream gets one every
+    `step_ms` (the served run's inter-token latency: grpc's cost per message grows with the gap)."""
+    from bench.serving_bounds import grpc_write_floor, lm_head_floor
+
+    config = json.loads((model_dir / "config.json").read_text())
+    lm_head = lm_head_floor(args.streams, config["hidden_size"], config["vocab_size"], args.threads)
+    bounds = {"lm_head": lm_head}
+    if args.api == "grpc":
+        bounds["grpc_write"] = grpc_write_floor(args.streams, args.output_len, step_ms=round(step_ms, 2))
+    return bounds
+
+
 def _median(rounds: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in rounds), 1)
 
@@ -245,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             driven = asyncio.run(
                 _drive(args, _backend(args.api, target, http_port), server.pid, requests, warmups)
             )
-        floor = None
+        floor = bounds = None
         if not args.no_floor:
             import torch
 
@@ -255,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
             floor = measure_engine_floor(
                 model_dir, requests, args.streams, max(512, args.streams), parse_memory_size(KV_CACHE_MEMORY)
             )
+            bounds = _measure_bounds(
+                args, model_dir, statistics.median(r["itl_ms_p50"] for r in driven["rounds"])
+            )
     rounds = driven["rounds"]
     summary = {
         "server_cpu_us_per_token": _median(rounds, "server_cpu_us_per_token"),
@@ -263,6 +282,10 @@ def run(args: argparse.Namespace) -> int:
     }
     if floor is not None:
         summary.update(split_server_cpu(summary["server_cpu_us_per_token"], floor))
+    if bounds is not None:
+        summary["lm_head_floor_cpu_us_per_token"] = bounds["lm_head"]["cpu_us_per_token"]
+        if "grpc_write" in bounds:
+            summary["grpc_write_floor_cpu_us_per_message"] = bounds["grpc_write"]["server_cpu_us_per_message"]
     result = {
         "benchmark": "serving_path",
         "label": args.label,
@@ -286,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "rounds": rounds,
         "engine_floor": floor,
+        "bounds": bounds,
         "profile": driven["profile"],
         "load_average_at_end": load_average(),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 
@@ -154,6 +155,12 @@ def test_serving_path_bench_measures_a_real_server(tmp_path):
     assert floor["engine_loop_alone"]["tokens"] == 24
     assert floor["decode_step_cpu_us_per_token"]["batch"] == 4
     assert result["model"]["vocab_size"] == TINY_VOCAB_SIZE and result["model"]["num_layers"] == 3
+    bounds = result["bounds"]
+    assert bounds["lm_head"]["vocab"] == TINY_VOCAB_SIZE and bounds["lm_head"]["rows"] == 4
+    assert bounds["grpc_write"]["streams"] == 4 and bounds["grpc_write"]["messages_per_stream"] == 6
+    # A few dozen messages may take less CPU than one clock tick: only the bigger figure must show.
+    assert summary["grpc_write_floor_cpu_us_per_message"] >= 0
+    assert summary["lm_head_floor_cpu_us_per_token"] > 0
 
 
 def test_http_api_is_refused_clearly_when_the_server_has_none(monkeypatch, tmp_path, caplog):
@@ -183,3 +190,36 @@ def test_server_cpu_splits_into_model_math_engine_python_and_edge():
     }
     layers = ("model_math", "engine_python", "edge")
     assert sum(split[f"{name}_cpu_us_per_token"] for name in layers) == 160.0
+
+
+def test_lm_head_floor_is_the_head_flops_at_the_measured_gemm_rate():
+    from bench.serving_bounds import lm_head_floor
+
+    floor = lm_head_floor(rows=8, hidden=32, vocab=3000, threads=1, repeats=3)
+    assert floor["gemm_gflop_per_s"] > 0
+    expected_us = 1e6 * 2 * 32 * 3000 / (floor["gemm_gflop_per_s"] * 1e9)
+    assert floor["cpu_us_per_token"] == pytest.approx(expected_us, abs=0.06)
+
+
+def test_bare_grpc_server_streams_every_message_and_its_cpu_is_read():
+    import asyncio
+
+    from bench.servers import ServerProcess, free_port, grpc_healthy, running
+    from bench.serving_bounds import _drive, grpc_write_floor
+
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    command = [sys.executable, "-m", "bench.serving_bounds", "--port", str(port)]
+    with running(ServerProcess("bare-grpc-test", command, lambda: grpc_healthy(target))):
+        assert asyncio.run(_drive(target, streams=3, messages=5)) == 15
+    floor = grpc_write_floor(streams=2, messages=4, rounds=1)
+    assert floor["streams"] == 2 and floor["server_cpu_us_per_message"] >= 0
+
+
+def test_perf_report_cites_the_floors_measured_in_the_same_run():
+    from bench.perf_report import _floors_note
+
+    note = _floors_note({"grpc_write_floor_cpu_us_per_message": 20.4, "lm_head_floor_cpu_us_per_token": 36.2})
+    assert "bare grpc.aio server spends 20 µs per stream message" in note
+    assert "LM head alone needs 36 µs/token" in note
+    assert _floors_note({}) == ""
