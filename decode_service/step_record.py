@@ -4,14 +4,17 @@ prefill chunks next to decodes, preemptions, finishes and blocks coming back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 ChunkKind = Literal["prefill", "decode"]
 
 
-@dataclass(frozen=True)
-class ChunkRecord:
-    """One request's share of a step: how many tokens, and whether it was prefill or decode."""
+class ChunkRecord(NamedTuple):
+    """One request's share of a step: how many tokens, and whether it was prefill or decode.
+
+    A named tuple, not a frozen dataclass: every step records one per running request (128 at a time
+    in the serving-path benchmark), and a tuple is built several times faster.
+    """
 
     request_id: str
     num_tokens: int
