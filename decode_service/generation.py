@@ -2,7 +2,7 @@
 
 `Generations.start` checks a `GenerateRequest`'s cheap limits on the loop, takes a slot, validates it
 (on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine thread;
-`Generation.responses` yields the stream's `GenerateResponse`s.
+`Generation.next_responses` hands out the stream's `GenerateResponse`s as they arrive.
 Both front doors translate their request into a `GenerateRequest` and their answer from these messages,
 so the rules, limits, logs and deltas are the same for both. Leaving a stream early (client gone,
 deadline, disconnect) aborts the request and frees its blocks at once.
@@ -10,7 +10,6 @@ deadline, disconnect) aborts the request and frees its blocks at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ import grpc
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_loop import EngineLoop
+from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.stream_interval import coalesce
 from decode_service.streams import StreamHub
@@ -48,9 +48,12 @@ def _since(start: float | None, end: float | None) -> float:
 def to_response(delta: StreamDelta) -> pb.GenerateResponse:
     """The stream message for one delta; the last one carries finish reason, stop, usage and timings."""
     request = delta.request
-    response = pb.GenerateResponse(
-        request_id=request.request_id, token_ids=delta.token_ids, text=delta.text, index=request.index
-    )
+    # Field by field: a quarter cheaper than keyword arguments, on the path every token takes.
+    response = pb.GenerateResponse()
+    response.request_id = request.request_id
+    response.token_ids.extend(delta.token_ids)
+    response.text = delta.text
+    response.index = request.index
     for logprob in delta.logprobs:
         response.logprobs.append(
             pb.TokenLogprob(
@@ -185,7 +188,7 @@ class Generations:
                 tenant if self.config.cache_salt_by_tenant else None,
             )
             served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
-            queue = self._hub.open(served)
+            mailbox = self._hub.open(served)
         except BaseException as exc:
             # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.
             self._hub.release(request_id)
@@ -205,7 +208,7 @@ class Generations:
             **_prompt_log_fields(request, served),
         )
         self._engine_loop.submit(served)
-        return Generation(served, queue, self._hub, self._engine_loop, arrival)
+        return Generation(served, mailbox, self._hub, self._engine_loop, arrival)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request by id (the Abort RPC); False when no such request is live."""
@@ -216,54 +219,69 @@ class Generations:
 
 
 class Generation:
-    """One accepted request's stream: iterate `responses()`, or `close()` it if that never happens."""
+    """One accepted request's stream: take `next_responses()` (or iterate `responses()`) until it is
+    over, or `close()` it if that never happens."""
 
     def __init__(
         self,
         served: ServedRequest,
-        queue: asyncio.Queue[StreamDelta],
+        mailbox: Mailbox[StreamDelta],
         hub: StreamHub,
         engine_loop: EngineLoop,
         arrival: float,
     ) -> None:
         self.served = served
-        self._queue = queue
+        self._mailbox = mailbox
         self._hub = hub
         self._engine_loop = engine_loop
         self._arrival = arrival
         self._finished = False
         self._closed = False
         self._choices_left = served.n
+        # An engine error met after other messages of the same batch: raised by the next call.
+        self._failure: Exception | None = None
+        self._completion: list[str] = []  # the text so far, for `--log-prompts` only
 
     @property
     def request_id(self) -> str:
         return self.served.request_id
 
-    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The stream's messages, every choice's last one included; raises the error the engine hit."""
-        completion: list[str] = []
-        try:
-            while not self._finished:
-                for delta in await self._waiting_deltas():
-                    if self._finished:
-                        break
-                    yield self._respond(delta, completion)
-        finally:
-            self.close()
-
-    async def _waiting_deltas(self) -> list[StreamDelta]:
-        """Every delta this stream has waiting (at least one), merged per choice by `coalesce`.
+    async def next_responses(self) -> list[pb.GenerateResponse]:
+        """The messages of every delta waiting now, merged per choice by `coalesce` (waits for one);
+        empty once every choice's last message was taken. Raises the error the engine hit, once the
+        messages before it were returned.
 
         A writer that keeps up gets one token per message, as produced; one that fell behind — many
         streams on one event loop, a slow network — sends the tokens that piled up in one message, so
         the per-message cost (protobuf, HTTP/2 frame, the client's wake-up) is paid once per batch.
         """
-        waiting = [await self._queue.get()]
-        while not self._queue.empty():
-            waiting.append(self._queue.get_nowait())
-        return coalesce(waiting)
+        if self._failure is not None:
+            raise self._failure
+        responses: list[pb.GenerateResponse] = []
+        if self._finished:
+            return responses
+        for delta in coalesce(await self._mailbox.take_all()):
+            try:
+                responses.append(self._respond(delta))
+            except Exception as exc:
+                if not responses:
+                    raise
+                self._failure = exc
+                break
+            if self._finished:
+                break
+        return responses
 
-    def _respond(self, delta: StreamDelta, completion: list[str]) -> pb.GenerateResponse:
+    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The stream's messages one by one, as `next_responses` gives them; closes the stream after."""
+        try:
+            while batch := await self.next_responses():
+                for response in batch:
+                    yield response
+        finally:
+            self.close()
+
+    def _respond(self, delta: StreamDelta) -> pb.GenerateResponse:
         """Account for one delta (choices left, logs) and build its message; raises the delta's error."""
         if delta.is_last:
             # A request aborted before its prompt was prefilled never forked its other choices.
@@ -274,7 +292,7 @@ class Generation:
             log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
             raise delta.error
         if log_prompts_enabled():
-            completion.append(delta.text)
+            self._completion.append(delta.text)
         if self._finished and delta.finish_reason is not None:
             log_event(
                 logger,
@@ -283,7 +301,7 @@ class Generation:
                 request_id=self.request_id,
                 finish_reason=delta.finish_reason.value,
                 **_finish_log_fields(self.served, time.monotonic()),
-                **prompt_fields(completion="".join(completion)),
+                **prompt_fields(completion="".join(self._completion)),
             )
         return to_response(delta)
 

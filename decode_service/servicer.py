@@ -41,8 +41,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             await self._refuse(context, exc)
         try:
-            async for response in generation.responses():
-                await self._watchdog.write(context, response)
+            with self._watchdog.watch(context) as call:
+                while responses := await generation.next_responses():
+                    for response in responses:
+                        await call.write(response)
         except StreamStalledError as exc:
             log_event(
                 logger, logging.WARNING, "request failed", request_id=generation.request_id, code="stalled"

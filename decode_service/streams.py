@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
 from engine.errors import InvalidRequestError
 from serving.errors import QueueFullError
@@ -27,7 +28,7 @@ class _LiveStream:
     """A reserved slot (`request` None until validated) or a live stream; `working` while it holds a slot."""
 
     request: ServedRequest | None
-    queue: asyncio.Queue[StreamDelta]
+    mailbox: Mailbox[StreamDelta] = field(default_factory=Mailbox)
     working: bool = True
     # Choices whose last delta has not arrived yet (a request with n > 1 holds its slot until all end).
     choices_left: int = 1
@@ -55,7 +56,7 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         self.check_accepting()
         if request_id in self._calls:
             raise InvalidRequestError(f"request_id {request_id!r} is already used by a live request")
-        self._add(request_id, _LiveStream(None, asyncio.Queue()))
+        self._add(request_id, _LiveStream(None))
         self.num_working += 1
 
     def release(self, request_id: str) -> None:
@@ -64,12 +65,12 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         if stream is not None and stream.request is None:
             self._forget(request_id, stream)
 
-    def open(self, request: ServedRequest) -> asyncio.Queue[StreamDelta]:
-        """Turn the request's reservation into a live stream; returns the queue its deltas arrive on."""
+    def open(self, request: ServedRequest) -> Mailbox[StreamDelta]:
+        """Turn the request's reservation into a live stream; returns the mailbox its deltas arrive in."""
         stream = self._calls[request.request_id]
         stream.request = request
         stream.choices_left = request.n
-        return stream.queue
+        return stream.mailbox
 
     def close(self, request: ServedRequest) -> None:
         stream = self._calls.get(request.request_id)
@@ -103,10 +104,10 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
                 stream.choices_left = stream.choices_left - 1 if owner.forked and delta.error is None else 0
                 if stream.choices_left == 0:
                     self._stop_working(stream)
-            elif stream.queue.qsize() >= self.max_buffer:
+            elif len(stream.mailbox) >= self.max_buffer:
                 self._overflow(stream, owner)
                 continue
-            stream.queue.put_nowait(delta)
+            stream.mailbox.put(delta)
 
     def _overflow(self, stream: _LiveStream, request: ServedRequest) -> None:
         self._stop_working(stream)
@@ -116,4 +117,4 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
             f"the client fell {self.max_buffer} messages behind, this server's limit (--max-stream-buffer); "
             "the request was cancelled"
         )
-        stream.queue.put_nowait(StreamDelta(request, error=error))
+        stream.mailbox.put(StreamDelta(request, error=error))

@@ -115,8 +115,9 @@ class PrefillServicer:
         try:
             self._engine_loop.submit(job)
             try:
-                async for response in self._responses(job, stats):
-                    await self._watchdog.write(context, response)
+                with self._watchdog.watch(context) as call:
+                    async for response in self._responses(job, stats):
+                        await call.write(response)
             except StreamStalledError as exc:
                 # Counted and logged as cancelled below; the caller sees why if it ever reads again.
                 code, message = status_for(exc)

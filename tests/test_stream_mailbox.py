@@ -1,0 +1,161 @@
+"""A stream's way from the engine step to its writer: the mailbox (order, wake-up, cancelled reader), the
+hub's routing into it (past --max-stream-buffer the request is aborted and its stream fails), and
+`Generation.next_responses` (merged batches; an engine error after the tokens before it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_service.generation import Generation
+from decode_service.mailbox import Mailbox
+from decode_service.request import ServedRequest, StreamDelta
+from decode_service.streams import StreamHub
+from engine.errors import InvalidRequestError
+from engine.params import SamplingParams, StoppingParams
+from engine.sequence import FinishReason, Sequence
+from serving.errors import QueueFullError
+
+
+def test_take_all_hands_over_everything_waiting_in_order():
+    async def scenario() -> None:
+        mailbox: Mailbox[int] = Mailbox()
+        for item in (1, 2, 3):
+            mailbox.put(item)
+        assert len(mailbox) == 3
+        assert await mailbox.take_all() == [1, 2, 3]
+        assert len(mailbox) == 0
+        mailbox.put(4)
+        assert await mailbox.take_all() == [4]
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_reader_wakes_with_what_arrived_before_it_ran():
+    async def scenario() -> None:
+        mailbox: Mailbox[str] = Mailbox()
+        reader = asyncio.ensure_future(mailbox.take_all())
+        await asyncio.sleep(0)
+        assert not reader.done()
+        mailbox.put("a")
+        mailbox.put("b")  # the reader was woken by "a" but has not run yet
+        assert await reader == ["a", "b"]
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_cancelled_while_waiting_loses_nothing():
+    async def scenario() -> None:
+        mailbox: Mailbox[str] = Mailbox()
+        reader = asyncio.ensure_future(mailbox.take_all())
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        mailbox.put("kept")  # must not try to wake the cancelled reader
+        assert await mailbox.take_all() == ["kept"]
+
+    asyncio.run(scenario())
+
+
+def served(request_id: str, n: int = 1) -> ServedRequest:
+    seq = Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=50), None)
+    return ServedRequest(seq, n=n)
+
+
+def token(request: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
+    request.seq.token_ids.append(token_id)
+    return StreamDelta(request, token_ids=[token_id], text=f"<{token_id}>", **kwargs)
+
+
+class _EngineLoop:
+    """Records the aborts a stream sends to the engine."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def open_stream(hub: StreamHub, request: ServedRequest, engine_loop: _EngineLoop) -> Generation:
+    hub.reserve(request.request_id)
+    return Generation(request, hub.open(request), hub, engine_loop, arrival=0.0)  # type: ignore[arg-type]
+
+
+def test_a_stream_past_its_buffer_is_aborted_and_fails_after_what_it_holds():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=2, abort=engine_loop.abort)
+        slow, other = served("slow"), served("other")
+        generation = open_stream(hub, slow, engine_loop)
+        open_stream(hub, other, engine_loop)
+        hub._dispatch([token(slow, 1), token(other, 1)])
+        hub._dispatch([token(slow, 2)])
+        hub._dispatch([token(slow, 3), token(other, 2)])  # the third undelivered message: over the limit
+        hub._dispatch([token(slow, 4)])  # dropped: the stream no longer takes deltas
+        assert engine_loop.aborted == ["slow"] and hub.num_overflowed == 1
+        assert hub.num_working == 1  # the overflowed stream gave its slot back
+        first = await generation.next_responses()
+        assert [list(message.token_ids) for message in first] == [[1, 2]]
+        with pytest.raises(QueueFullError, match="--max-stream-buffer"):
+            await generation.next_responses()
+        generation.close()
+        assert "slow" not in hub and "other" in hub
+
+    asyncio.run(scenario())
+
+
+def test_next_responses_merges_what_waits_and_ends_after_every_choice():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        parent = served("req", n=2)
+        generation = open_stream(hub, parent, engine_loop)
+        parent.forked = True
+        child = ServedRequest(parent.seq, n=2, index=1, parent=parent)
+        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6], text="<6>")])
+        hub._dispatch([StreamDelta(parent, token_ids=[7], text="<7>", finish_reason=FinishReason.STOP)])
+        batch = await generation.next_responses()
+        merged = [(m.index, list(m.token_ids), m.text) for m in batch]
+        assert merged == [(0, [5, 7], "<5><7>"), (1, [6], "<6>")]
+        assert batch[0].finish_reason != 0 and batch[1].finish_reason == 0
+        hub._dispatch([StreamDelta(child, finish_reason=FinishReason.LENGTH)])
+        assert [m.index for m in await generation.next_responses()] == [1]
+        assert await generation.next_responses() == []
+        generation.close()
+        assert engine_loop.aborted == []  # it finished: nothing to abort
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_error_comes_after_the_tokens_before_it():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        request = served("req")
+        generation = open_stream(hub, request, engine_loop)
+        hub._dispatch([token(request, 1)])
+        hub._dispatch([StreamDelta(request, error=InvalidRequestError("boom"))])
+        assert [list(m.token_ids) for m in await generation.next_responses()] == [[1]]
+        with pytest.raises(InvalidRequestError, match="boom"):
+            await generation.next_responses()
+
+    asyncio.run(scenario())
+
+
+def test_closing_a_waiting_stream_aborts_its_request():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        generation = open_stream(hub, served("req"), engine_loop)
+        reader = asyncio.ensure_future(generation.next_responses())
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        generation.close()
+        assert engine_loop.aborted == ["req"] and "req" not in hub and hub.num_working == 0
+
+    asyncio.run(scenario())
