@@ -33,6 +33,8 @@ from tandem.security import BearerTokenInterceptor, server_credentials
 logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Net new container objects between two collections of the young generation (Python's default: 700).
+GC_YOUNG_THRESHOLD = 10_000
 
 
 def server_version() -> str:
@@ -198,6 +200,11 @@ async def serve_until_signalled(server: TierServer) -> int:
     # The model, tokenizer and server objects live as long as the process: moved out of the
     # collector's generations, they are not rescanned by every full collection while serving.
     gc.freeze()
+    # One decode step allocates a few tracked objects per stream (its delta, their lists), ~600 at 128
+    # streams: with the default 700 the young generation was collected about once per step. Measured
+    # (tandem bench serving-path, warm-up and 3 rounds): 775 collections, 0.23 s of CPU, ~3 us per token;
+    # with 10,000, 8 collections and 0.02 s.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
 
