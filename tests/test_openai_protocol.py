@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from decode_service.openai_http.errors import (
@@ -329,3 +331,34 @@ def test_errors_map_to_openai_statuses_and_bodies(error, status, kind):
         assert "bug" not in body["error"]["message"], "internals stay in the server log"
     else:
         assert body["error"]["message"] == str(error)
+
+
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        pytest.param(lambda: chat(stream=True, n=2, stream_options={"include_usage": True}), id="chat"),
+        pytest.param(lambda: chat(stream=True, logprobs=True, top_logprobs=1), id="chat-logprobs"),
+        pytest.param(lambda: completion(stream=True, n=2), id="completion"),
+        pytest.param(lambda: completion(stream=True, logprobs=1), id="completion-logprobs"),
+    ],
+)
+def test_stream_events_are_the_chunks_as_server_sent_events(request_fields):
+    """`events` (with its template for plain text) writes exactly what `chunks` says, message by message."""
+    messages = [
+        message(index=0, text="Hel", token_ids=[1]),
+        message(index=1, text='"quoted"\n\\', token_ids=[2]),
+        message(index=0, text="é ☃ \U0001f600", token_ids=[4]),
+        message(index=0, text="", token_ids=[3]),
+        message(index=1, text="lo", token_ids=[2], logprobs=[(2, -0.2)]),
+        message(index=0, text="\x00\x1f</script>", token_ids=[3]),
+        message(index=0, text="!", token_ids=[3], finish=pb.STOP, completion_tokens=4, stop="!"),
+        message(index=1, text="lo", token_ids=[2], finish=pb.LENGTH, completion_tokens=2),
+    ]
+    by_chunks, by_events = builder(request_fields()), builder(request_fields())
+    for sent in messages:
+        expected = b"".join(
+            b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            for chunk in by_chunks.chunks(sent)
+        )
+        assert by_events.events(sent) == expected
+    assert by_events.usage_chunk() == by_chunks.usage_chunk()

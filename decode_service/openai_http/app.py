@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,16 +27,12 @@ from decode_service.openai_http.errors import (
     http_error,
 )
 from decode_service.openai_http.protocol import Endpoint, FieldError, OpenAIRequest, translate
-from decode_service.openai_http.responses import ResponseBuilder
+from decode_service.openai_http.responses import ResponseBuilder, sse_event
 from tandem.security import BearerTokens
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _read_json(request: Request, max_bytes: int) -> object:
@@ -152,15 +147,17 @@ class OpenAIRoutes:
         self, generation: Generation, builder: ResponseBuilder, request: OpenAIRequest
     ) -> AsyncIterator[bytes]:
         """SSE chunks, then the usage chunk if asked, then [DONE]; an engine error becomes an error event.
-        Starlette cancels this generator when the client disconnects, which aborts the request."""
+        Starlette cancels this generator when the client disconnects, which aborts the request.
+
+        The events of the messages waiting together go out in one body part: one trip through the ASGI
+        stack and one socket write for a writer that fell behind (one message when it keeps up)."""
         try:
-            async for message in generation.responses():
-                for chunk in builder.chunks(message):
-                    yield _sse(chunk)
+            while messages := await generation.next_responses():
+                yield b"".join([builder.events(message) for message in messages])
             if request.include_usage:
-                yield _sse(builder.usage_chunk())
+                yield sse_event(builder.usage_chunk())
         except Exception as exc:
-            yield _sse(http_error(exc)[1])
+            yield sse_event(http_error(exc)[1])
         finally:
             generation.close()
         yield b"data: [DONE]\n\n"

@@ -1,12 +1,13 @@
 """The stream's `GenerateResponse`s → OpenAI response bodies and SSE chunks.
 
 It reads the very messages the gRPC API sends, so both front doors report the same text, tokens, finish
-reasons and usage. One builder serves one request: `chunks()` per message when streaming, `add()` per
-message then `body()` otherwise.
+reasons and usage. One builder serves one request: `events()` (or `chunks()`, the same as dicts) per
+message when streaming, `add()` per message then `body()` otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,16 @@ from protos.tandem.v1 import generation_pb2 as pb
 _FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
 
 TokenText = Callable[[int], str]
+
+# Made once: `json.dumps` with these options builds a new encoder per call, a third of an event's cost.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# Stands for the text in a choice's text-event template; only its JSON form is searched for.
+_TEXT_PLACEHOLDER = "\ue000text\ue000"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `payload` as compact JSON."""
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
 
 
 @dataclass
@@ -51,6 +62,8 @@ class ResponseBuilder:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._completion_tokens = 0
+        # Per choice index: the bytes before and after the text of a plain text event (see `events`).
+        self._text_templates: dict[int, tuple[bytes, bytes]] = {}
 
     # -- streaming -----------------------------------------------------------------------------------
 
@@ -65,21 +78,52 @@ class ResponseBuilder:
                                     "logprobs": None, "finish_reason": None}))  # fmt: skip
         if not (message.text or logprobs or choice.finish_reason):
             return out
-        entry: dict[str, Any] = {"index": message.index}
-        if self._chat:
-            entry["delta"] = {"content": message.text} if message.text else {}
-        else:
-            entry["text"] = message.text
-        entry["logprobs"] = logprobs
-        entry["finish_reason"] = choice.finish_reason
-        if choice.finish_reason is not None:
-            entry["stop_reason"] = choice.stop_reason
-        out.append(self._chunk(entry))
+        out.append(self._chunk(self._entry(message.index, message.text, logprobs, choice)))
         return out
+
+    def events(self, message: pb.GenerateResponse) -> bytes:
+        """`chunks(message)` as server-sent events.
+
+        The event almost every token gets — text only, in a choice that has started and not finished —
+        is its text's JSON spliced into the choice's template, the same bytes for a sixth of the cost.
+        """
+        choice = self._choices.get(message.index)
+        if (
+            message.text
+            and not message.logprobs
+            and not message.finish_reason
+            and choice is not None
+            and choice.finish_reason is None
+        ):
+            head, tail = self._text_templates.get(message.index) or self._text_template(message.index)
+            return head + _JSON.encode(message.text).encode() + tail
+        return b"".join(sse_event(chunk) for chunk in self.chunks(message))
+
+    def _text_template(self, index: int) -> tuple[bytes, bytes]:
+        """The bytes around the text of choice `index`'s plain text event, made from the chunk itself."""
+        event = sse_event(self._chunk(self._entry(index, _TEXT_PLACEHOLDER, None, _Choice())))
+        head, tail = event.split(_JSON.encode(_TEXT_PLACEHOLDER).encode())
+        self._text_templates[index] = head, tail
+        return head, tail
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage is set: no choices, the whole usage."""
         return {**self._envelope(chunk=True), "choices": [], "usage": self.usage()}
+
+    def _entry(
+        self, index: int, text: str, logprobs: dict[str, Any] | None, choice: _Choice
+    ) -> dict[str, Any]:
+        """One choice's part of a stream chunk."""
+        entry: dict[str, Any] = {"index": index}
+        if self._chat:
+            entry["delta"] = {"content": text} if text else {}
+        else:
+            entry["text"] = text
+        entry["logprobs"] = logprobs
+        entry["finish_reason"] = choice.finish_reason
+        if choice.finish_reason is not None:
+            entry["stop_reason"] = choice.stop_reason
+        return entry
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         chunk = {**self._envelope(chunk=True), "choices": [choice]}
