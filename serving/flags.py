@@ -178,7 +178,6 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     its server until the signal and returns the exit status.
     """
     import asyncio
-    import gc
 
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
@@ -200,9 +199,4 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
     engine = Engine.from_pretrained(model_dir, engine_config)
-    # Everything loaded so far (torch, transformers, the model's modules) lives as long as the server:
-    # frozen, the collector stops re-walking it in every full collection. Measured on the near-zero
-    # serving-path run: full collections took 24-44 ms per 49k tokens instead of 43-94.
-    gc.collect()
-    gc.freeze()
     return asyncio.run(serve(engine, model_dir, metrics_registry))
