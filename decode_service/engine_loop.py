@@ -4,12 +4,18 @@ Handlers talk to it through `submit` and `abort`, a remote prefill stage through
 wait in the stage until the step collects them); each step delivers every request's delta at once.
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
-Why a thread and not a process of its own (as vLLM v1 does): measured with `tandem bench serving-path
---profile` (128 streams x 128 tokens, near-zero model), the GIL was held 29-43% of the round while the
-engine thread was busy 90-99% and the event loop 19-45%: what binds is the engine thread's own work,
-most of it inside torch ops that release the GIL, not the lock. A process boundary would add a
-serialization hop per token, more CPU per token (the figure the benchmark measures), and free
-nothing that binds. Revisit when that GIL-held share nears 1.
+Why a thread and not a process of its own (as vLLM v1 does), measured with `tandem bench serving-path`
+(128 streams x 128 tokens, near-zero model, 2026-11-30 19:33): the engine thread spends 104-110 µs of
+CPU per token inside the server against 78 µs alone, the event loop 43-45 µs; 6,000 tok/s are served
+where the engine alone runs 12,900. So sharing the GIL does cost the engine: every torch op releases
+and retakes it, and a busy event loop makes the retake wait (in isolation, a thread spinning in Python
+beside the engine loop adds 16-35 µs to its CPU per token and multiplies its wall time by 4-7). A
+process of its own would remove that, for a serialization hop per step and for moving across the
+boundary everything the event loop takes from the engine today: validation and tokenization, the
+remote prefill's KV cache writes, metrics. It is the next lever for the served rate, not taken yet. It
+is not one for
+the CPU per token: the floors measured in the same run, the LM head at this core's GEMM peak (36 µs)
+and grpc.aio's own cost per stream message (31 µs), already add up to more than the 60 µs target.
 """
 
 from __future__ import annotations
