@@ -12,10 +12,10 @@ and retakes it, and a busy event loop makes the retake wait (in isolation, a thr
 beside the engine loop adds 16-35 µs to its CPU per token and multiplies its wall time by 4-7). A
 process of its own would remove that, for a serialization hop per step and for moving across the
 boundary everything the event loop takes from the engine today: validation and tokenization, the
-remote prefill's KV cache writes, metrics. It is the next lever for the served rate, not taken yet. It
-is not one for
-the CPU per token: the floors measured in the same run, the LM head at this core's GEMM peak (36 µs)
-and grpc.aio's own cost per stream message (31 µs), already add up to more than the 60 µs target.
+remote prefill's KV cache writes, metrics. It is the next lever for the served rate, not taken yet.
+It is not one for the CPU per token: the floors measured in the same run, the LM head at this core's
+GEMM peak (36 µs) and grpc.aio's own cost per stream message (31 µs), already add up to more than the
+60 µs target.
 """
 
 from __future__ import annotations
