@@ -173,3 +173,21 @@ def test_engine_computes_logits_only_when_the_sampler_needs_them(extension, logp
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0, -1].argmax().item()
     assert output.token_id == expected
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_slices_split_between_threads_give_the_same_answer(extension, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(5 * SLICE + 7, 24)
+    weight[3 * SLICE + 1] = weight[SLICE + 2] = 50.0  # a tie in slices two threads take
+    x = torch.rand(rows, 24) + 0.1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids = greedy(extension, x, weight)
+        weight[4 * SLICE, 0] = float("nan")
+        with_nan = greedy(extension, x, weight)
+    finally:
+        torch.set_num_threads(before)
+    assert ids.tolist() == [SLICE + 2] * rows
+    assert with_nan.tolist() == [4 * SLICE] * rows
