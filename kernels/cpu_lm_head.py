@@ -1,12 +1,16 @@
-"""The fp32 LM head on the CPU: the logits when the sampler needs them, the greedy tokens when it does not.
+"""The fp32 LM head on the CPU for narrow models: the logits when the sampler needs them, the greedy
+tokens straight from the hidden states when it does not.
 
-The LM head is the one linear layer whose output is vocabulary-wide. For an all-greedy step (the
-common case, and every benchmark's) only each row's argmax matters, and the C++ `greedy_lm_head`
-finds it a vocabulary slice at a time without writing the logits out: 4.7 vs 10.6 ms for 128 rows
-of a 64-wide model's 49,152-token head, 23 vs 32 ms for 64 rows of SmolLM2-135M's, on one core of
-the 2-core development machine. When the logits are wanted, more than a few rows use GEMM on the
-transposed weight, which is faster here than oneDNN's blocked inner product at these shapes (5.1 vs
-7.6 ms and 27 vs 30 ms) and costs the same memory (the transposed copy replaces the blocked one).
+For an all-greedy step (the common case, and every benchmark's) only each row's argmax matters, and the
+C++ `greedy_lm_head` finds it a vocabulary slice at a time without writing the logits out. What that
+saves is the logits' round trip through memory, which weighs against the GEMM's hidden-size-deep
+work per logit: for 128 rows of a 64-wide model's 49,152-token head 4.7-6.1 ms against 10.6-16.4 for
+oneDNN's linear and the argmax (one core of the 2-core development machine), but for SmolLM2-135M
+(576 wide) it was level with them on one core and up to 15% behind on two. So only heads at most
+`MAX_HIDDEN_SIZE` wide are swapped; wider ones stay `cpu_linear.CpuLinear` (oneDNN, then the sampler's
+argmax). A swapped head's logits, when wanted for more than a few rows, come from GEMM on the same
+transposed copy the greedy path reads (5.1 vs 7.6 ms for oneDNN at 128 x 64), which replaces oneDNN's
+blocked copy: no more memory than a `CpuLinear`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from kernels import cpu_extension
 from kernels.cpu_linear import DISABLE_ENV, GEMV_MAX_ROWS, enabled
 
 logger = logging.getLogger(__name__)
+
+# Widest hidden size whose LM head is swapped (see the module docstring): 64 measured 2x ahead, 576 level.
+MAX_HIDDEN_SIZE = 256
 
 
 class CpuLmHead(nn.Module):
@@ -43,12 +50,14 @@ class CpuLmHead(nn.Module):
 
 
 def use_cpu_lm_head(model: nn.Module) -> bool:
-    """Replace `model.lm_head` by a `CpuLmHead` when it is a bias-free fp32 CPU linear and the C++
-    extension is here; True when it did. Call before `cpu_linear.use_cpu_linears`, which then skips it."""
+    """Replace `model.lm_head` by a `CpuLmHead` when it is a bias-free fp32 CPU linear at most
+    `MAX_HIDDEN_SIZE` wide and the C++ extension is here; True when it did. Call before
+    `cpu_linear.use_cpu_linears`, which then skips it."""
     head = getattr(model, "lm_head", None)
     if (
         type(head) is not nn.Linear
         or head.bias is not None
+        or head.in_features > MAX_HIDDEN_SIZE
         or head.weight.device.type != "cpu"
         or head.weight.dtype != torch.float32
         or not enabled()

@@ -9,17 +9,9 @@ from conftest import engine_for, random_prompts, tiny_hf_model
 
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from kernels import cpu_decode_stack, cpu_extension, cpu_linear
+from kernels import cpu_decode_stack, cpu_linear
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
-
-
-@pytest.fixture(scope="module")
-def extension():
-    module = cpu_extension.load()
-    if module is None:
-        pytest.skip("no C++ extension here: the per-layer torch path serves every step")
-    return module
 
 
 def engine_with_prompts(kind: str, heads: int, kv_heads: int, head_dim: int, num_prompts: int, seed: int):

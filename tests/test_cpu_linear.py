@@ -7,17 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_extension, cpu_linear
+from kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN")
-
-
-@pytest.fixture(scope="module")
-def extension():
-    module = cpu_extension.load()
-    if module is None:
-        pytest.skip("no C++ extension here: only the oneDNN path exists")
-    return module
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -12,17 +12,9 @@ from torch import nn
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import argmax_suffices
-from kernels import cpu_extension, cpu_linear, cpu_lm_head
+from kernels import cpu_linear, cpu_lm_head
 
 SLICE = 2048  # lm_head.cpp's vocabulary slice; the shapes below straddle it
-
-
-@pytest.fixture(scope="module")
-def extension():
-    module = cpu_extension.load()
-    if module is None:
-        pytest.skip("no C++ extension here")
-    return module
 
 
 @pytest.fixture(params=["avx512", "portable"])
@@ -110,10 +102,10 @@ def test_module_logits_match_nn_linear_and_greedy_matches_their_argmax(extension
 
 
 class WithHead(nn.Module):
-    def __init__(self, bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, bias: bool = False, dtype: torch.dtype = torch.float32, hidden: int = 16) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(50, 16)
-        self.lm_head = nn.Linear(16, 50, bias=bias).to(dtype)
+        self.embed_tokens = nn.Embedding(50, hidden)
+        self.lm_head = nn.Linear(hidden, 50, bias=bias).to(dtype)
 
 
 def test_swaps_only_a_bias_free_fp32_head_and_keeps_it_tied(extension, monkeypatch):
@@ -124,6 +116,8 @@ def test_swaps_only_a_bias_free_fp32_head_and_keeps_it_tied(extension, monkeypat
     assert tied.lm_head.weight.data_ptr() == tied.embed_tokens.weight.data_ptr(), "no copy of a tied weight"
     assert cpu_linear.use_cpu_linears(tied) == 0, "the linear swap leaves the LM head alone"
     assert not cpu_lm_head.use_cpu_lm_head(WithHead(bias=True))
+    too_wide = WithHead(hidden=cpu_lm_head.MAX_HIDDEN_SIZE + 1)
+    assert not cpu_lm_head.use_cpu_lm_head(too_wide), "a head this wide stays a CpuLinear"
     assert not cpu_lm_head.use_cpu_lm_head(WithHead(dtype=torch.bfloat16))
     monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
     assert not cpu_lm_head.use_cpu_lm_head(WithHead())
