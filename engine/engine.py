@@ -8,8 +8,9 @@ driver for tests, demos and benchmarks, not a scheduler.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.grammar import GrammarMask, GrammarState
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, ScheduledChunk
@@ -62,6 +64,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingParams = field(default_factory=StoppingParams)
     cache_salt: str = ""
+    grammar: GrammarState | None = None
 
 
 class Engine:
@@ -106,6 +109,8 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler()
+        # Called with the seconds each step spent filling grammar masks (metrics); None: nobody listens.
+        self.grammar_fill_observer: Callable[[float], None] | None = None
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
@@ -145,8 +150,9 @@ class Engine:
         stopping: StoppingParams,
         request_id: str | None = None,
         cache_salt: str = "",
+        grammar: GrammarState | None = None,
     ) -> Sequence:
-        """Validate a request against this model and wrap it in a `Sequence`."""
+        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -165,7 +171,13 @@ class Engine:
             )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
         return Sequence(
-            request_id or uuid.uuid4().hex, prompt_token_ids, sampling, stopping, detok, cache_salt=cache_salt
+            request_id or uuid.uuid4().hex,
+            prompt_token_ids,
+            sampling,
+            stopping,
+            detok,
+            cache_salt=cache_salt,
+            grammar=grammar,
         )
 
     def fork(self, parent: Sequence, sampling: SamplingParams, share_kv: bool) -> Sequence:
@@ -187,6 +199,7 @@ class Engine:
             detok,
             parent.arrival_time,
             parent.cache_salt,
+            parent.grammar.fork() if parent.grammar is not None else None,
         )
         if not share_kv:
             return child
@@ -232,19 +245,56 @@ class Engine:
     def sample(self, hidden: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         """The LM head and the sampler over `hidden` (one final hidden state per sequence in `seqs`).
 
-        When every row only wants its argmax, the LM head answers directly and the vocabulary-wide
-        logits are never written (the sampler would return exactly that argmax).
+        Rows that only want their argmax (greedy, no logprobs, bias, penalties, suppressed ids or
+        grammar) get it from the LM head directly, without the vocabulary-wide logits ever being
+        written; the other rows are masked by their grammars and sampled. So a constrained or sampled
+        request in the batch costs the greedy rows nothing.
         """
         params = [s.sampling for s in seqs]
         suppressed = [s.suppressed_token_ids(self.eos_token_ids) for s in seqs]
-        if argmax_suffices(params, suppressed):
+        grammars = [s.grammar for s in seqs]
+        unconstrained = [grammar is None or not grammar.active for grammar in grammars]
+        if all(unconstrained) and argmax_suffices(params, suppressed):
             return SamplerOutput.without_logprobs(self.model.greedy_tokens(hidden))
+        fast = [
+            row
+            for row in range(len(seqs))
+            if unconstrained[row] and argmax_suffices(params[row : row + 1], suppressed[row : row + 1])
+        ]
+        if not fast:
+            return self._sample_rows(hidden, seqs, params, suppressed, grammars)
+        fast_set = set(fast)
+        slow = [row for row in range(len(seqs)) if row not in fast_set]
+        fast_ids = self.model.greedy_tokens(hidden[fast])
+        slow_out = self._sample_rows(
+            hidden[slow],
+            [seqs[row] for row in slow],
+            [params[row] for row in slow],
+            [suppressed[row] for row in slow],
+            [grammars[row] for row in slow],
+        )
+        return slow_out.scatter_rows(slow, fast, fast_ids, len(seqs))
+
+    def _sample_rows(
+        self,
+        hidden: torch.Tensor,
+        seqs: SequenceOf[Sequence],
+        params: list[SamplingParams],
+        suppressed: list[frozenset[int]],
+        grammars: list[GrammarState | None],
+    ) -> SamplerOutput:
+        """Logits, grammar masks and the full sampler for rows that need more than the argmax."""
+        fill_start = time.perf_counter()
+        mask = GrammarMask.fill(grammars, self.vocab_size)
+        if mask is not None and self.grammar_fill_observer is not None:
+            self.grammar_fill_observer(time.perf_counter() - fill_start)
         return self.sampler(
             self.model.compute_logits(hidden),
             params,
             [s.num_tokens for s in seqs],
             suppressed,
             [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in seqs],
+            mask,
         )
 
     def append_token_computed_elsewhere(
@@ -342,7 +392,9 @@ class Engine:
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
         max_seqs = max_num_seqs or self.config.max_num_seqs
         waiting = [
-            self.make_sequence(r.prompt_token_ids, r.sampling, r.stopping, cache_salt=r.cache_salt)
+            self.make_sequence(
+                r.prompt_token_ids, r.sampling, r.stopping, cache_salt=r.cache_salt, grammar=r.grammar
+            )
             for r in requests
         ]
         done_order = list(waiting)

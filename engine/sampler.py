@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.grammar import GrammarMask
 from engine.params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
@@ -157,6 +158,26 @@ class SamplerOutput:
             top_logprobs=empty,
         )
 
+    def scatter_rows(
+        self, rows: Sequence[int], argmax_rows: Sequence[int], argmax_ids: torch.Tensor, batch: int
+    ) -> SamplerOutput:
+        """The output of a whole batch of `batch` rows, from this output of its `rows` and the bare argmax
+        tokens of its `argmax_rows` (which asked for no logprobs: theirs stay NaN and empty)."""
+        device = self.token_ids.device
+        rows_index = torch.tensor(rows, device=device)
+        argmax_index = torch.tensor(argmax_rows, device=device)
+        token_ids = torch.empty(batch, dtype=self.token_ids.dtype, device=device)
+        token_ids[rows_index] = self.token_ids
+        token_ids[argmax_index] = argmax_ids.to(self.token_ids.dtype)
+        logprobs = torch.full((batch,), float("nan"), device=device)
+        logprobs[rows_index] = self.logprobs
+        num_top = self.top_token_ids.shape[1]
+        top_token_ids = torch.zeros((batch, num_top), dtype=self.top_token_ids.dtype, device=device)
+        top_token_ids[rows_index] = self.top_token_ids
+        top_logprobs = torch.full((batch, num_top), float("nan"), device=device)
+        top_logprobs[rows_index] = self.top_logprobs
+        return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs)
+
 
 def argmax_suffices(params: Sequence[SamplingParams], suppress_token_ids: Sequence[Collection[int]]) -> bool:
     """True when the sampler would return each row's argmax of the raw logits and nothing else: every
@@ -186,14 +207,16 @@ class Sampler:
         positions: Sequence[int],
         suppress_token_ids: Sequence[Collection[int]] | None = None,
         histories: Sequence[TokenHistory] | None = None,
+        grammar_mask: GrammarMask | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V].
 
         `positions[i]` is how many tokens row i's sequence holds before the sampled one; with the seed
         it fixes the row's randomness. `suppress_token_ids[i]` are ids row i must not produce (ids
         outside the vocabulary are ignored: they cannot be produced anyway). `histories[i]` is row i's
-        token history, needed when its params have penalties. Logprobs are always of the raw logits,
-        before bias, penalties, suppression, temperature or any mask.
+        token history, needed when its params have penalties. `grammar_mask` forbids what each constrained
+        row's grammar does not allow next, after bias, penalties and suppression. Logprobs are always of the
+        raw logits, before bias, penalties, suppression, grammar, temperature or any mask.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -209,6 +232,10 @@ class Sampler:
         logits = penalize(logits, params, histories or ())
         if suppress_token_ids is not None:
             logits = self._suppress(logits, suppress_token_ids)
+        if grammar_mask is not None:
+            if logits is raw_logits:
+                logits = logits.clone()
+            grammar_mask.apply(logits)
 
         token_ids = greedy_argmax(logits)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]

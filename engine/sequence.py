@@ -8,6 +8,7 @@ from collections.abc import Collection
 from collections.abc import Sequence as SequenceOf
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 
 
@@ -36,6 +37,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer | None = None,
         arrival_time: float | None = None,
         cache_salt: str = "",
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -44,6 +46,7 @@ class Sequence:
         self.stopping = stopping
         self.detokenizer = detokenizer
         self.stop_matcher = StopStringMatcher(stopping.stop) if stopping.stop else None
+        self.grammar = grammar
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
@@ -75,8 +78,14 @@ class Sequence:
         return self.finish_reason is not None
 
     def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> frozenset[int]:
-        """Tokens that would end the sequence before `min_tokens` have been generated."""
-        if self.num_output_tokens >= self.stopping.min_tokens:
+        """Tokens that would end the sequence before `min_tokens` have been generated.
+
+        None while a grammar constrains the output: the grammar alone decides when it may end (it allows
+        EOS only once complete, and forbidding it then would leave no token at all).
+        """
+        if self.num_output_tokens >= self.stopping.min_tokens or (
+            self.grammar is not None and self.grammar.active
+        ):
             return frozenset()
         eos = () if self.stopping.ignore_eos else eos_token_ids
         return frozenset(eos) | frozenset(self.stopping.stop_token_ids)
@@ -85,10 +94,18 @@ class Sequence:
         """Add a sampled token, decide whether the sequence is done, and return the text to emit.
 
         Order matters: stop tokens end the sequence without emitting their text; a stop string ends
-        it with the text before the match; the length limits end it with everything held back.
+        it with the text before the match; the length limits end it with everything held back. A grammar
+        advances first (a token it forbids raises GrammarViolationError); once it has accepted its end
+        (EOS, even with ignore_eos or before min_tokens) the sequence stops.
         """
         self.token_ids.append(token_id)
         stopping = self.stopping
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+            if self.grammar.is_terminated:
+                return self._finish(
+                    FinishReason.STOP, token_id if token_id in stopping.stop_token_ids else None
+                )
         if self.num_output_tokens > stopping.min_tokens or stopping.min_tokens == 0:
             if token_id in stopping.stop_token_ids:
                 return self._finish(FinishReason.STOP, token_id)

@@ -15,7 +15,9 @@ to this stage, which routes it:
 On the engine thread, a completed transfer becomes exactly what a local prefill produces: the sequence
 with every history token computed and the first token appended by
 `Engine.append_token_computed_elsewhere`, as `Engine.step` appends what it samples (so stop
-rules, detokenization and finishing apply; the first token may end the request). A transfer whose
+rules, detokenization and finishing apply; the first token may end the request). A request with a
+grammar drops the prefill tier's token instead and recomputes its last history position here, so its
+first token is sampled under the grammar like every other. A transfer whose
 request is aborted or preempted is cancelled: the `Prefill` call is cancelled, so the prefill replica
 frees its blocks, and no write reaches the reserved blocks once they are given back.
 """
@@ -145,7 +147,11 @@ class RemotePrefillStage(PrefillStage):
                 continue  # aborted or preempted since; its blocks are already back
             del self._remote[request]
             if isinstance(outcome, PrefillCompleted):
-                outputs.append(self._first_token(request, outcome))
+                request.seq.num_cached_tokens = outcome.num_cached_tokens
+                if request.seq.grammar is None:
+                    outputs.append(self._first_token(request, outcome))
+                else:
+                    self._recompute_last_position(request)
                 continue
             transfer.cancel()
             if outcome.can_fall_back and self.fallback_local:
@@ -156,10 +162,17 @@ class RemotePrefillStage(PrefillStage):
         return outputs, failures
 
     def _first_token(self, request: ServedRequest, outcome: PrefillCompleted) -> TokenOutput:
-        request.seq.num_cached_tokens = outcome.num_cached_tokens
         return self.engine.append_token_computed_elsewhere(
             request.seq, outcome.token_id, outcome.logprob, outcome.top_logprobs
         )
+
+    def _recompute_last_position(self, request: ServedRequest) -> None:
+        """A constrained request's first token must obey its grammar, which the prefill tier does not
+        know: keep the transferred KV but the prefill tier's token, and compute the last history position
+        again here, as a one-token local chunk of the next step (which samples it under the grammar)."""
+        seq = request.seq
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.engine.block_manager.commit(seq)
 
     # -- event loop ----------------------------------------------------------------------------------
 
