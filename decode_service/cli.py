@@ -85,6 +85,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_prefill_arguments(parser)
     _add_limit_arguments(parser)
+    _add_structured_output_arguments(parser)
+
+
+def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of constrained outputs, tool calling and reasoning models."""
+    group = parser.add_argument_group("structured outputs and tools")
+    group.add_argument(
+        "--structured-output-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a request's JSON schema, regex or grammar may take to compile; past it the request "
+        "gets INVALID_ARGUMENT (HTTP 400) and the compiler is restarted (default: 10)",
+    )
+    group.add_argument(
+        "--grammar-cache-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="compiled grammars kept for reuse, least recently used dropped first (default: 256)",
+    )
+    group.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="sample every token of a constrained answer, even text its grammar forces (default: forced "
+        "text is appended at once and computed in one chunk of the next step)",
+    )
+    group.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Jinja chat template file that replaces the model's own, e.g. one that renders tools "
+        "(default: the template in the model's tokenizer files)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral"],
+        help="how to read the tool calls a model writes under tool_choice auto: hermes (Qwen2/2.5 "
+        "<tool_call> JSON), llama3_json, mistral (default: none; auto answers are plain text)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="the model writes <think>...</think> first: that text goes to reasoning_content / "
+        "reasoning_text, and constraints apply after </think> (default: none)",
+    )
 
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +280,11 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         max_idle_tenants=args.max_idle_tenants,
         tenant_header=args.tenant_header.lower(),
         priority_header=args.priority_header.lower(),
+        structured_output_compile_timeout_s=args.structured_output_compile_timeout,
+        grammar_cache_size=args.grammar_cache_size,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     config.validate()
     return config

@@ -17,6 +17,8 @@ from engine.errors import ConfigError
 from serving.config import ServerConfig
 
 BATCHING_MODES = ("continuous", "static")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ class DecodeServiceConfig(ServerConfig):
     cancelled; wfq remembers at most
     `max_idle_tenants` idle tenants' leads. `tenant_header`/`priority_header` name request headers, set
     by a trusted gateway, that replace the client's own `tenant`/`priority` fields.
+
+    Structured outputs and tools: a constraint that does not compile within
+    `structured_output_compile_timeout_s` is refused; `grammar_cache_size` compiled grammars are kept.
+    `chat_template` (a Jinja file) replaces the model's template. `tool_call_parser` reads the calls a
+    model writes under tool_choice auto; `reasoning_parser` splits off its `<think>` reasoning, and
+    grammars then apply only after `</think>`.
     """
 
     port: int = 50051
@@ -78,6 +86,11 @@ class DecodeServiceConfig(ServerConfig):
     max_idle_tenants: int = 1024
     tenant_header: str = ""
     priority_header: str = ""
+    structured_output_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
+    chat_template: Path | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -113,6 +126,22 @@ class DecodeServiceConfig(ServerConfig):
         for name in ("max_validation_queue", "max_stream_buffer", "max_idle_tenants"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        if not self.structured_output_compile_timeout_s > 0:
+            raise ConfigError(
+                "structured_output_compile_timeout_s must be > 0, got "
+                f"{self.structured_output_compile_timeout_s}"
+            )
+        if self.grammar_cache_size < 0:
+            raise ConfigError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
+        if self.chat_template is not None and not self.chat_template.is_file():
+            raise ConfigError(f"chat template {self.chat_template} is not a readable file")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                raise ConfigError(f"{name} must be one of {', '.join(known)}, not {value!r}")
 
     def _validate_prefill(self) -> None:
         try:

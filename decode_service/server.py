@@ -14,6 +14,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from decode_service.config import DecodeServiceConfig
+from decode_service.constraints import Constraints
 from decode_service.engine_loop import EngineLoop
 from decode_service.generation import Generations
 from decode_service.metrics import DecodeMetrics
@@ -25,6 +26,7 @@ from decode_service.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.servicer import GenerationServicer
 from decode_service.stream_interval import StreamIntervalBuffer
 from decode_service.streams import StreamHub
+from decode_service.validation import use_chat_template
 from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
 from engine.errors import ConfigError
@@ -83,7 +85,14 @@ class DecodeServer(TierServer):
         self.engine_loop = EngineLoop(engine, self.scheduler, self.metrics.observing(batched), self.events)
         self.registry.abort = self.engine_loop.abort
         self._validation = ValidationPool(config.max_validation_queue)
-        self.generations = Generations(engine, self.engine_loop, self.registry, config, self._validation)
+        if config.chat_template is not None:
+            use_chat_template(engine, config.chat_template)
+        self.constraints = Constraints.for_engine(engine, config)
+        if self.constraints.compiler is not None:
+            self.metrics.watch_grammar_compiler(self.constraints.compiler)
+        self.generations = Generations(
+            engine, self.engine_loop, self.registry, config, self._validation, self.constraints
+        )
         servicer = GenerationServicer(self.generations, self.watchdog, server_version())
         self._serve(
             GENERATION_SERVICE,
@@ -127,6 +136,7 @@ class DecodeServer(TierServer):
 
     def _closed(self) -> None:
         self._validation.shutdown()
+        self.constraints.close()
 
     def _serving_details(self) -> str:
         mode = "aggregated"

@@ -10,10 +10,23 @@ min_p 0, no seed; `max_tokens` unset means "until the context is full", capped b
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence as SequenceOf
+from pathlib import Path
+from typing import Any
+
+from decode_service.constraints import (
+    ConstraintError,
+    Constraints,
+    Tool,
+    grammar_spec,
+    parse_tools,
+    tool_choice,
+)
 from decode_service.request_limits import RequestLimits
 from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.params import StoppingParams
 from engine.sequence import Sequence
 from protos.tandem.v1 import generation_pb2 as pb
@@ -25,6 +38,9 @@ def prompt_bytes(request: pb.GenerateRequest) -> int:
     size = len(request.prompt.encode())
     for message in request.messages:
         size += len(message.role.encode()) + len(message.content.encode())
+        size += sum(len(call.name.encode()) + len(call.arguments.encode()) for call in message.tool_calls)
+    for tool in request.tools:
+        size += len(tool.name.encode()) + len(tool.description.encode()) + len(tool.parameters_json.encode())
     return size
 
 
@@ -44,8 +60,32 @@ def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_l
     limits.check_stop(request.stopping.stop)
 
 
-def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
-    """The prompt as token ids, from exactly one of prompt, token_ids and messages."""
+def chat_message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
+    """A message in the chat-template format Hugging Face templates read (tool call arguments as dicts)."""
+    converted: dict[str, Any] = {"role": message.role, "content": message.content}
+    calls = []
+    for number, call in enumerate(message.tool_calls):
+        field = f"messages[{index}].tool_calls[{number}]"
+        try:
+            arguments = json.loads(call.arguments) if call.arguments else {}
+        except json.JSONDecodeError as exc:
+            raise ConstraintError(f"{field}.arguments", f"is not valid JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise ConstraintError(f"{field}.arguments", "must be a JSON object")
+        calls.append(
+            {"type": "function", "id": call.id, "function": {"name": call.name, "arguments": arguments}}
+        )
+    if calls:
+        converted["tool_calls"] = calls
+    if message.tool_call_id:
+        converted["tool_call_id"] = message.tool_call_id
+    if message.name:
+        converted["name"] = message.name
+    return converted
+
+
+def prompt_token_ids(request: pb.GenerateRequest, engine: Engine, tools: SequenceOf[Tool] = ()) -> list[int]:
+    """The prompt as token ids, from exactly one of prompt, token_ids and messages; chats show `tools`."""
     given = [
         name
         for name, present in (
@@ -68,7 +108,8 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine) -> list[int]:
         if not ids:
             raise InvalidRequestError("the prompt encodes to no tokens")
         return ids
-    return tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+    messages = [chat_message(index, message) for index, message in enumerate(request.messages)]
+    return tokenizer.apply_chat_template(messages, tools=[tool.for_chat_template() for tool in tools])
 
 
 def stopping_params(
@@ -107,20 +148,45 @@ def cache_salt(request: pb.GenerateRequest, salt_tenant: str | None) -> str:
     return f"{len(salt_tenant)}:{salt_tenant}:{request.cache_salt}"
 
 
+def use_chat_template(engine: Engine, path: Path) -> None:
+    """Render this server's chats with the Jinja template in `path` (--chat-template), read now."""
+    if engine.tokenizer is None:
+        raise ConfigError("--chat-template needs the model's tokenizer")
+    try:
+        template = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the chat template {path}: {exc}") from None
+    engine.tokenizer.set_chat_template(template)
+
+
+def rendered_tools(request: pb.GenerateRequest, tools: list[Tool]) -> list[Tool]:
+    """The tools the chat template shows: none when tool_choice is NONE, so the model is not invited to
+    call what it may not (vLLM shows them unless --exclude-tools-when-tool-choice-none)."""
+    mode, _ = tool_choice(request)
+    return [] if mode == pb.TOOL_CHOICE_NONE else tools
+
+
 def build_sequence(
     request: pb.GenerateRequest,
     request_id: str,
     engine: Engine,
     max_tokens_cap: int,
     salt_tenant: str | None = None,
+    constraints: Constraints | None = None,
 ) -> Sequence:
     """Validate a public request against the served model and return its engine sequence.
 
-    Tokenizes text and chat prompts, so call it off the event loop.
+    Tokenizes text and chat prompts and compiles constraints (cached; bounded by the compiler's
+    timeout), so call it off the event loop. Without `constraints` a constrained request is refused.
     """
     sampling = sampling_params(request.sampling, engine.vocab_size)
-    ids = prompt_token_ids(request, engine)
+    tools = parse_tools(request)
+    spec = grammar_spec(request, tools)
+    ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
-    seq = engine.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant))
+    grammar = (constraints or Constraints(None)).compile(spec)
+    seq = engine.make_sequence(
+        ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar=grammar
+    )
     check_fits_pool(engine, seq)
     return seq

@@ -11,11 +11,12 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,31 @@ def _generation_config_eos_ids(directory: Path) -> set[int]:
     if eos is None:
         return set()
     return {int(eos)} if isinstance(eos, int) else {int(token_id) for token_id in eos}
+
+
+def _checked_message(index: int, message: object) -> dict[str, Any]:
+    """One chat message checked for the fields a template reads; the rest are not passed on."""
+    if not isinstance(message, Mapping):
+        raise InvalidRequestError(f"messages[{index}] must be a mapping with role and content")
+    role = message.get("role")
+    content = message.get("content")
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"messages[{index}].content must be a string, got {content!r}")
+    checked: dict[str, Any] = {"role": role, "content": content}
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if role != "assistant":
+            raise InvalidRequestError(f"messages[{index}].tool_calls is only allowed on an assistant turn")
+        checked["tool_calls"] = list(tool_calls)
+    for key in ("tool_call_id", "name"):
+        value = message.get(key)
+        if value:
+            if role != "tool":
+                raise InvalidRequestError(f"messages[{index}].{key} is only allowed on a tool turn")
+            checked[key] = value
+    return checked
 
 
 class Tokenizer:
@@ -50,6 +76,8 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             eos.add(hf_tokenizer.eos_token_id)
         self._eos_token_ids = frozenset(eos)
+        # Set by `set_chat_template` (--chat-template); None: the tokenizer's own.
+        self._chat_template: str | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -75,34 +103,47 @@ class Tokenizer:
         """Token ids of `text`, with the special tokens the model's tokenizer adds by default (e.g. BOS)."""
         return list(self._hf(text)["input_ids"])
 
+    def set_chat_template(self, template: str) -> None:
+        """Render chats with `template` (Jinja, as in tokenizer_config.json) instead of the model's own.
+
+        Rendered once here on a one-turn chat, so a broken template stops the server at start.
+        """
+        try:
+            self._hf.apply_chat_template(
+                [{"role": "user", "content": "hi"}], chat_template=template, tokenize=False
+            )
+        except TemplateError as exc:
+            raise ConfigError(f"the chat template does not render: {exc}") from exc
+        self._chat_template = template
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], sanitize_control_tokens: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sanitize_control_tokens: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat ending in the assistant's generation prompt.
+
+        Messages are in Hugging Face's chat format: `role` and `content`, plus `tool_calls` on an
+        assistant turn (`[{"type": "function", "id": ..., "function": {"name": ..., "arguments": {...}}}]`)
+        and `tool_call_id` (and optionally `name`) on a tool turn. `tools` (OpenAI-style function
+        entries) are passed to the template, which shows them to the model; a template that knows
+        nothing of tools ignores them.
 
         With `sanitize_control_tokens` (the default) control tokens written inside message contents
         are encoded as plain text, so a user cannot close their turn and forge another role's.
         """
-        if self._hf.chat_template is None:
+        template = self._chat_template or self._hf.chat_template
+        if template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
         if not messages:
             raise InvalidRequestError("messages must not be empty")
-        conversation = []
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping):
-                raise InvalidRequestError(f"messages[{index}] must be a mapping with role and content")
-            role = message.get("role")
-            content = message.get("content")
-            if role not in CHAT_ROLES:
-                raise InvalidRequestError(
-                    f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}"
-                )
-            if not isinstance(content, str):
-                raise InvalidRequestError(f"messages[{index}].content must be a string, got {content!r}")
-            conversation.append({"role": role, "content": content})
+        conversation = [_checked_message(index, message) for index, message in enumerate(messages)]
         try:
             encoded = self._hf.apply_chat_template(
                 conversation,
+                tools=list(tools) if tools else None,
+                chat_template=template,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,

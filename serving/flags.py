@@ -135,6 +135,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        # A decode flag: the prefill tier never samples under a grammar.
+        grammar_jump_forward=not getattr(args, "no_jump_forward", False),
     )
 
 

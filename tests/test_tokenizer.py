@@ -444,3 +444,93 @@ def test_a_stop_string_after_min_tokens_still_stops(tokenizer: Tokenizer) -> Non
 def test_decode_is_the_hf_tokenizers_decode(tokenizer: Tokenizer, ids: list[int], skip: bool) -> None:
     expected = tokenizer.hf.decode(ids, skip_special_tokens=skip)
     assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+
+
+# --- tools and tool turns -------------------------------------------------------------------------
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools:' }}{% for tool in tools %}"
+    "{% set function = tool['function'] %}"
+    "{{ ' ' + function['name'] + '(' + (function['parameters']['properties'] | list | join(',')) + ')' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{{ 'call ' + call['id'] + ' ' + call['function']['name'] + ' ' }}"
+    "{{ call['function']['arguments'] | tojson }}"
+    "{% endfor %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ ' for ' + message['tool_call_id'] + ' ' + message['name'] }}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_TURNS = [
+    {"role": "user", "content": "Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": "call_1",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": "21C", "tool_call_id": "call_1", "name": "get_weather"},
+]
+
+
+def test_tools_and_tool_turns_reach_the_template(tiny_dir: Path) -> None:
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    tokenizer.set_chat_template(TOOLS_TEMPLATE)
+    ids = tokenizer.apply_chat_template(TOOL_TURNS, tools=[WEATHER_TOOL])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == (
+        "<|im_start|>system\nTools: get_weather(city)<|im_end|>\n"
+        "<|im_start|>user\nParis?<|im_end|>\n"
+        '<|im_start|>assistant\ncall call_1 get_weather {"city": "Paris"}<|im_end|>\n'
+        "<|im_start|>tool\n21C for call_1 get_weather<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # Without tools the template leaves the system turn out.
+    assert "Tools:" not in tokenizer.decode(
+        tokenizer.apply_chat_template(TOOL_TURNS), skip_special_tokens=False
+    )
+
+
+def test_a_template_without_tools_support_ignores_them(tokenizer: Tokenizer) -> None:
+    plain = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(plain, tools=[WEATHER_TOOL]) == tokenizer.apply_chat_template(plain)
+
+
+@pytest.mark.parametrize(
+    ("message", "needle"),
+    [
+        (
+            {"role": "user", "content": "x", "tool_calls": [{"id": "c"}]},
+            r"messages\[0\].tool_calls is only allowed",
+        ),
+        (
+            {"role": "user", "content": "x", "tool_call_id": "c"},
+            r"messages\[0\].tool_call_id is only allowed",
+        ),
+    ],
+)
+def test_tool_fields_on_the_wrong_role_are_refused(tokenizer: Tokenizer, message: dict, needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=needle):
+        tokenizer.apply_chat_template([message])
+
+
+def test_a_broken_chat_template_is_refused_at_start(tiny_dir: Path) -> None:
+    from engine.errors import ConfigError
+
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    with pytest.raises(ConfigError, match="does not render"):
+        tokenizer.set_chat_template("{% for m in messages %}{{ m.content }")

@@ -35,6 +35,8 @@ from tandem.client.results import (
     ServerTimings,
     ServingMode,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -63,6 +65,8 @@ __all__ = [
     "TandemClient",
     "TandemError",
     "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "Unauthenticated",
     "Unavailable",

@@ -16,7 +16,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
 from tandem.client.connection import ConnectionSettings, Metadata
 from tandem.client.errors import error_from_rpc
-from tandem.client.requests import ChatMessageLike, build_request
+from tandem.client.requests import ChatMessageLike, ToolLike, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
 from tandem.security import PathLike
 
@@ -82,6 +82,14 @@ class AsyncTandemClient:
         priority: int = 0,
         tenant: str = "",
         cache_salt: str = "",
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
+        json_object: bool = False,
+        tools: Iterable[ToolLike] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> AsyncIterator[GenerationDelta]:
@@ -110,6 +118,14 @@ class AsyncTandemClient:
             priority=priority,
             tenant=tenant,
             cache_salt=cache_salt,
+            json_schema=json_schema,
+            regex=regex,
+            choice=choice,
+            grammar=grammar,
+            json_object=json_object,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
         )
         return self._stream(request, timeout, metadata)
 

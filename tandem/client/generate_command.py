@@ -89,6 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stopping.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     stopping.add_argument("--min-tokens", type=int, default=0, help="do not stop before this many tokens")
 
+    constraint = parser.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE", help="the answer is JSON valid against the JSON Schema in FILE"
+    )
+    constraint.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    constraint.add_argument("--regex", metavar="RE", help="the whole answer matches this regular expression")
+    constraint.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the answer is exactly one of these (repeatable)"
+    )
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="the answer is a sentence of the EBNF grammar in FILE"
+    )
+
     scheduling = parser.add_argument_group("request")
     scheduling.add_argument(
         "--priority", type=int, default=0, help="higher runs first under the priority policy"
@@ -144,9 +157,28 @@ def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"messages": [*system, {"role": "user", "content": text}]}
 
 
+def _read_file(args: argparse.Namespace, flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        args.generate_usage_error(f"{flag}: cannot read {path}: {exc}")
+        raise  # not reached: usage errors exit
+
+
+def _constraint_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The structured-output kwargs of the flags (the server checks the schema, regex or grammar)."""
+    if args.json_schema is not None:
+        return {"json_schema": _read_file(args, "--json-schema", args.json_schema)}
+    if args.grammar is not None:
+        return {"grammar": _read_file(args, "--grammar", args.grammar)}
+    return {"json_object": args.json_object, "regex": args.regex, "choice": args.choice}
+
+
 def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **_prompt_kwargs(args),
+        **_constraint_kwargs(args),
         "temperature": args.temperature,
         "top_p": args.top_p,
         "top_k": args.top_k,

@@ -19,11 +19,17 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    TOOL_CALLS = "tool_calls"
     # A reason added to the protocol after this client was built.
     UNKNOWN = "unknown"
 
 
-_FINISH_REASONS = {pb.STOP: FinishReason.STOP, pb.LENGTH: FinishReason.LENGTH, pb.ABORT: FinishReason.ABORT}
+_FINISH_REASONS = {
+    pb.STOP: FinishReason.STOP,
+    pb.LENGTH: FinishReason.LENGTH,
+    pb.ABORT: FinishReason.ABORT,
+    pb.TOOL_CALLS: FinishReason.TOOL_CALLS,
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,26 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the answer's tool call number `index`: id and name on its first piece, then more of
+    its arguments' JSON text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One whole tool call of an answer; `arguments` is JSON text (`json.loads` it)."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,8 @@ class GenerationDelta:
     """What one stream message adds; `finish_reason`, `matched_stop`, `usage`, `timings` only on the last.
 
     `matched_stop` is the stop string or stop token id that ended generation, None for EOS or no stop.
+    `reasoning_text` and `tool_calls` are what the server's reasoning and tool-call parsers split off
+    the text (never part of `text`).
     """
 
     request_id: str
@@ -73,6 +101,8 @@ class GenerationDelta:
     usage: Usage | None = None
     timings: ServerTimings | None = None
     index: int = 0  # the choice this message belongs to, when the request asked for n > 1
+    reasoning_text: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
     raw: pb.GenerateResponse | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -104,6 +134,8 @@ class GenerationDelta:
             if message.HasField("timings")
             else None,
             index=message.index,
+            reasoning_text=message.reasoning_text,
+            tool_calls=tuple(ToolCallDelta(t.index, t.id, t.name, t.arguments) for t in message.tool_calls),
             raw=message,
         )
 
@@ -120,6 +152,8 @@ class Completion:
     matched_stop: str | int | None
     usage: Usage | None
     timings: ServerTimings | None
+    reasoning_text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class CompletionBuilder:
@@ -130,9 +164,17 @@ class CompletionBuilder:
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._last: GenerationDelta | None = None
+        self._reasoning: list[str] = []
+        self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
 
     def add(self, delta: GenerationDelta) -> None:
         self._texts.append(delta.text)
+        self._reasoning.append(delta.reasoning_text)
+        for piece in delta.tool_calls:
+            call = self._calls.setdefault(piece.index, ["", "", ""])
+            call[0] = call[0] or piece.id
+            call[1] = call[1] or piece.name
+            call[2] += piece.arguments
         self._token_ids.extend(delta.token_ids)
         self._logprobs.extend(delta.logprobs)
         self._last = delta
@@ -148,6 +190,8 @@ class CompletionBuilder:
             matched_stop=last.matched_stop if last else None,
             usage=last.usage if last else None,
             timings=last.timings if last else None,
+            reasoning_text="".join(self._reasoning),
+            tool_calls=tuple(ToolCall(*self._calls[index]) for index in sorted(self._calls)),
         )
 
 
