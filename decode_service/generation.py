@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
+from decode_service.answer_parser import AnswerParser, answer_parser_factory
 from decode_service.config import DecodeServiceConfig
+from decode_service.constraints import Constraints, may_compile
 from decode_service.engine_loop import EngineLoop
 from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
@@ -39,6 +41,8 @@ _FINISH_REASONS = {
     FinishReason.LENGTH: pb.LENGTH,
     FinishReason.ABORT: pb.ABORT,
 }
+
+ParserFactory = Callable[[], AnswerParser]
 
 
 def _since(start: float | None, end: float | None) -> float:
@@ -147,8 +151,11 @@ class Generations:
         hub: StreamHub,
         config: DecodeServiceConfig,
         validation: ValidationPool,
+        constraints: Constraints | None = None,
     ) -> None:
         self.engine = engine
+        # Compiles the grammars of constrained requests; None: such requests are refused.
+        self._constraints = constraints
         self.config = config
         self._engine_loop = engine_loop
         self._hub = hub
@@ -173,6 +180,9 @@ class Generations:
             self._hub.check_accepting()
             check_max_tokens_cap(request, self.config.max_tokens_cap)
             n = num_choices(request, self.engine)
+            parsers = answer_parser_factory(
+                request, self.config.tool_call_parser, self.config.reasoning_parser
+            )
             self._hub.reserve(request_id)
         except Exception as exc:
             _log_refused(request_id, exc)
@@ -186,6 +196,8 @@ class Generations:
                 self.engine,
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
+                self._constraints,
+                constrained=may_compile(request),
             )
             served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
             mailbox = self._hub.open(served)
@@ -208,7 +220,7 @@ class Generations:
             **_prompt_log_fields(request, served),
         )
         self._engine_loop.submit(served)
-        return Generation(served, mailbox, self._hub, self._engine_loop, arrival)
+        return Generation(served, mailbox, self._hub, self._engine_loop, arrival, parsers)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request by id (the Abort RPC); False when no such request is live."""
@@ -229,6 +241,7 @@ class Generation:
         hub: StreamHub,
         engine_loop: EngineLoop,
         arrival: float,
+        new_parser: ParserFactory | None = None,
     ) -> None:
         self.served = served
         self._mailbox = mailbox
@@ -241,10 +254,18 @@ class Generation:
         # An engine error met after other messages of the same batch: raised by the next call.
         self._failure: Exception | None = None
         self._completion: list[str] = []  # the text so far, for `--log-prompts` only
+        # Reasoning and tool-call parsing, one parser per choice index; None: text passes through as made.
+        self._new_parser = new_parser
+        self._parsers: dict[int, AnswerParser] = {}
 
     @property
     def request_id(self) -> str:
         return self.served.request_id
+
+    @property
+    def parses_answer(self) -> bool:
+        """Whether messages may carry reasoning or tool calls (else their text is the answer as made)."""
+        return self._new_parser is not None
 
     async def next_responses(self) -> list[pb.GenerateResponse]:
         """The messages of every delta waiting now, merged per choice by `coalesce` (waits for one);
@@ -303,7 +324,25 @@ class Generation:
                 **_finish_log_fields(self.served, time.monotonic()),
                 **prompt_fields(completion="".join(self._completion)),
             )
-        return to_response(delta)
+        response = to_response(delta)
+        if self._new_parser is not None:
+            self._parse(delta, response)
+        return response
+
+    def _parse(self, delta: StreamDelta, response: pb.GenerateResponse) -> None:
+        """Split the message's text into answer text, reasoning and tool calls (see `answer_parser`)."""
+        parser = self._parsers.get(response.index)
+        if parser is None:
+            parser = self._parsers[response.index] = self._new_parser()
+        text, reasoning, calls = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_text, more_reasoning, more_calls = parser.finish()
+            text, reasoning, calls = text + more_text, reasoning + more_reasoning, calls + more_calls
+            if response.finish_reason == pb.STOP and parser.made_calls:
+                response.finish_reason = pb.TOOL_CALLS
+        response.text = text
+        response.reasoning_text = reasoning
+        response.tool_calls.extend(calls)
 
     def close(self) -> None:
         """Leave the stream; a request not finished yet is aborted and its blocks freed at once."""

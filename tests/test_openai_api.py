@@ -354,11 +354,12 @@ def assert_openai_error(
         ({"top_logprobs": 21, "logprobs": True}, "logprobs must be in [0, 20]", None),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-            "tools is not supported",
-            "tools",
+            "tool_choice: auto (the default when tools are given) needs a server started with --tool-call-",
+            "tool_choice",
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format is not supported", "response_format"),
-        ({"extra_body": {"guided_json": {}}}, "guided_json is not supported", "guided_json"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema must be an object", None),
+        ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex: ", "guided_regex"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio is not supported", "audio"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of", None),
     ],
 )

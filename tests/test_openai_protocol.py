@@ -110,16 +110,299 @@ def test_completion_prompt_forms(prompt, text, ids):
 
 
 def test_neutral_values_of_unsupported_features_are_accepted():
-    chat(response_format={"type": "text"}, tool_choice="none", store=False, modalities=["text"], tools=None)
-    completion(echo=False, suffix="", service_tier="auto")
+    request = chat(
+        response_format={"type": "text"},
+        tool_choice="none",
+        store=False,
+        modalities=["text"],
+        tools=None,
+        metadata={"a": "b"},
+        skip_special_tokens=True,
+        add_generation_prompt=True,
+        chat_template_kwargs={},
+        prediction={"type": "content", "content": "x"},
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    assert not request.generate.HasField("structured_output") and not request.generate.HasField("tool_choice")
+    completion(echo=False, suffix="", service_tier="auto", best_of=1, guided_decoding_backend="xgrammar")
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected", "param"),
+    [
+        (
+            {"response_format": {"type": "json_object"}},
+            pb.StructuredOutput(json_object=True),
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": SCHEMA, "strict": True},
+                }
+            },
+            pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "w", "schema": json.dumps(SCHEMA)},
+                }
+            },
+            pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": SCHEMA}, pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), "guided_json"),
+        ({"guided_regex": "[a-z]+"}, pb.StructuredOutput(regex="[a-z]+"), "guided_regex"),
+        (
+            {"guided_choice": ["yes", "no"]},
+            pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes", "no"])),
+            "guided_choice",
+        ),
+        ({"guided_grammar": 'root ::= "a"'}, pb.StructuredOutput(grammar='root ::= "a"'), "guided_grammar"),
+        (
+            {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+            pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            "structured_outputs.json",
+        ),
+        ({"structured_outputs": {"regex": "x"}}, pb.StructuredOutput(regex="x"), "structured_outputs.regex"),
+        (
+            {"structured_outputs": {"choice": ["a"]}},
+            pb.StructuredOutput(choice=pb.ChoiceList(choices=["a"])),
+            "structured_outputs.choice",
+        ),
+        (
+            {"structured_outputs": {"grammar": "g"}},
+            pb.StructuredOutput(grammar="g"),
+            "structured_outputs.grammar",
+        ),
+        (
+            {"structured_outputs": {"json_object": True}},
+            pb.StructuredOutput(json_object=True),
+            "structured_outputs.json_object",
+        ),
+    ],
+)
+def test_each_output_constraint_translates_and_remembers_its_param(fields, expected, param):
+    for request in (chat(**fields), completion(**fields)):
+        assert request.generate.structured_output == expected
+        assert request.constraint_param == param
+        assert request.param_for("structured_output.json_schema") == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "json": SCHEMA}}, "structured_outputs.json"),
+        (
+            {
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+                "structured_outputs": {"regex": "a"},
+            },
+            "structured_outputs.regex",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "guided_json": SCHEMA,
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_conflicting_constraints_are_refused_naming_both(fields, param):
+    with pytest.raises(FieldError, match="one output constraint") as error:
+        chat(**fields)
+    assert error.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": "json"}, "response_format"),
+        ({"guided_json": 3}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+        ({"structured_outputs": "json"}, "structured_outputs"),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+            "tools[0].function.strict",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}},
+            "tool_choice.function",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": "no"},
+            "parallel_tool_calls",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}, "tool_call_id"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
+            "continuous_usage_stats",
+        ),
+    ],
+)
+def test_bad_structured_output_and_tool_values_name_the_param(fields, param):
+    with pytest.raises(FieldError) as error:
+        chat(**fields)
+    assert error.value.param == param, error.value
+    assert str(error.value).startswith(param)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather now", "parameters": SCHEMA, "strict": True},
+}
+
+
+def test_tools_tool_choice_and_a_tool_result_turn_translate():
+    request = chat(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?", "name": "bob"},
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "reasoning_content": "think",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=[WEATHER_TOOL, {"type": "function", "function": {"name": "noop"}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
+    generate = request.generate
+    assert [(t.name, t.description, t.parameters_json) for t in generate.tools] == [
+        ("get_weather", "Weather now", json.dumps(SCHEMA)),
+        ("noop", "", ""),
+    ]
+    assert generate.tool_choice == pb.ToolChoice(function_name="get_weather")
+    assert generate.HasField("parallel_tool_calls") and not generate.parallel_tool_calls
+    user, assistant, tool = generate.messages
+    assert user.name == "bob"
+    assert assistant.content == "" and list(assistant.tool_calls) == [
+        pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    ]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_1", "sunny")
+    for mode, value in (("none", pb.TOOL_CHOICE_NONE), ("auto", pb.TOOL_CHOICE_AUTO),
+                        ("required", pb.TOOL_CHOICE_REQUIRED)):  # fmt: skip
+        assert chat(tools=[WEATHER_TOOL], tool_choice=mode).generate.tool_choice.mode == value
+    assert not chat(tools=[WEATHER_TOOL]).generate.HasField("tool_choice")
+
+
+def test_grpc_field_paths_map_to_the_http_params_used():
+    request = chat(tools=[WEATHER_TOOL], guided_json=SCHEMA)
+    assert request.param_for("structured_output.json_schema") == "guided_json"
+    assert request.param_for("tools[1].parameters_json") == "tools[1].function.parameters"
+    assert request.param_for("tools[0].name") == "tools[0].function.name"
+    assert request.param_for("tool_choice.function_name") == "tool_choice"
+    assert (
+        request.param_for("messages[2].tool_calls[0].arguments")
+        == "messages[2].tool_calls[0].function.arguments"
+    )
+    assert request.param_for("messages[2].content") == "messages[2].content"
+
+    class ConstraintError(InvalidRequestError):
+        field = "structured_output.json_schema"
+
+    status, body = http_error(ConstraintError("structured_output.json_schema: xgrammar cannot compile it"),
+                              request.param_for)  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "guided_json"
+    assert body["error"]["message"] == "guided_json: xgrammar cannot compile it"
+
+
+def test_extras_request_id_stop_string_and_continuous_usage():
+    request = chat(request_id="abc", include_stop_str_in_output=True, stream=True,
+                   stream_options={"include_usage": True, "continuous_usage_stats": True})  # fmt: skip
+    assert request.generate.request_id == "abc" and request.include_stop and request.continuous_usage
+    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
 
 
 @pytest.mark.parametrize(
     ("endpoint", "fields", "param"),
     [
-        (Endpoint.CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (Endpoint.CHAT, {"tool_choice": "auto"}, "tool_choice"),
-        (Endpoint.CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (Endpoint.CHAT, {"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
+        (
+            Endpoint.CHAT,
+            {"tools": [{"type": "function", "function": {"name": "f", "x": 1}}]},
+            "tools[0].function.x",
+        ),
+        (Endpoint.COMPLETION, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            Endpoint.CHAT,
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+            "response_format.json_schema.x",
+        ),
+        (Endpoint.CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+        (Endpoint.CHAT, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        (Endpoint.CHAT, {"store": True}, "store"),
+        (Endpoint.CHAT, {"skip_special_tokens": False}, "skip_special_tokens"),
+        (Endpoint.CHAT, {"continue_final_message": True}, "continue_final_message"),
+        (Endpoint.CHAT, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        (
+            Endpoint.CHAT,
+            {"messages": [{"role": "user", "content": "hi", "function_call": {}}]},
+            "messages[0].function_call",
+        ),
         (Endpoint.CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         (Endpoint.CHAT, {"modalities": ["text", "audio"]}, "modalities"),
         (Endpoint.CHAT, {"functions": [{"name": "f"}]}, "functions"),
@@ -133,15 +416,14 @@ def test_neutral_values_of_unsupported_features_are_accepted():
         (Endpoint.COMPLETION, {"prompt": ["a", "b"]}, "prompt"),
         (
             Endpoint.CHAT,
-            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.",
+            {"stream": True, "stream_options": {"include_usage": True, "chunk_size": 3}},
+            "stream_options.chunk_size",
         ),
         (
             Endpoint.CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0]",
         ),
-        (Endpoint.CHAT, {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(endpoint, fields, param):
@@ -362,3 +644,125 @@ def test_stream_events_are_the_chunks_as_server_sent_events(request_fields):
         )
         assert by_events.events(sent) == expected
     assert by_events.usage_chunk() == by_chunks.usage_chunk()
+
+
+def tool_message(index=0, text="", reasoning="", calls=(), token_ids=(1,), finish=None, completion_tokens=0):
+    response = message(index, text, token_ids, finish=finish, completion_tokens=completion_tokens)
+    response.reasoning_text = reasoning
+    response.tool_calls.extend(pb.ToolCallDelta(**call) for call in calls)
+    return response
+
+
+TOOL_STREAM = [
+    tool_message(reasoning="Need weather."),
+    tool_message(
+        text="Checking.", calls=[{"index": 0, "id": "call_a", "name": "get_weather", "arguments": ""}]
+    ),
+    tool_message(calls=[{"index": 0, "arguments": '{"city": '}]),
+    tool_message(calls=[{"index": 0, "arguments": '"Paris"}'}, {"index": 1, "id": "call_b", "name": "noop"}]),
+    tool_message(calls=[{"index": 1, "arguments": "{}"}], finish=pb.TOOL_CALLS, completion_tokens=4),
+]
+
+
+def test_streamed_tool_calls_and_reasoning_go_out_as_openai_and_vllm_send_them():
+    build = builder(chat(stream=True))
+    deltas = [chunk["choices"][0] for sent in TOOL_STREAM for chunk in build.chunks(sent)]
+    assert [d["delta"] for d in deltas] == [
+        {"role": "assistant", "content": ""},
+        {"reasoning_content": "Need weather."},
+        {
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ],
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+        {
+            "tool_calls": [
+                {"index": 0, "function": {"arguments": '"Paris"}'}},
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "noop", "arguments": ""},
+                },
+            ]
+        },
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+    ]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    by_events = ResponseBuilder(
+        chat(stream=True), "r", "served", TOKENS.__getitem__, created=123, parsed=True
+    )
+    by_chunks = builder(chat(stream=True))
+    for sent in TOOL_STREAM:
+        assert by_events.events(sent) == b"".join(
+            b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            for c in by_chunks.chunks(sent)
+        )
+
+
+def test_whole_answer_with_tool_calls_has_null_content_only_without_text():
+    build = builder(chat())
+    for sent in TOOL_STREAM:
+        build.add(sent)
+    (choice,) = build.body()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Checking.",
+        "reasoning_content": "Need weather.",
+        "tool_calls": [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {"id": "call_b", "type": "function", "function": {"name": "noop", "arguments": "{}"}},
+        ],
+    }
+    build = builder(chat())
+    build.add(
+        tool_message(calls=[{"index": 0, "id": "c", "name": "f", "arguments": "{}"}], finish=pb.TOOL_CALLS)
+    )
+    assert build.body()["choices"][0]["message"]["content"] is None
+    plain = builder(chat())
+    plain.add(message(text="hi", finish=pb.STOP))
+    assert plain.body()["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_continuous_usage_puts_the_choices_usage_in_every_chunk():
+    request = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    build = ResponseBuilder(request, "r", "served", TOKENS.__getitem__, created=1, prompt_tokens=5)
+    chunks = build.chunks(message(text="Hel", token_ids=[1]))
+    chunks += build.chunks(message(text="lo", token_ids=[2, 2]))
+    assert build.events(message(text="!", token_ids=[3])).count(b'"completion_tokens":4') == 1
+    chunks += build.chunks(message(token_ids=[3], finish=pb.STOP, completion_tokens=5))
+    assert [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks] == [
+        (5, 0),
+        (5, 1),
+        (5, 3),
+        (5, 5),
+    ]
+    assert build.usage_chunk()["usage"]["completion_tokens"] == 5
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop_string():
+    for stream in (True, False):
+        build = builder(chat(stream=stream, include_stop_str_in_output=True))
+        sent = [
+            message(text="Hel", token_ids=[1]),
+            message(text="lo", token_ids=[2], finish=pb.STOP, stop="!"),
+        ]
+        if stream:
+            text = "".join(c["choices"][0]["delta"].get("content", "") for m in sent for c in build.chunks(m))
+        else:
+            for m in sent:
+                build.add(m)
+            text = build.body()["choices"][0]["message"]["content"]
+        assert text == "Hello!"

@@ -76,7 +76,7 @@ def test_every_generate_and_curl_line_of_the_readme_runs(server):
 @pytest.mark.slow
 def test_the_readme_client_snippets_run(server):
     snippets = [b for b in code_blocks("python") if "TandemClient(" in b or "OpenAI(" in b]
-    assert len(snippets) == 2
+    assert len(snippets) == 3
     for snippet in snippets:
         result = subprocess.run(
             [sys.executable, "-c", localize(snippet, server)], capture_output=True, text=True, timeout=180

@@ -119,6 +119,7 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
         arrival = time.monotonic()
+        openai_request: OpenAIRequest | None = None
         try:
             self._authorize(request)
             openai_request = translate(await _read_json(request, self._max_body_bytes), endpoint)
@@ -127,12 +128,19 @@ class OpenAIRoutes:
                     f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
                 )
             generate = openai_request.generate
-            generate.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+            generate.request_id = request.headers.get(REQUEST_ID_HEADER, generate.request_id)
             tenant, priority = tenant_and_priority(generate, request.headers, self._generations.config)
             generation = await self._generations.start(generate, arrival, tenant, priority)
         except Exception as exc:
-            return self._error(exc)
-        builder = ResponseBuilder(openai_request, generation.request_id, self.model, self._token_text)
+            return self._error(exc, openai_request.param_for if openai_request is not None else None)
+        builder = ResponseBuilder(
+            openai_request,
+            generation.request_id,
+            self.model,
+            self._token_text,
+            prompt_tokens=generation.served.seq.num_prompt_tokens,
+            parsed=generation.parses_answer,
+        )
         if openai_request.stream:
             return StreamingResponse(
                 self._events(generation, builder, openai_request),
@@ -192,6 +200,6 @@ class OpenAIRoutes:
             raise UnauthorizedError(reason)
 
     @staticmethod
-    def _error(error: BaseException) -> JSONResponse:
-        status, body = http_error(error)
+    def _error(error: BaseException, param_for: Callable[[str], str] | None = None) -> JSONResponse:
+        status, body = http_error(error, param_for)
         return JSONResponse(body, status_code=status)

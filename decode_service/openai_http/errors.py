@@ -1,12 +1,15 @@
 """Failures of HTTP requests → OpenAI error bodies, `{"error": {message, type, param, code}}`, and statuses.
 
 Errors shared with gRPC go through `serving.status.status_for` first, so a request refused over HTTP is
-refused for the same reason, with the same message, as over gRPC; only the gRPC code is translated.
+refused for the same reason, with the same message, as over gRPC; only the gRPC code is translated, and
+an error naming a gRPC field (`field`, e.g. "tools[1].parameters_json") names the HTTP parameter the
+client sent instead (e.g. "tools[1].function.parameters").
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -49,8 +52,9 @@ def error_body(message: str, error_type: str, code: str, param: str | None = Non
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def http_error(error: Exception) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error body for an error raised while serving a request."""
+def http_error(error: Exception, param_for: Callable[[str], str] | None = None) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body for an error raised while serving a request; `param_for`
+    maps a gRPC field path to the request's HTTP parameter (`OpenAIRequest.param_for`)."""
     for error_type, status, kind, code in _HTTP_ONLY:
         if isinstance(error, error_type):
             return status, error_body(str(error), kind, code)
@@ -58,4 +62,10 @@ def http_error(error: Exception) -> tuple[int, dict[str, Any]]:
     status, kind = _BY_GRPC_STATUS.get(grpc_code, (500, "server_error"))
     if status == 500:
         logger.error("request failed: %r", error, exc_info=error)
-    return status, error_body(message, kind, grpc_code.name.lower(), getattr(error, "param", None))
+    param = getattr(error, "param", None)
+    field = getattr(error, "field", None)
+    if isinstance(field, str):
+        param = param_for(field) if param_for is not None else field
+        if message.startswith(field):
+            message = param + message[len(field) :]
+    return status, error_body(message, kind, grpc_code.name.lower(), param)

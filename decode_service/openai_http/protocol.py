@@ -3,12 +3,18 @@
 This module only checks what JSON can get wrong and protobuf cannot hold (a string where a number
 belongs, a field tandem does not implement); every range and limit is checked later, by the same code
 that checks gRPC requests. Fields set to null count as absent, as the OpenAI API treats them. A field
-tandem does not implement is refused with a 400 that names it, never ignored.
+whose meaning tandem would change is refused with a 400 that names it, never ignored; fields that only
+shape the answer, or that vLLM accepts as no-ops, are accepted (the README lists every field).
+
+Validation errors raised later name the gRPC field (`structured_output.json_schema`,
+`tools[1].parameters_json`); `OpenAIRequest.param_for` names the HTTP parameter the client used instead.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,28 +26,59 @@ from protos.tandem.v1 import generation_pb2 as pb
 # OpenAI's completions API defaults max_tokens to 16 (vLLM follows it); chat runs to the context's end.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
+# Each way of asking for a constrained output: response_format, vLLM's structured_outputs and its older
+# guided_* fields (vLLM users still send them). A request may use exactly one.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
+
 _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
         "frequency_penalty", "logit_bias", "logprobs", "user", "stream", "stream_options",
+        *_CONSTRAINT_FIELDS,
         # vLLM's extras
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
-        "priority",
+        "priority", "include_stop_str_in_output", "request_id",
+        # accepted no-ops: metadata goes with `store` (false only); the rest are hints that change no answer
+        "metadata", "prediction", "prompt_cache_key", "safety_identifier",
     }
 )  # fmt: skip
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+}  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 
-# Fields tandem accepts only with the value that means "feature off".
+# Fields tandem accepts only with the value that means "feature off" (or its default).
 _NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
-    "response_format": ({"type": "text"},),
-    "tool_choice": ("none",),
     "modalities": (["text"],),
     "store": (False,),
-    "parallel_tool_calls": (False, True),  # meaningless without tools, which are refused
     "service_tier": ("auto", "default"),
     "echo": (False,),
     "suffix": ("",),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "guided_decoding_backend": ("xgrammar", "auto"),
+}
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+# Sent back by clients that replay earlier answers whole; the chat templates tandem renders drop them.
+_DROPPED_MESSAGE_FIELDS = frozenset({"refusal", "reasoning_content", "reasoning", "annotations"})
+_TOOL_CHOICE_MODES = {
+    "none": pb.TOOL_CHOICE_NONE,
+    "auto": pb.TOOL_CHOICE_AUTO,
+    "required": pb.TOOL_CHOICE_REQUIRED,
 }
 
 
@@ -76,6 +113,33 @@ class OpenAIRequest:
     include_usage: bool
     # None: no logprobs in the answer; else how many alternatives per token to report.
     top_logprobs: int | None
+    # Usage in every stream chunk (vLLM's stream_options.continuous_usage_stats, with include_usage).
+    continuous_usage: bool = False
+    # The matched stop string stays at the end of the text (vLLM's include_stop_str_in_output).
+    include_stop: bool = False
+    # The HTTP parameter that set `generate.structured_output` (e.g. "guided_json"), for error messages.
+    constraint_param: str | None = None
+
+    def param_for(self, field: str) -> str:
+        """The HTTP parameter a gRPC field path stands for in this request (e.g. tools[1].parameters_json
+        → tools[1].function.parameters), so a 400 names what the client actually sent."""
+        if field.startswith("structured_output") and self.constraint_param is not None:
+            return self.constraint_param
+        if field.startswith("tool_choice"):
+            return "tool_choice"
+        return _FUNCTION_FIELD.sub(_function_param, field)
+
+
+# tools[i].name / .description / .parameters_json and messages[i].tool_calls[j].name / .arguments sit
+# under "function" in OpenAI's shapes.
+_FUNCTION_FIELD = re.compile(
+    r"^((?:tools|messages\[\d+\]\.tool_calls)\[\d+\])\.(name|description|parameters_json|arguments)"
+)
+
+
+def _function_param(match: re.Match[str]) -> str:
+    name = "parameters" if match.group(2) == "parameters_json" else match.group(2)
+    return f"{match.group(1)}.function.{name}"
 
 
 _INT32 = range(-(2**31), 2**31)
@@ -173,19 +237,21 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
     return converted
 
 
-def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
-    """Whether to send a final usage chunk; the only stream option tandem knows is include_usage."""
+def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): a final usage chunk, and usage in every chunk. As in vLLM,
+    continuous usage needs include_usage; OpenAI's include_obfuscation is a no-op (tandem never pads)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise FieldError("stream_options", "stream_options is only allowed when stream is true")
     if not isinstance(options, dict):
         raise FieldError("stream_options", f"stream_options must be an object, got {options!r}")
     for name in options:
-        if name != "include_usage":
+        if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
             raise UnsupportedFieldError(f"stream_options.{name}")
-    return _boolean(options, "include_usage")
+    include_usage = _boolean(options, "include_usage")
+    return include_usage, include_usage and _boolean(options, "continuous_usage_stats")
 
 
 def _message_content(index: int, content: object) -> str:
@@ -206,6 +272,51 @@ def _message_content(index: int, content: object) -> str:
     return "\n".join(texts)
 
 
+def _object(value: object, param: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise FieldError(param, f"{param} must be an object, got {value!r}")
+    return value
+
+
+def _known_keys(value: Mapping[str, Any], param: str, known: tuple[str, ...]) -> None:
+    for name, item in value.items():
+        if name not in known and item is not None:
+            raise UnsupportedFieldError(f"{param}.{name}")
+
+
+def _required_string(value: Mapping[str, Any], name: str, param: str) -> str:
+    item = value.get(name)
+    if not isinstance(item, str):
+        raise FieldError(f"{param}.{name}", f"{param}.{name} must be a string, got {item!r}")
+    return item
+
+
+def _tool_calls(index: int, calls: object) -> list[pb.ToolCall]:
+    """An assistant turn's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise FieldError(param, f"{param} must be an array of tool calls, got {calls!r}")
+    converted = []
+    for position, call in enumerate(calls):
+        at = f"{param}[{position}]"
+        call = _object(call, at)
+        _known_keys(call, at, ("id", "type", "function"))
+        if call.get("type", "function") != "function":
+            raise UnsupportedFieldError(
+                f"{at}.type", f"is {call['type']!r}; only function calls are supported"
+            )
+        function = _object(call.get("function"), f"{at}.function")
+        _known_keys(function, f"{at}.function", ("name", "arguments"))
+        converted.append(
+            pb.ToolCall(
+                id=_required_string(call, "id", at),
+                name=_required_string(function, "name", f"{at}.function"),
+                arguments=_required_string(function, "arguments", f"{at}.function"),
+            )
+        )
+    return converted
+
+
 def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -217,13 +328,158 @@ def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
                 f"messages[{index}]", f"messages[{index}] must be an object with role and content"
             )
         for name, value in message.items():
-            if name not in ("role", "content") and value is not None:
+            if name not in _MESSAGE_FIELDS and name not in _DROPPED_MESSAGE_FIELDS and value is not None:
                 raise UnsupportedFieldError(f"messages[{index}].{name}")
         role = message.get("role")
         if not isinstance(role, str):
             raise FieldError(f"messages[{index}].role", f"messages[{index}].role must be a string")
-        converted.append(pb.ChatMessage(role=role, content=_message_content(index, message.get("content"))))
+        content = message.get("content")
+        # An assistant turn that only called tools has no content (null), as OpenAI sends it.
+        text = "" if content is None and role == "assistant" else _message_content(index, content)
+        converted_message = pb.ChatMessage(role=role, content=text)
+        if message.get("tool_calls") is not None:
+            converted_message.tool_calls.extend(_tool_calls(index, message["tool_calls"]))
+        for name in ("tool_call_id", "name"):
+            value = _string(message, name) if name in message else None
+            if value is not None:
+                setattr(converted_message, name, value)
+        converted.append(converted_message)
     return converted
+
+
+def _tools(body: Mapping[str, Any]) -> list[pb.FunctionTool]:
+    """[{"type": "function", "function": {name, description, parameters, strict}}] → FunctionTools.
+
+    `strict` is accepted whatever its value: required and named tool choices always follow the schema
+    (a grammar enforces it) and auto never can (the model writes the calls freely)."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise FieldError("tools", f"tools must be an array of function tools, got {tools!r}")
+    converted = []
+    for index, tool in enumerate(tools):
+        param = f"tools[{index}]"
+        tool = _object(tool, param)
+        if tool.get("type") != "function":
+            raise UnsupportedFieldError(
+                f"{param}.type", f"is {tool.get('type')!r}; only function tools are supported"
+            )
+        _known_keys(tool, param, ("type", "function"))
+        function = _object(tool.get("function"), f"{param}.function")
+        _known_keys(function, f"{param}.function", ("name", "description", "parameters", "strict"))
+        converted_tool = pb.FunctionTool(name=_required_string(function, "name", f"{param}.function"))
+        description = _string(function, "description")
+        if description:
+            converted_tool.description = description
+        parameters = function.get("parameters")
+        if parameters is not None:
+            converted_tool.parameters_json = json.dumps(_object(parameters, f"{param}.function.parameters"))
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise FieldError(f"{param}.function.strict", f"{param}.function.strict must be a boolean")
+        converted.append(converted_tool)
+    return converted
+
+
+def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> pb.ToolChoice | None:
+    """ "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; None when unset."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None
+    if isinstance(choice, str) and choice in _TOOL_CHOICE_MODES:
+        converted = pb.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        function = _object(choice.get("function"), "tool_choice.function")
+        converted = pb.ToolChoice(function_name=_required_string(function, "name", "tool_choice.function"))
+    else:
+        raise FieldError(
+            "tool_choice",
+            f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
+            f'{{"name": ...}}}}, got {choice!r}',
+        )
+    if not has_tools:
+        if choice != "none":
+            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return None  # "none" without tools is the default: nothing to send
+    return converted
+
+
+def _json_schema_text(value: object, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise FieldError(param, f"{param} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise FieldError(param, f"{param} must be a JSON schema (an object), got {value!r}")
+    return json.dumps(value)
+
+
+def _constraint(kind: str, value: object, param: str) -> pb.StructuredOutput:
+    """One structured-output kind (json, regex, choice, grammar, json_object) as a StructuredOutput."""
+    if kind == "json":
+        return pb.StructuredOutput(json_schema=_json_schema_text(value, param))
+    if kind == "json_object":
+        if value is not True:
+            raise FieldError(param, f"{param} must be true, got {value!r}")
+        return pb.StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise FieldError(param, f"{param} must be a non-empty array of strings, got {value!r}")
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
+    if not isinstance(value, str) or not value:
+        raise FieldError(param, f"{param} must be a non-empty string, got {value!r}")
+    return pb.StructuredOutput(**{kind: value})
+
+
+def _response_format(value: object) -> tuple[pb.StructuredOutput | None, str]:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    response_format = _object(value, "response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        _known_keys(response_format, "response_format", ("type",))
+        return None, "response_format"
+    if kind == "json_object":
+        _known_keys(response_format, "response_format", ("type",))
+        return pb.StructuredOutput(json_object=True), "response_format"
+    if kind == "json_schema":
+        _known_keys(response_format, "response_format", ("type", "json_schema"))
+        spec = _object(response_format.get("json_schema"), "response_format.json_schema")
+        _known_keys(spec, "response_format.json_schema", ("name", "schema", "strict", "description"))
+        param = "response_format.json_schema.schema"
+        if spec.get("schema") is None:
+            raise FieldError(param, f"{param} is required")
+        return pb.StructuredOutput(json_schema=_json_schema_text(spec["schema"], param)), param
+    raise FieldError(
+        "response_format.type",
+        f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+    )
+
+
+def _structured_output(body: Mapping[str, Any]) -> tuple[pb.StructuredOutput | None, str | None]:
+    """The one output constraint the request asks for, and the parameter that asked; a 400 when several."""
+    given = [name for name in _CONSTRAINT_FIELDS if body.get(name) is not None]
+    if "response_format" in given and body["response_format"] == {"type": "text"}:
+        given.remove("response_format")
+    if "structured_outputs" in given:
+        options = _object(body["structured_outputs"], "structured_outputs")
+        _known_keys(options, "structured_outputs", ("json", "regex", "choice", "grammar", "json_object"))
+        given.remove("structured_outputs")
+        given.extend(f"structured_outputs.{name}" for name in options if options[name] is not None)
+    if len(given) > 1:
+        raise FieldError(
+            given[1], f"{' and '.join(given)} are all set; a request may use one output constraint"
+        )
+    if not given:
+        return None, None
+    param = given[0]
+    if param == "response_format":
+        return _response_format(body[param])
+    if param in _GUIDED_FIELDS:
+        return _constraint(_GUIDED_FIELDS[param], body[param], param), param
+    kind = param.removeprefix("structured_outputs.")
+    return _constraint(kind, body["structured_outputs"][kind], param), param
 
 
 def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
@@ -316,12 +572,42 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
         if "cache_salt" not in pb.GenerateRequest.DESCRIPTOR.fields_by_name:
             raise UnsupportedFieldError("cache_salt", "is not supported by this server (no prefix caching)")
         request.cache_salt = cache_salt
+    constraint, constraint_param = _structured_output(body)
+    if constraint is not None:
+        request.structured_output.CopyFrom(constraint)
+    if endpoint is Endpoint.CHAT:
+        _chat_tools(body, request, constraint_param)
+    request_id = _string(body, "request_id")
+    if request_id:
+        request.request_id = request_id
     stream = _boolean(body, "stream")
+    include_usage, continuous_usage = _stream_options(body, stream)
     return OpenAIRequest(
         endpoint=endpoint,
         generate=request,
         model=_string(body, "model"),
         stream=stream,
-        include_usage=_stream_options(body, stream),
+        include_usage=include_usage,
         top_logprobs=top_logprobs,
+        continuous_usage=continuous_usage,
+        include_stop=_boolean(body, "include_stop_str_in_output"),
+        constraint_param=constraint_param,
     )
+
+
+def _chat_tools(body: Mapping[str, Any], request: pb.GenerateRequest, constraint_param: str | None) -> None:
+    """tools, tool_choice and parallel_tool_calls; a required or named choice is a grammar of its own, so
+    it cannot be combined with an output constraint."""
+    request.tools.extend(_tools(body))
+    choice = _tool_choice(body, len(request.tools) > 0)
+    if choice is not None:
+        request.tool_choice.CopyFrom(choice)
+        forced = choice.WhichOneof("choice") == "function_name" or choice.mode == pb.TOOL_CHOICE_REQUIRED
+        if forced and constraint_param is not None and request.tools:
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice {body['tool_choice']!r} and {constraint_param} are both set; "
+                "a request may use one output constraint",
+            )
+    if body.get("parallel_tool_calls") is not None:
+        request.parallel_tool_calls = _boolean(body, "parallel_tool_calls")

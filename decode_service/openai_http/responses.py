@@ -1,8 +1,10 @@
 """The stream's `GenerateResponse`s → OpenAI response bodies and SSE chunks.
 
-It reads the very messages the gRPC API sends, so both front doors report the same text, tokens, finish
-reasons and usage. One builder serves one request: `events()` (or `chunks()`, the same as dicts) per
-message when streaming, `add()` per message then `body()` otherwise.
+It reads the very messages the gRPC API sends, so both front doors report the same text, reasoning,
+tool calls, tokens, finish reasons and usage. One builder serves one request: `events()` (or `chunks()`,
+the same as dicts) per message when streaming, `add()` per message then `body()` otherwise. Reasoning goes
+out as `reasoning_content` (vLLM's name) and tool calls as OpenAI's `tool_calls`, in deltas as OpenAI
+streams them: a call's first entry has its id, type and name, later ones more of its arguments.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from decode_service.openai_http.protocol import Endpoint, OpenAIRequest
 from protos.tandem.v1 import generation_pb2 as pb
 
 # "abort" is vLLM's word for a request the server ended (drain, shutdown); OpenAI has none.
-_FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
+_FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.TOOL_CALLS: "tool_calls"}
 
 TokenText = Callable[[int], str]
 
@@ -35,8 +37,12 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 @dataclass
 class _Choice:
     texts: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    # Per call index: {"id", "type", "function": {"name", "arguments"}}, arguments joined at the end.
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     text_offset: int = 0
+    completion_tokens: int = 0  # counted from token_ids, for continuous usage only
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -51,6 +57,8 @@ class ResponseBuilder:
         model: str,
         token_text: TokenText,
         created: int | None = None,
+        prompt_tokens: int = 0,
+        parsed: bool = False,
     ) -> None:
         self._request = request
         self._chat = request.endpoint is Endpoint.CHAT
@@ -59,11 +67,15 @@ class ResponseBuilder:
         self._token_text = token_text
         self._created = int(time.time()) if created is None else created
         self._choices: dict[int, _Choice] = {}
-        self._prompt_tokens = 0
+        # Known at the start (the prompt is tokenized before the stream opens): continuous usage needs it.
+        self._prompt_tokens = prompt_tokens
         self._cached_tokens = 0
         self._completion_tokens = 0
         # Per choice index: the bytes before and after the text of a plain text event (see `events`).
         self._text_templates: dict[int, tuple[bytes, bytes]] = {}
+        # Plain text events share a template unless every chunk carries its own usage, or the answer is
+        # parsed (`parsed`: its messages may carry reasoning or tool calls beside the text).
+        self._templated = not request.continuous_usage and not parsed
 
     # -- streaming -----------------------------------------------------------------------------------
 
@@ -75,10 +87,18 @@ class ResponseBuilder:
         out = []
         if self._chat and first:
             out.append(self._chunk({"index": message.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}))  # fmt: skip
-        if not (message.text or logprobs or choice.finish_reason):
+                                    "logprobs": None, "finish_reason": None}, choice))  # fmt: skip
+        choice.completion_tokens += len(message.token_ids)
+        text = self._text(message, choice)
+        if not (text or logprobs or choice.finish_reason or message.reasoning_text or message.tool_calls):
             return out
-        out.append(self._chunk(self._entry(message.index, message.text, logprobs, choice)))
+        entry = self._entry(message.index, text, logprobs, choice)
+        if self._chat:
+            if message.reasoning_text:
+                entry["delta"]["reasoning_content"] = message.reasoning_text
+            if message.tool_calls:
+                entry["delta"]["tool_calls"] = [_tool_call_delta(call) for call in message.tool_calls]
+        out.append(self._chunk(entry, choice))
         return out
 
     def events(self, message: pb.GenerateResponse) -> bytes:
@@ -92,6 +112,7 @@ class ResponseBuilder:
             message.text
             and not message.logprobs
             and not message.finish_reason
+            and self._templated
             and choice is not None
             and choice.finish_reason is None
         ):
@@ -101,7 +122,7 @@ class ResponseBuilder:
 
     def _text_template(self, index: int) -> tuple[bytes, bytes]:
         """The bytes around the text of choice `index`'s plain text event, made from the chunk itself."""
-        event = sse_event(self._chunk(self._entry(index, _TEXT_PLACEHOLDER, None, _Choice())))
+        event = sse_event(self._chunk(self._entry(index, _TEXT_PLACEHOLDER, None, _Choice()), _Choice()))
         head, tail = event.split(_JSON.encode(_TEXT_PLACEHOLDER).encode())
         self._text_templates[index] = head, tail
         return head, tail
@@ -125,17 +146,33 @@ class ResponseBuilder:
             entry["stop_reason"] = choice.stop_reason
         return entry
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = {**self._envelope(chunk=True), "choices": [choice]}
+    def _chunk(self, entry: dict[str, Any], choice: _Choice) -> dict[str, Any]:
+        chunk = {**self._envelope(chunk=True), "choices": [entry]}
         if self._request.include_usage:
-            chunk["usage"] = None
+            # vLLM's continuous usage counts the choice's own tokens so far.
+            chunk["usage"] = self._usage(choice.completion_tokens) if self._request.continuous_usage else None
         return chunk
+
+    def _text(self, message: pb.GenerateResponse, choice: _Choice) -> str:
+        """The message's text, with the matched stop string after the last text when the client asked."""
+        if self._request.include_stop and message.finish_reason and isinstance(choice.stop_reason, str):
+            return message.text + choice.stop_reason
+        return message.text
 
     # -- whole answer --------------------------------------------------------------------------------
 
     def add(self, message: pb.GenerateResponse) -> None:
         choice = self._choice(message)
-        choice.texts.append(message.text)
+        choice.texts.append(self._text(message, choice))
+        if message.reasoning_text:
+            choice.reasoning.append(message.reasoning_text)
+        for delta in message.tool_calls:
+            call = choice.tool_calls.get(delta.index)
+            if call is None:
+                choice.tool_calls[delta.index] = call = {
+                    "id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": []}
+                }  # fmt: skip
+            call["function"]["arguments"].append(delta.arguments)
         logprobs = self._logprobs(message, choice)
         if logprobs is not None:
             choice.logprobs.append(logprobs)
@@ -147,7 +184,7 @@ class ResponseBuilder:
             text = "".join(choice.texts)
             entry: dict[str, Any] = {"index": index}
             if self._chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                entry["message"] = self._message(text, choice)
             else:
                 entry["text"] = text
             entry["logprobs"] = self._merged_logprobs(choice.logprobs)
@@ -156,10 +193,32 @@ class ResponseBuilder:
             choices.append(entry)
         return {**self._envelope(chunk=False), "choices": choices, "usage": self.usage()}
 
+    @staticmethod
+    def _message(text: str, choice: _Choice) -> dict[str, Any]:
+        """A chat choice's message: content null when the answer is tool calls only, as OpenAI sends it."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text or (None if choice.tool_calls else ""),
+        }
+        if choice.reasoning:
+            message["reasoning_content"] = "".join(choice.reasoning)
+        if choice.tool_calls:
+            message["tool_calls"] = [
+                {
+                    **call,
+                    "function": {**call["function"], "arguments": "".join(call["function"]["arguments"])},
+                }
+                for call in (choice.tool_calls[index] for index in sorted(choice.tool_calls))
+            ]
+        return message
+
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix
         cache served (not recomputed), as OpenAI reports its own prompt caching."""
-        prompt, completion = self._prompt_tokens, self._completion_tokens
+        return self._usage(self._completion_tokens)
+
+    def _usage(self, completion: int) -> dict[str, Any]:
+        prompt = self._prompt_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -233,3 +292,12 @@ class ResponseBuilder:
             return merged
         keys = ("content",) if self._chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         return {key: [] for key in keys}
+
+
+def _tool_call_delta(delta: pb.ToolCallDelta) -> dict[str, Any]:
+    """A stream chunk's tool_calls entry: the call's first one has id, type and name, later ones only
+    more of its arguments (the SDKs concatenate them by index)."""
+    if delta.id:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}  # fmt: skip
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
