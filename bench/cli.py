@@ -21,6 +21,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("occupancy", "bench.occupancy", "batch-occupancy timeline, static vs continuous, from the event log"),
     ("chunked-prefill", "bench.chunked_prefill", "ITL of running streams while a long prompt is prefilled"),
+    (
+        "structured-output",
+        "bench.structured_output",
+        "ITL of JSON-schema-constrained vs unconstrained streams, grammar costs, jump-forward potential",
+    ),
     ("probe", "bench.roofline", "memory bandwidth and matmul FLOP/s; the workload's tokens/s upper bound"),
     (
         "serving-path",

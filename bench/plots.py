@@ -6,6 +6,8 @@
 - `occupancy_timeline.png`: batch slots x iterations, a colour per request, static vs continuous;
 - `chunked_prefill_itl.png`: ITL of running streams over time while a long prompt is prefilled, with
   and without chunked prefill;
+- `structured_output.png`: per-token ITL of JSON-schema-constrained vs unconstrained streams (CDFs and
+  p50/p90 bars) and the share of tokens the grammar forced, by schema (jump-forward potential);
 - `README_table.md`: the headline table, machine, date and command, for the project README.
 
     tandem bench plots [--results-dir bench/results]
@@ -261,6 +263,62 @@ def draw_chunked_prefill(itl: dict, out: Path) -> Path:
     return path
 
 
+def draw_structured_output(result: dict, out: Path) -> Path:
+    """ITL CDFs and p50/p90 bars of constrained vs unconstrained streams; forced-token share by schema."""
+    plt = _pyplot()
+    summary = result["summary"]
+    fig, (ax_cdf, ax_bars, ax_jump) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for kind, quantiles in result["itl_ms_cdf"].items():
+        if quantiles:
+            ax_cdf.plot(quantiles, [i / (len(quantiles) - 1) for i in range(len(quantiles))], label=kind)
+    ax_cdf.set_xlabel("inter-token latency per token (ms)")
+    ax_cdf.set_ylabel("fraction of tokens")
+    ax_cdf.set_title("ITL CDF, full-batch window", fontsize=10)
+    ax_cdf.legend(fontsize=8)
+    bars = [
+        ("unconstrained", summary["itl_ms_unconstrained"]),
+        ("constrained", summary["itl_ms_constrained"]),
+    ]
+    if "mixed_itl_ms_constrained" in summary:
+        bars += [
+            ("mixed: unconstr.", summary["mixed_itl_ms_unconstrained"]),
+            ("mixed: constr.", summary["mixed_itl_ms_constrained"]),
+        ]
+    xs = range(len(bars))
+    for offset, quantile in ((-0.2, "p50"), (0.2, "p90")):
+        ax_bars.bar([x + offset for x in xs], [q[quantile] or 0 for _, q in bars], width=0.4, label=quantile)
+    ax_bars.set_xticks(list(xs), [name for name, _ in bars], fontsize=8)
+    ax_bars.set_ylabel("ms per token")
+    ax_bars.set_title(
+        f"constrained / unconstrained: p50 {summary['itl_ratio_p50']}x, p90 {summary['itl_ratio_p90']}x "
+        f"(target <= {summary['itl_ratio_target']}x)",
+        fontsize=10,
+    )
+    ax_bars.legend(fontsize=8)
+    per_schema = result["jump_forward"]["per_schema"]
+    names = sorted(per_schema)
+    ax_jump.barh(names, [per_schema[name]["forced_token_fraction"] for name in names])
+    ax_jump.set_xlim(0, 1)
+    ax_jump.set_xlabel("tokens inside grammar-forced text")
+    ax_jump.set_title(
+        f"jump-forward potential: {result['jump_forward']['forced_token_fraction']:.0%} of tokens forced",
+        fontsize=10,
+    )
+    for ax in (ax_cdf, ax_bars, ax_jump):
+        ax.grid(alpha=0.3)
+    workload = result["workload"]
+    fig.suptitle(
+        f"JSON-schema-constrained vs unconstrained decoding, {workload['streams']} concurrent streams, "
+        f"max {workload['max_tokens']} tokens ({result['model']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / "structured_output.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def draw_comparison(compare_path: Path, out: Path) -> list[Path]:
     compare = json.loads(compare_path.read_text())
     written = [p for p in (draw_throughput_vs_rate(compare, out), draw_cdfs(compare, out)) if p]
@@ -282,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
         written.append(draw_occupancy(json.loads((out / "occupancy.json").read_text()), out))
     if (out / "chunked_prefill.json").is_file():
         written.append(draw_chunked_prefill(json.loads((out / "chunked_prefill.json").read_text()), out))
+    if (out / "structured_output.json").is_file():
+        written.append(draw_structured_output(json.loads((out / "structured_output.json").read_text()), out))
     for path in written:
         print(path)
     return 0 if written else 1

@@ -8,6 +8,9 @@ Two sources, each read where it is cheapest and exact:
   including the final ABORT of a request whose client left, so nothing is missed or counted twice.
 - Live state (running/waiting requests, KV usage, preemptions, KV-transfer counters) is read at
   scrape time by a custom collector, so the gauges are never stale and the engine thread pays nothing.
+- Structured outputs: grammar compile seconds (each cache miss, timed by the compile service on a
+  validation thread) and grammar mask seconds per engine step (fill + apply, timed by the engine only
+  on steps that mask a row), both through observer callbacks, so unconstrained traffic pays nothing.
 
 Each server has its own `CollectorRegistry`, so several servers in one process (tests, benchmarks)
 do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
@@ -31,12 +35,19 @@ from engine.sequence import FinishReason
 from serving.cache_metrics import prefix_cache_metrics
 from serving.engine_thread import Deliver
 
+if TYPE_CHECKING:
+    from decode_service.grammar_compiler import GrammarCompiler
+
 PREFIX = "tandem:"
 
 # Seconds; a CPU replica of a small model sits in the middle, a busy GPU one at the low end.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A JSON schema compiles in milliseconds to seconds; the compile timeout defaults to 10 s.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Masking one step costs tens of microseconds per constrained row; a step is a few to tens of ms.
+GRAMMAR_FILL_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 class _LiveStateCollector(Collector):
@@ -183,12 +194,35 @@ class DecodeMetrics:
         )
         for reason in FinishReason:
             self.request_success.labels(reason.value)
+        self.structured_output_requests = Counter(
+            f"{PREFIX}structured_output_requests",
+            "Grammar-constrained requests (schema, regex, choice, tool call) that got their first token.",
+            registry=self.registry,
+        )
+        self.structured_output_compile_seconds = Histogram(
+            f"{PREFIX}structured_output_compile_seconds",
+            "Grammar compiles of constraints not in the compiled-grammar cache, in seconds.",
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=self.registry,
+        )
+        self.structured_output_fill_seconds = Histogram(
+            f"{PREFIX}structured_output_fill_seconds",
+            "Per engine step that masks any row: seconds spent filling its constrained rows' grammar masks.",
+            buckets=GRAMMAR_FILL_BUCKETS,
+            registry=self.registry,
+        )
+        # The engine times its mask work only when someone listens; this server's registry does.
+        engine.grammar_fill_observer = self.structured_output_fill_seconds.observe
         self._live = _LiveStateCollector(scheduler, engine)
         self.registry.register(self._live)
 
     def watch_prefill_transfer(self, counters: PrefillTransferStats) -> None:
         """Export the KV-transfer counters of disaggregated prefill; one call where the server makes them."""
         self._live.transfer = counters
+
+    def watch_grammar_compiler(self, compiler: GrammarCompiler) -> None:
+        """Time the compile service's real compiles (cache hits cost nothing and are not observed)."""
+        compiler.compile_observer = self.structured_output_compile_seconds.observe
 
     def observing(self, deliver: Deliver[StreamDelta]) -> Deliver[StreamDelta]:
         """`deliver`, preceded by observing each step's deltas; give it to the engine loop."""
@@ -217,6 +251,8 @@ class DecodeMetrics:
             if request.admitted_time is not None:
                 self.request_queue_time.observe(max(0.0, request.admitted_time - arrival))
             self.prompt_tokens.inc(request.seq.num_prompt_tokens)
+            if request.seq.grammar is not None:
+                self.structured_output_requests.inc()
         else:
             self.inter_token_latency.observe(max(0.0, now - previous))
         self.generation_tokens.inc(num_tokens)

@@ -1,10 +1,10 @@
 """The iteration-level batcher: decides, before every forward, who runs and with how many tokens.
 
-Each step: every running sequence gets one decode token (growing its block table, preempting by policy
-when the pool is dry); then new requests are admitted in policy order while slots and blocks last
-(their prompt blocks reserved, handed to the prefill stage); then prefill chunks fill what is left of
-the token budget. After the forward, finished sequences free their blocks at once, so the next step's
-admission already sees them.
+Each step: every running sequence gets one decode token (or, after its grammar forced some text, those
+tokens and the one after them), growing its block table and preempting by policy when the pool is dry;
+then new requests are admitted in policy order while slots and blocks last (their prompt blocks reserved,
+handed to the prefill stage); then prefill chunks fill what is left of the token budget. After the
+forward, finished sequences free their blocks at once, so the next step's admission already sees them.
 
 `StaticScheduler` is the baseline continuous batching is measured against: it fills a batch (or waits
 a timeout), reserves every member's full length, and admits nothing until the whole batch is done.
@@ -160,7 +160,8 @@ class ContinuousScheduler:
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> int:
-        """Give each running sequence one token, most urgent first; returns the budget left."""
+        """Give each running sequence its uncomputed tokens (one, unless a grammar forced more), most urgent
+        first; returns the budget left."""
         budget = self.token_budget
         engine = self.engine
         scheduled: set[ServedRequest] = set()
@@ -173,9 +174,11 @@ class ContinuousScheduler:
                 request, needed, scheduled, plan, now
             ):
                 continue
-            plan.add(ScheduledChunk(request.seq, 1), "decode")
+            # One token, or a grammar's forced tokens (jump-forward) and the one after them.
+            take = min(request.seq.num_uncomputed_tokens, budget)
+            plan.add(ScheduledChunk(request.seq, take), "decode")
             scheduled.add(request)
-            budget -= 1
+            budget -= take
         return budget
 
     def _make_room(
@@ -278,7 +281,8 @@ class ContinuousScheduler:
         logprobs = []
         if request.seq.sampling.logprobs > 0:
             logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
-        delta = StreamDelta(request, [out.token_id], out.text, logprobs, out.finish_reason)
+        token_ids = [out.token_id, *out.forced_token_ids] if out.forced_token_ids else [out.token_id]
+        delta = StreamDelta(request, token_ids, out.text, logprobs, out.finish_reason)
         if out.finish_reason is not None:
             self._finish(request)
         return delta

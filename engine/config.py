@@ -154,3 +154,5 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
+    # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.
+    grammar_jump_forward: bool = True

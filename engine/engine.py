@@ -54,6 +54,8 @@ class TokenOutput:
     top_logprobs: list[tuple[int, float]]
     text: str
     finish_reason: FinishReason | None
+    # Tokens the grammar forced after the sampled one (jump-forward): appended, their KV not computed yet.
+    forced_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -245,45 +247,16 @@ class Engine:
     def sample(self, hidden: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
         """The LM head and the sampler over `hidden` (one final hidden state per sequence in `seqs`).
 
-        Rows that only want their argmax (greedy, no logprobs, bias, penalties, suppressed ids or
-        grammar) get it from the LM head directly, without the vocabulary-wide logits ever being
-        written; the other rows are masked by their grammars and sampled. So a constrained or sampled
-        request in the batch costs the greedy rows nothing.
+        When every row only wants its argmax, the LM head answers directly and the vocabulary-wide
+        logits are never written (the sampler would return exactly that argmax). Otherwise one LM-head
+        pass writes every row's logits: splitting the batch would read the head's weights twice, which
+        costs more than the logits of the greedy rows. Grammar masks are filled for constrained rows only.
         """
         params = [s.sampling for s in seqs]
         suppressed = [s.suppressed_token_ids(self.eos_token_ids) for s in seqs]
         grammars = [s.grammar for s in seqs]
-        unconstrained = [grammar is None or not grammar.active for grammar in grammars]
-        if all(unconstrained) and argmax_suffices(params, suppressed):
+        if all(g is None or not g.active for g in grammars) and argmax_suffices(params, suppressed):
             return SamplerOutput.without_logprobs(self.model.greedy_tokens(hidden))
-        fast = [
-            row
-            for row in range(len(seqs))
-            if unconstrained[row] and argmax_suffices(params[row : row + 1], suppressed[row : row + 1])
-        ]
-        if not fast:
-            return self._sample_rows(hidden, seqs, params, suppressed, grammars)
-        fast_set = set(fast)
-        slow = [row for row in range(len(seqs)) if row not in fast_set]
-        fast_ids = self.model.greedy_tokens(hidden[fast])
-        slow_out = self._sample_rows(
-            hidden[slow],
-            [seqs[row] for row in slow],
-            [params[row] for row in slow],
-            [suppressed[row] for row in slow],
-            [grammars[row] for row in slow],
-        )
-        return slow_out.scatter_rows(slow, fast, fast_ids, len(seqs))
-
-    def _sample_rows(
-        self,
-        hidden: torch.Tensor,
-        seqs: SequenceOf[Sequence],
-        params: list[SamplingParams],
-        suppressed: list[frozenset[int]],
-        grammars: list[GrammarState | None],
-    ) -> SamplerOutput:
-        """Logits, grammar masks and the full sampler for rows that need more than the argmax."""
         fill_start = time.perf_counter()
         mask = GrammarMask.fill(grammars, self.vocab_size)
         if mask is not None and self.grammar_fill_observer is not None:
@@ -311,7 +284,30 @@ class Engine:
         self, seq: Sequence, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]]
     ) -> TokenOutput:
         text = seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
-        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason)
+        forced = []
+        for forced_id in self._jump_forward(seq):
+            if seq.is_finished:  # a stop string matched inside the forced text
+                break
+            text += seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
+            forced.append(forced_id)
+        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason, forced)
+
+    def _jump_forward(self, seq: Sequence) -> list[int]:
+        """The tokens `seq`'s grammar forces next, up to its length limits (none for requests that want
+        logprobs: a forced token has no distribution to report). Appending them skips a forward per token;
+        the next step computes their KV as one chunk, then samples after them."""
+        if (
+            seq.grammar is None
+            or seq.is_finished
+            or seq.sampling.logprobs
+            or not self.config.grammar_jump_forward
+        ):
+            return []
+        forced = seq.grammar.jump_forward_tokens()
+        if not forced:
+            return forced
+        room = min(seq.stopping.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        return forced[: max(room, 0)]
 
     def warm_up(self) -> None:
         """One single-token forward and sample, so the first real request does not pay for lazy init."""

@@ -81,9 +81,10 @@ class GrammarState:
             width = min(bitmask.shape[1], self.allowed_tokens.shape[0])
             bitmask[row, :width] &= self.allowed_tokens[:width]
 
-    def jump_forward_string(self) -> str:
-        """The text the grammar forces next whatever the model prefers ("" when it leaves a choice)."""
-        return self._matcher.find_jump_forward_string() if self.active else ""
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens spelling the text the grammar forces next whatever the model prefers (empty when it
+        leaves a choice, and before activation). They are not accepted yet: `accept` each."""
+        return self._matcher.find_jump_forward_tokens() if self.active else []
 
 
 class GrammarMask:

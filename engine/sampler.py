@@ -158,26 +158,6 @@ class SamplerOutput:
             top_logprobs=empty,
         )
 
-    def scatter_rows(
-        self, rows: Sequence[int], argmax_rows: Sequence[int], argmax_ids: torch.Tensor, batch: int
-    ) -> SamplerOutput:
-        """The output of a whole batch of `batch` rows, from this output of its `rows` and the bare argmax
-        tokens of its `argmax_rows` (which asked for no logprobs: theirs stay NaN and empty)."""
-        device = self.token_ids.device
-        rows_index = torch.tensor(rows, device=device)
-        argmax_index = torch.tensor(argmax_rows, device=device)
-        token_ids = torch.empty(batch, dtype=self.token_ids.dtype, device=device)
-        token_ids[rows_index] = self.token_ids
-        token_ids[argmax_index] = argmax_ids.to(self.token_ids.dtype)
-        logprobs = torch.full((batch,), float("nan"), device=device)
-        logprobs[rows_index] = self.logprobs
-        num_top = self.top_token_ids.shape[1]
-        top_token_ids = torch.zeros((batch, num_top), dtype=self.top_token_ids.dtype, device=device)
-        top_token_ids[rows_index] = self.top_token_ids
-        top_logprobs = torch.full((batch, num_top), float("nan"), device=device)
-        top_logprobs[rows_index] = self.top_logprobs
-        return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs)
-
 
 def argmax_suffices(params: Sequence[SamplingParams], suppress_token_ids: Sequence[Collection[int]]) -> bool:
     """True when the sampler would return each row's argmax of the raw logits and nothing else: every

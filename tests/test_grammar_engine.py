@@ -4,6 +4,7 @@ pay for it, and the grammar decides when the output ends."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -83,9 +84,11 @@ def run(engine, prompts, sampling, grammar=None, max_tokens=60, allowed=None, **
     [
         GREEDY,
         SamplingParams(temperature=1.0, seed=7),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=2),
         SamplingParams(temperature=0.0, logprobs=3),
-        SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3, seed=1
+        ),
         SamplingParams(temperature=0.0, logit_bias={ord("{"): -100.0}),
     ],
     ids=["greedy", "seeded", "top-p-k", "logprobs", "penalties", "bias-against-grammar"],
@@ -120,32 +123,17 @@ def test_max_tokens_cuts_a_grammar_with_length(hf_model, tokenizer, compiler):
     assert all(c.isalpha() and c.islower() for c in tokenizer.decode(seq.output_token_ids))
 
 
-def test_greedy_rows_beside_a_constrained_one_keep_the_argmax_path_and_their_tokens(
+def test_greedy_rows_beside_a_constrained_one_keep_their_tokens(
     hf_model, tokenizer, schema_grammar, json_safe
 ):
     prompts = random_prompts(5, 9, min_len=4, max_len=30, vocab=TINY_VOCAB_SIZE)
     engine = engine_for(hf_model, tokenizer=tokenizer)
-    logits_rows: list[int] = []
-    compute_logits = engine.model.compute_logits
-
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits_rows.append(hidden.shape[0])
-        return compute_logits(hidden)
-
-    engine.model.compute_logits = recording
     requests = [GenerateRequest(p, GREEDY, StoppingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
-    requests.append(
-        GenerateRequest(
-            [9, 10, 11],
-            GREEDY,
-            StoppingParams(max_tokens=60),
-            grammar=GrammarState(schema_grammar, None, json_safe),
-        )
-    )
+    grammar = GrammarState(schema_grammar, None, json_safe)
+    requests.append(GenerateRequest([9, 10, 11], GREEDY, StoppingParams(max_tokens=60), grammar=grammar))
     seqs = engine.generate(requests, max_num_seqs=8)
     for prompt, seq in zip(prompts, seqs, strict=False):
         assert seq.output_token_ids == hf_greedy(hf_model, prompt, 12)
-    assert logits_rows and max(logits_rows) == 1, "only the constrained row may write logits"
     jsonschema.validate(json.loads(tokenizer.decode(seqs[-1].output_token_ids)), SCHEMA)
 
 
@@ -219,3 +207,38 @@ def test_preempted_constrained_requests_resume_their_grammar(hf_model, tokenizer
             text = tokenizer.decode(harness.tokens[f"r{i}"])
             jsonschema.validate(json.loads(text), SCHEMA)
     assert engine.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_forced_text_is_appended_without_a_forward_per_token(hf_model, tokenizer, compiler, jump_forward):
+    engine = engine_for(hf_model, tokenizer=tokenizer, grammar_jump_forward=jump_forward)
+    steps = []
+    step = engine.step
+    engine.step = lambda chunks: steps.append([c.num_tokens for c in chunks]) or step(chunks)
+    grammar = GrammarState(compiler.compile_regex(r'\{"answer": "(yes|no)", "confidence": [0-9]\}'))
+    [seq] = engine.generate(
+        [GenerateRequest([5, 6, 7], GREEDY, StoppingParams(max_tokens=60), grammar=grammar)]
+    )
+    text = tokenizer.decode(seq.output_token_ids)
+    assert re.fullmatch(r'\{"answer": "(yes|no)", "confidence": [0-9]\}', text)
+    assert seq.finish_reason is FinishReason.STOP
+    forwards_after_prefill = len(steps) - 1
+    if jump_forward:
+        assert forwards_after_prefill < seq.num_output_tokens // 2
+        assert any(tokens > 1 for chunks in steps[1:] for tokens in chunks)
+    else:
+        assert forwards_after_prefill == seq.num_output_tokens - 1
+
+
+def test_forced_text_respects_max_tokens_and_logprob_requests(hf_model, tokenizer, compiler):
+    engine = engine_for(hf_model, tokenizer=tokenizer)
+    grammar = compiler.compile_regex("a(bcdefghij)")
+    [cut] = engine.generate(
+        [GenerateRequest([5, 6], GREEDY, StoppingParams(max_tokens=3), grammar=GrammarState(grammar))]
+    )
+    assert cut.num_output_tokens == 3 and cut.finish_reason is FinishReason.LENGTH
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=1)
+    [seq] = engine.generate(
+        [GenerateRequest([5, 6], with_logprobs, StoppingParams(max_tokens=30), grammar=GrammarState(grammar))]
+    )
+    assert tokenizer.decode(seq.output_token_ids) == "abcdefghij"
