@@ -125,7 +125,7 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=["hermes", "llama3_json", "mistral"],
         help="how to read the tool calls a model writes under tool_choice auto: hermes (Qwen2/2.5 "
-        "<tool_call> JSON), llama3_json, mistral (default: none; auto answers are plain text)",
+        "<tool_call> JSON), llama3_json, mistral (default: none; tool_choice auto is then refused)",
     )
     group.add_argument(
         "--reasoning-parser",

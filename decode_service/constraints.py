@@ -16,8 +16,11 @@ Every refusal is a `ConstraintError` whose message starts with the request field
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -231,12 +234,45 @@ def reasoning_end_token_id(tokenizer: Tokenizer | None, reasoning_parser: str | 
     return token_id
 
 
-class Constraints:
-    """The server's way from a request to its grammar: the compiler, and where grammars start."""
+def constraint_fingerprint(request: pb.GenerateRequest) -> bytes:
+    """A digest of every field that decides `request`'s grammar: equal digests, equal grammars."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(request.structured_output.SerializeToString(deterministic=True))
+    digest.update(request.tool_choice.SerializeToString(deterministic=True))
+    digest.update(b"1" if parallel_tool_calls(request) else b"0")
+    for tool in request.tools:
+        digest.update(tool.SerializeToString(deterministic=True))
+    return digest.digest()
 
-    def __init__(self, compiler: GrammarCompiler | None, activate_after: int | None = None) -> None:
+
+class Constraints:
+    """The server's way from a request to its grammar: the compiler, and where grammars start.
+
+    It remembers which constraints compiled lately (`is_warm`), so that requests repeating one, the usual
+    agent traffic, validate with the cheap requests instead of queueing for the compile thread.
+    """
+
+    def __init__(
+        self, compiler: GrammarCompiler | None, activate_after: int | None = None, remember: int = 256
+    ) -> None:
         self.compiler = compiler
         self.activate_after = activate_after
+        self._remember = remember
+        self._warm: OrderedDict[bytes, None] = OrderedDict()
+        self._warm_lock = threading.Lock()
+
+    def is_warm(self, request: pb.GenerateRequest) -> bool:
+        """Whether `request`'s constraint compiled lately (its grammar is then most likely cached)."""
+        key = constraint_fingerprint(request)
+        with self._warm_lock:
+            return key in self._warm
+
+    def _remember_compiled(self, key: bytes) -> None:
+        with self._warm_lock:
+            self._warm[key] = None
+            self._warm.move_to_end(key)
+            while len(self._warm) > self._remember:
+                self._warm.popitem(last=False)
 
     @classmethod
     def for_engine(cls, engine: Engine, config: DecodeServiceConfig) -> Constraints:
@@ -255,15 +291,18 @@ class Constraints:
             config.structured_output_compile_timeout_s,
             config.grammar_cache_size,
         )
-        return cls(compiler, activate_after)
+        return cls(compiler, activate_after, config.grammar_cache_size)
 
     def close(self) -> None:
         """Stop the compile worker (the server is stopping)."""
         if self.compiler is not None:
             self.compiler.close()
 
-    def compile(self, spec: GrammarSpec | None) -> GrammarState | None:
-        """A fresh grammar state for `spec` (blocks while it compiles; call off the event loop)."""
+    def compile(
+        self, spec: GrammarSpec | None, request: pb.GenerateRequest | None = None
+    ) -> GrammarState | None:
+        """A fresh grammar state for `spec`, `request`'s constraint (blocks while it compiles; call off the
+        event loop)."""
         if spec is None:
             return None
         if self.compiler is None:
@@ -278,5 +317,7 @@ class Constraints:
             for part in spec.parts:
                 self.compiler.compile(part.kind, part.spec, part.field)
             raise
+        if request is not None:
+            self._remember_compiled(constraint_fingerprint(request))
         allowed = self.compiler.control_free_tokens if spec.kind in JSON_KINDS else None
         return GrammarState(compiled, self.activate_after, allowed)

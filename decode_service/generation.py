@@ -197,7 +197,8 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
-                constrained=may_compile(request),
+                constrained=may_compile(request)
+                and not (self._constraints is not None and self._constraints.is_warm(request)),
             )
             served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
             mailbox = self._hub.open(served)

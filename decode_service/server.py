@@ -84,7 +84,10 @@ class DecodeServer(TierServer):
         batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver_threadsafe)
         self.engine_loop = EngineLoop(engine, self.scheduler, self.metrics.observing(batched), self.events)
         self.registry.abort = self.engine_loop.abort
-        self._validation = ValidationPool(config.max_validation_queue)
+        # A batch's worth of constrained requests may wait for their first compile (then they are warm).
+        self._validation = ValidationPool(
+            config.max_validation_queue, max(config.max_validation_queue, engine.config.max_num_seqs)
+        )
         if config.chat_template is not None:
             use_chat_template(engine, config.chat_template)
         self.constraints = Constraints.for_engine(engine, config)

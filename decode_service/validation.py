@@ -184,7 +184,7 @@ def build_sequence(
     spec = grammar_spec(request, tools)
     ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
-    grammar = (constraints or Constraints(None)).compile(spec)
+    grammar = (constraints or Constraints(None)).compile(spec, request)
     seq = engine.make_sequence(
         ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar=grammar
     )

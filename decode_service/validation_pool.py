@@ -3,9 +3,9 @@
 Building a sequence tokenizes text prompts, which for a large prompt costs seconds and hundreds of MB,
 and compiles constraints (JSON schemas, regexes, grammars), which may take up to the server's compile
 timeout. So each kind of cost has its own thread: token-id and short-text requests go to one, large
-texts to another, constrained requests with short prompts to a third; at most `max_queue` large or
-constrained ones may wait or run at once on their thread (more get RESOURCE_EXHAUSTED). A flood of
-huge prompts or slow schemas then delays only its own kind.
+texts to another, constrained requests with short prompts whose constraint has not compiled lately to a
+third; at most a bounded number of large or constrained ones may wait or run at once on their thread
+(more get RESOURCE_EXHAUSTED). A flood of huge prompts or slow schemas then delays only its own kind.
 """
 
 from __future__ import annotations
@@ -52,10 +52,12 @@ class _BoundedLane:
 class ValidationPool:
     """Three one-thread executors: short, long prompts and constrained; the last two bounded."""
 
-    def __init__(self, max_long_queue: int) -> None:
+    def __init__(self, max_long_queue: int, max_constrained_queue: int | None = None) -> None:
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
         self._long = _BoundedLane("validate-long", "large prompts", max_long_queue)
-        self._constrained = _BoundedLane("validate-grammar", "constrained requests", max_long_queue)
+        self._constrained = _BoundedLane(
+            "validate-grammar", "constrained requests", max_constrained_queue or max_long_queue
+        )
 
     async def run(
         self, prompt_bytes: int, fn: Callable[..., T], *args: object, constrained: bool = False

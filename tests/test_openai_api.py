@@ -34,10 +34,10 @@ pytestmark = pytest.mark.slow
 class Server:
     """A decode server with its HTTP API on its own event-loop thread; SDK and gRPC clients to it."""
 
-    def __init__(self, model_dir, max_num_seqs: int = 16, **config_kwargs) -> None:
+    def __init__(self, model_dir, max_num_seqs: int = 16, max_model_len: int = 256, **config_kwargs) -> None:
         engine_config = EngineConfig(
             cache=CacheConfig(block_size=8, num_blocks=256),
-            max_model_len=256,
+            max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=64,
         )

@@ -75,8 +75,28 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "tenant",
         "n",
         "cache_salt",
+        "structured_output",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
-    assert set(_fields(generation_pb2.ChatMessage)) == {"role", "content"}
+    assert set(_fields(generation_pb2.ChatMessage)) == {
+        "role",
+        "content",
+        "tool_calls",
+        "tool_call_id",
+        "name",
+    }
+    output_kinds = generation_pb2.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"]
+    assert {field.name for field in output_kinds.fields} == {
+        "json_schema",
+        "json_object",
+        "regex",
+        "choice",
+        "grammar",
+    }
+    assert set(_fields(generation_pb2.FunctionTool)) == {"name", "description", "parameters_json"}
+    assert set(_fields(generation_pb2.ToolChoice)) == {"mode", "function_name"}
     assert set(_fields(generation_pb2.SamplingParams)) == {
         "temperature",
         "top_p",
@@ -157,7 +177,10 @@ def test_generate_response_shape() -> None:
         "usage",
         "timings",
         "index",
+        "reasoning_text",
+        "tool_calls",
     }
+    assert set(_fields(generation_pb2.ToolCallDelta)) == {"index", "id", "name", "arguments"}
     oneof = generation_pb2.GenerateResponse.DESCRIPTOR.oneofs_by_name["matched_stop"]
     assert {field.name for field in oneof.fields} == {"stop_string", "stop_token_id"}
     assert dict(generation_pb2.FinishReason.items()) == {
@@ -165,6 +188,7 @@ def test_generate_response_shape() -> None:
         "STOP": 1,
         "LENGTH": 2,
         "ABORT": 3,
+        "TOOL_CALLS": 4,
     }
     assert set(_fields(generation_pb2.TokenLogprob)) == {"token_id", "logprob", "top"}
     assert set(_fields(generation_pb2.Usage)) == {"prompt_tokens", "completion_tokens", "cached_tokens"}

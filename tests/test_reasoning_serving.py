@@ -1,0 +1,72 @@
+"""A reasoning model served end to end: a tiny model whose tokenizer has the think tokens, behind a decode
+server with `--reasoning-parser deepseek_r1`. Reasoning goes to `reasoning_text`, never `text`, and a
+constraint applies only after `</think>`."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from conftest import tiny_hf_model
+from test_decode_server import start_server
+from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from transformers import AutoTokenizer
+
+from protos.tandem.v1 import generation_pb2 as pb
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = build_tiny_tokenizer(tmp_path_factory.mktemp("reasoning-model"))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(directory)
+    tiny_hf_model(3, vocab_size=TINY_VOCAB_SIZE + 2).save_pretrained(directory)
+    running = start_server(directory, max_model_len=512, num_blocks=128, reasoning_parser="deepseek_r1")
+    yield running, tokenizer.convert_tokens_to_ids("</think>")
+    running.close()
+
+
+def chat(**kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="Think, then answer.")],
+        sampling=pb.SamplingParams(temperature=0.0, **kwargs.pop("sampling", {})),
+        stopping=pb.StoppingParams(max_tokens=40),
+        **kwargs,
+    )
+
+
+def test_text_before_the_end_of_reasoning_is_reasoning(server):
+    running, think_end = server
+    responses = list(running.stub.Generate(chat(sampling={"logit_bias": {think_end: -100.0}}), timeout=60))
+    ids = [token_id for response in responses for token_id in response.token_ids]
+    reasoning = "".join(response.reasoning_text for response in responses)
+    assert think_end not in ids and len(ids) == 40
+    assert reasoning == running.engine.tokenizer.decode(ids)
+    assert not any(response.text for response in responses)
+
+
+def test_a_schema_applies_after_the_reasoning_ends(server):
+    running, think_end = server
+    request = chat(
+        sampling={"logit_bias": {think_end: 100.0}},
+        structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+    )
+    responses = list(running.stub.Generate(request, timeout=60))
+    ids = [token_id for response in responses for token_id in response.token_ids]
+    assert ids[0] == think_end, "the grammar must not hold back the reasoning's end"
+    text = "".join(response.text for response in responses)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert "".join(response.reasoning_text for response in responses) == ""
+    assert responses[-1].finish_reason == pb.STOP
