@@ -107,10 +107,11 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="compiled grammars kept for reuse, least recently used dropped first (default: 256)",
     )
     group.add_argument(
-        "--no-jump-forward",
+        "--jump-forward",
         action="store_true",
-        help="sample every token of a constrained answer, even text its grammar forces (default: forced "
-        "text is appended at once and computed in one chunk of the next step)",
+        help="append the text a grammar forces at once and compute it in one chunk of the next step, instead "
+        "of sampling it token by token: fewer steps per constrained answer, longer steps for the whole batch "
+        "(off by default: on a CPU it raises everyone's tail inter-token latency; see bench/README.md)",
     )
     group.add_argument(
         "--chat-template",

@@ -155,4 +155,4 @@ class EngineConfig:
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.
-    grammar_jump_forward: bool = True
+    grammar_jump_forward: bool = False

@@ -136,7 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         # A decode flag: the prefill tier never samples under a grammar.
-        grammar_jump_forward=not getattr(args, "no_jump_forward", False),
+        grammar_jump_forward=getattr(args, "jump_forward", False),
     )
 
 

@@ -231,7 +231,7 @@ def test_forced_text_is_appended_without_a_forward_per_token(hf_model, tokenizer
 
 
 def test_forced_text_respects_max_tokens_and_logprob_requests(hf_model, tokenizer, compiler):
-    engine = engine_for(hf_model, tokenizer=tokenizer)
+    engine = engine_for(hf_model, tokenizer=tokenizer, grammar_jump_forward=True)
     grammar = compiler.compile_regex("a(bcdefghij)")
     [cut] = engine.generate(
         [GenerateRequest([5, 6], GREEDY, StoppingParams(max_tokens=3), grammar=GrammarState(grammar))]
