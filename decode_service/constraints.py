@@ -253,10 +253,15 @@ class Constraints:
     """
 
     def __init__(
-        self, compiler: GrammarCompiler | None, activate_after: int | None = None, remember: int = 256
+        self,
+        compiler: GrammarCompiler | None,
+        activate_after: int | None = None,
+        remember: int = 256,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.compiler = compiler
         self.activate_after = activate_after
+        self._tokenizer = tokenizer
         self._remember = remember
         self._warm: OrderedDict[bytes, None] = OrderedDict()
         self._warm_lock = threading.Lock()
@@ -291,7 +296,7 @@ class Constraints:
             config.structured_output_compile_timeout_s,
             config.grammar_cache_size,
         )
-        return cls(compiler, activate_after, config.grammar_cache_size)
+        return cls(compiler, activate_after, config.grammar_cache_size, tokenizer)
 
     def close(self) -> None:
         """Stop the compile worker (the server is stopping)."""
@@ -299,10 +304,13 @@ class Constraints:
             self.compiler.close()
 
     def compile(
-        self, spec: GrammarSpec | None, request: pb.GenerateRequest | None = None
+        self,
+        spec: GrammarSpec | None,
+        request: pb.GenerateRequest | None = None,
+        prompt_ids: Sequence[int] = (),
     ) -> GrammarState | None:
         """A fresh grammar state for `spec`, `request`'s constraint (blocks while it compiles; call off the
-        event loop)."""
+        event loop). It waits for the end of the reasoning unless `prompt_ids` already closed it."""
         if spec is None:
             return None
         if self.compiler is None:
@@ -320,4 +328,13 @@ class Constraints:
         if request is not None:
             self._remember_compiled(constraint_fingerprint(request))
         allowed = self.compiler.control_free_tokens if spec.kind in JSON_KINDS else None
-        return GrammarState(compiled, self.activate_after, allowed)
+        activate_after = None if self._reasoning_closed(prompt_ids) else self.activate_after
+        return GrammarState(compiled, activate_after, allowed)
+
+    def _reasoning_closed(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt ends right after the reasoning's end: a template that turns thinking off
+        writes an empty think block into the generation prompt (Qwen3's `enable_thinking: false`)."""
+        if self.activate_after is None or self.activate_after not in prompt_ids or self._tokenizer is None:
+            return False
+        last = len(prompt_ids) - 1 - list(reversed(prompt_ids)).index(self.activate_after)
+        return not self._tokenizer.decode(prompt_ids[last + 1 :]).strip()

@@ -29,6 +29,7 @@ from engine.engine import Engine
 from engine.errors import ConfigError, InvalidRequestError
 from engine.params import StoppingParams
 from engine.sequence import Sequence
+from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.sampling import sampling_params
 
@@ -98,6 +99,8 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine, tools: Sequenc
     if len(given) != 1:
         detail = "none was given" if not given else f"got {' and '.join(given)}"
         raise InvalidRequestError(f"set exactly one of prompt, token_ids and messages; {detail}")
+    if given[0] != "messages" and request.chat_template_kwargs_json:
+        raise ConstraintError("chat_template_kwargs_json", "needs a chat request (messages)")
     if given[0] == "token_ids":
         return list(request.token_ids)
     tokenizer = engine.tokenizer
@@ -109,7 +112,26 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine, tools: Sequenc
             raise InvalidRequestError("the prompt encodes to no tokens")
         return ids
     messages = [chat_message(index, message) for index, message in enumerate(request.messages)]
-    return tokenizer.apply_chat_template(messages, tools=[tool.for_chat_template() for tool in tools])
+    return tokenizer.apply_chat_template(
+        messages, tools=[tool.for_chat_template() for tool in tools], template_kwargs=template_kwargs(request)
+    )
+
+
+def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The chat template's extra variables the request sets (`chat_template_kwargs_json`)."""
+    if not request.chat_template_kwargs_json:
+        return {}
+    field = "chat_template_kwargs_json"
+    try:
+        kwargs = json.loads(request.chat_template_kwargs_json)
+    except ValueError as exc:
+        raise ConstraintError(field, f"is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ConstraintError(field, f"must be a JSON object, got {type(kwargs).__name__}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ConstraintError(field, f"must not set {', '.join(reserved)}: the server sets them itself")
+    return kwargs
 
 
 def stopping_params(
@@ -184,7 +206,7 @@ def build_sequence(
     spec = grammar_spec(request, tools)
     ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
-    grammar = (constraints or Constraints(None)).compile(spec, request)
+    grammar = (constraints or Constraints(None)).compile(spec, request, ids)
     seq = engine.make_sequence(
         ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar=grammar
     )

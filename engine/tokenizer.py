@@ -20,6 +20,14 @@ from engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
+# Arguments of `apply_chat_template` a request's template kwargs may not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+    }
+)  # fmt: skip
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -121,6 +129,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         sanitize_control_tokens: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat ending in the assistant's generation prompt.
 
@@ -128,7 +137,8 @@ class Tokenizer:
         assistant turn (`[{"type": "function", "id": ..., "function": {"name": ..., "arguments": {...}}}]`)
         and `tool_call_id` (and optionally `name`) on a tool turn. `tools` (OpenAI-style function
         entries) are passed to the template, which shows them to the model; a template that knows
-        nothing of tools ignores them.
+        nothing of tools ignores them. `template_kwargs` are more variables for the template (for example
+        Qwen3's `enable_thinking`); the caller keeps out the ones this call sets (`RESERVED_TEMPLATE_KWARGS`).
 
         With `sanitize_control_tokens` (the default) control tokens written inside message contents
         are encoded as plain text, so a user cannot close their turn and forge another role's.
@@ -142,6 +152,7 @@ class Tokenizer:
         try:
             encoded = self._hf.apply_chat_template(
                 conversation,
+                **(template_kwargs or {}),
                 tools=list(tools) if tools else None,
                 chat_template=template,
                 add_generation_prompt=True,

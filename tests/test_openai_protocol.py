@@ -349,6 +349,16 @@ def test_tools_tool_choice_and_a_tool_result_turn_translate():
     assert not chat(tools=[WEATHER_TOOL]).generate.HasField("tool_choice")
 
 
+def test_chat_template_kwargs_travel_as_json_and_errors_name_the_http_param():
+    request = chat(chat_template_kwargs={"enable_thinking": False})
+    assert json.loads(request.generate.chat_template_kwargs_json) == {"enable_thinking": False}
+    assert request.param_for("chat_template_kwargs_json") == "chat_template_kwargs"
+    assert not chat(chat_template_kwargs={}).generate.chat_template_kwargs_json
+    with pytest.raises(FieldError) as error:
+        chat(chat_template_kwargs=["enable_thinking"])
+    assert error.value.param == "chat_template_kwargs"
+
+
 def test_grpc_field_paths_map_to_the_http_params_used():
     request = chat(tools=[WEATHER_TOOL], guided_json=SCHEMA)
     assert request.param_for("structured_output.json_schema") == "guided_json"
@@ -393,7 +403,7 @@ def test_extras_request_id_stop_string_and_continuous_usage():
             "response_format.json_schema.x",
         ),
         (Endpoint.CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
-        (Endpoint.CHAT, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        (Endpoint.COMPLETION, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         (Endpoint.CHAT, {"store": True}, "store"),
         (Endpoint.CHAT, {"skip_special_tokens": False}, "skip_special_tokens"),
         (Endpoint.CHAT, {"continue_final_message": True}, "continue_final_message"),

@@ -79,6 +79,7 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "chat_template_kwargs_json",
     }
     assert set(_fields(generation_pb2.ChatMessage)) == {
         "role",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import pytest
 from conftest import tiny_hf_model
@@ -26,11 +27,23 @@ SCHEMA = {
 }
 
 
+# ChatML, and Qwen3's switch: with enable_thinking false the generation prompt holds an empty think block.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     directory = build_tiny_tokenizer(tmp_path_factory.mktemp("reasoning-model"))
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKING_TEMPLATE
     tokenizer.save_pretrained(directory)
     tiny_hf_model(3, vocab_size=TINY_VOCAB_SIZE + 2).save_pretrained(directory)
     running = start_server(directory, max_model_len=512, num_blocks=128, reasoning_parser="deepseek_r1")
@@ -70,3 +83,30 @@ def test_a_schema_applies_after_the_reasoning_ends(server):
     jsonschema.validate(json.loads(text), SCHEMA)
     assert "".join(response.reasoning_text for response in responses) == ""
     assert responses[-1].finish_reason == pb.STOP
+
+
+def test_a_prompt_that_closes_the_reasoning_starts_the_schema_at_once(server):
+    running, think_end = server
+    request = chat(
+        structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+        chat_template_kwargs_json=json.dumps({"enable_thinking": False}),
+    )
+    responses = list(running.stub.Generate(request, timeout=60))
+    ids = [token_id for response in responses for token_id in response.token_ids]
+    assert think_end not in ids
+    jsonschema.validate(json.loads(running.engine.tokenizer.decode(ids)), SCHEMA)
+    assert responses[-1].finish_reason == pb.STOP
+
+
+@pytest.mark.parametrize(
+    ("kwargs_json", "needle"),
+    [("[1]", "must be a JSON object"), ('{"tools": []}', "must not set tools"), ("{", "is not valid JSON")],
+)
+def test_bad_chat_template_kwargs_are_refused_naming_the_field(server, kwargs_json, needle):
+    running, _ = server
+    with pytest.raises(grpc.RpcError) as caught:
+        list(running.stub.Generate(chat(chat_template_kwargs_json=kwargs_json), timeout=60))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        caught.value.details().startswith("chat_template_kwargs_json: ") and needle in caught.value.details()
+    )

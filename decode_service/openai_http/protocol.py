@@ -49,6 +49,7 @@ _COMMON_FIELDS = frozenset(
     }
 )  # fmt: skip
 _CHAT_FIELDS = _COMMON_FIELDS | {
+    "chat_template_kwargs",
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
@@ -68,7 +69,6 @@ _NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "add_special_tokens": (False,),
-    "chat_template_kwargs": ({},),
     "documents": ([],),
     "guided_decoding_backend": ("xgrammar", "auto"),
 }
@@ -127,6 +127,8 @@ class OpenAIRequest:
             return self.constraint_param
         if field.startswith("tool_choice"):
             return "tool_choice"
+        if field == "chat_template_kwargs_json":
+            return "chat_template_kwargs"
         return _FUNCTION_FIELD.sub(_function_param, field)
 
 
@@ -577,6 +579,9 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
         request.structured_output.CopyFrom(constraint)
     if endpoint is Endpoint.CHAT:
         _chat_tools(body, request, constraint_param)
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs:
+            request.chat_template_kwargs_json = json.dumps(_object(kwargs, "chat_template_kwargs"))
     request_id = _string(body, "request_id")
     if request_id:
         request.request_id = request_id

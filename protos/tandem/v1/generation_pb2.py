@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\xd4\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x42\r\n\x0b_max_tokens\"\xd3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x08stopping\x18\x06 \x01(\x0b\x32\x19.tandem.v1.StoppingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12&\n\x05tools\x18\x0c \x03(\x0b\x32\x17.tandem.v1.FunctionTool\x12*\n\x0btool_choice\x18\r \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0e \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\\\n\rServerTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x03 \x01(\x01\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x07timings\x18\t \x01(\x0b\x32\x18.tandem.v1.ServerTimings\x12\r\n\x05index\x18\n \x01(\x05\x12\x16\n\x0ereasoning_text\x18\x0b \x01(\t\x12,\n\ntool_calls\x18\x0c \x03(\x0b\x32\x18.tandem.v1.ToolCallDeltaB\x0e\n\x0cmatched_stop\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.tandem.v1.ServingMode\x12\x16\n\x0eserver_version\x18\x08 \x01(\t\x12\x16\n\x0eprefix_caching\x18\t \x01(\x08*x\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nTOOL_CALLS\x10\x04*h\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVING_MODE_AGGREGATED\x10\x01\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x02\x32\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/tandem/v1/generation.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"Z\n\nToolChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x19.tandem.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\xd4\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x07\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x86\x01\n\x0eStoppingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x42\r\n\x0b_max_tokens\"\xf6\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x08stopping\x18\x06 \x01(\x0b\x32\x19.tandem.v1.StoppingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\t\n\x01n\x18\n \x01(\x05\x12\x36\n\x11structured_output\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12&\n\x05tools\x18\x0c \x03(\x0b\x32\x17.tandem.v1.FunctionTool\x12*\n\x0btool_choice\x18\r \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0e \x01(\x08H\x00\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18\x0f \x01(\tB\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\\\n\rServerTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x1b\n\x13\x66irst_token_seconds\x18\x03 \x01(\x01\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x07timings\x18\t \x01(\x0b\x32\x18.tandem.v1.ServerTimings\x12\r\n\x05index\x18\n \x01(\x05\x12\x16\n\x0ereasoning_text\x18\x0b \x01(\t\x12,\n\ntool_calls\x18\x0c \x03(\x0b\x32\x18.tandem.v1.ToolCallDeltaB\x0e\n\x0cmatched_stop\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12$\n\x04mode\x18\x07 \x01(\x0e\x32\x16.tandem.v1.ServingMode\x12\x16\n\x0eserver_version\x18\x08 \x01(\t\x12\x16\n\x0eprefix_caching\x18\t \x01(\x08*x\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\x0e\n\nTOOL_CALLS\x10\x04*h\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SERVING_MODE_AGGREGATED\x10\x01\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x02\x32\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TOOLCHOICEMODE']._serialized_start=2755
-  _globals['_TOOLCHOICEMODE']._serialized_end=2875
-  _globals['_FINISHREASON']._serialized_start=2877
-  _globals['_FINISHREASON']._serialized_end=2971
-  _globals['_SERVINGMODE']._serialized_start=2973
-  _globals['_SERVINGMODE']._serialized_end=3077
+  _globals['_TOOLCHOICEMODE']._serialized_start=2790
+  _globals['_TOOLCHOICEMODE']._serialized_end=2910
+  _globals['_FINISHREASON']._serialized_start=2912
+  _globals['_FINISHREASON']._serialized_end=3006
+  _globals['_SERVINGMODE']._serialized_start=3008
+  _globals['_SERVINGMODE']._serialized_end=3112
   _globals['_CHATMESSAGE']._serialized_start=48
   _globals['_CHATMESSAGE']._serialized_end=169
   _globals['_TOOLCALL']._serialized_start=171
@@ -58,27 +58,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=1051
   _globals['_STOPPINGPARAMS']._serialized_end=1185
   _globals['_GENERATEREQUEST']._serialized_start=1188
-  _globals['_GENERATEREQUEST']._serialized_end=1655
-  _globals['_TOPLOGPROB']._serialized_start=1657
-  _globals['_TOPLOGPROB']._serialized_end=1704
-  _globals['_TOKENLOGPROB']._serialized_start=1706
-  _globals['_TOKENLOGPROB']._serialized_end=1791
-  _globals['_USAGE']._serialized_start=1793
-  _globals['_USAGE']._serialized_end=1873
-  _globals['_SERVERTIMINGS']._serialized_start=1875
-  _globals['_SERVERTIMINGS']._serialized_end=1967
-  _globals['_GENERATERESPONSE']._serialized_start=1970
-  _globals['_GENERATERESPONSE']._serialized_end=2357
-  _globals['_TOOLCALLDELTA']._serialized_start=2359
-  _globals['_TOOLCALLDELTA']._serialized_end=2434
-  _globals['_ABORTREQUEST']._serialized_start=2436
-  _globals['_ABORTREQUEST']._serialized_end=2470
-  _globals['_ABORTRESPONSE']._serialized_start=2472
-  _globals['_ABORTRESPONSE']._serialized_end=2504
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2506
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2527
-  _globals['_MODELINFO']._serialized_start=2530
-  _globals['_MODELINFO']._serialized_end=2753
-  _globals['_GENERATION']._serialized_start=3080
-  _globals['_GENERATION']._serialized_end=3293
+  _globals['_GENERATEREQUEST']._serialized_end=1690
+  _globals['_TOPLOGPROB']._serialized_start=1692
+  _globals['_TOPLOGPROB']._serialized_end=1739
+  _globals['_TOKENLOGPROB']._serialized_start=1741
+  _globals['_TOKENLOGPROB']._serialized_end=1826
+  _globals['_USAGE']._serialized_start=1828
+  _globals['_USAGE']._serialized_end=1908
+  _globals['_SERVERTIMINGS']._serialized_start=1910
+  _globals['_SERVERTIMINGS']._serialized_end=2002
+  _globals['_GENERATERESPONSE']._serialized_start=2005
+  _globals['_GENERATERESPONSE']._serialized_end=2392
+  _globals['_TOOLCALLDELTA']._serialized_start=2394
+  _globals['_TOOLCALLDELTA']._serialized_end=2469
+  _globals['_ABORTREQUEST']._serialized_start=2471
+  _globals['_ABORTREQUEST']._serialized_end=2505
+  _globals['_ABORTRESPONSE']._serialized_start=2507
+  _globals['_ABORTRESPONSE']._serialized_end=2539
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2541
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2562
+  _globals['_MODELINFO']._serialized_start=2565
+  _globals['_MODELINFO']._serialized_end=2788
+  _globals['_GENERATION']._serialized_start=3115
+  _globals['_GENERATION']._serialized_end=3328
 # @@protoc_insertion_point(module_scope)
