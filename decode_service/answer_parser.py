@@ -81,6 +81,16 @@ def _tool_parser_factory(
     return TOOL_CALL_PARSERS[tool_call_parser]
 
 
+def keeps_special_tokens(request: pb.GenerateRequest, tool_call_parser: str | None) -> bool:
+    """Whether `request`'s tool parser reads a control token (mistral's [TOOL_CALLS]) that the text would
+    otherwise leave out, as vLLM turns skip_special_tokens off for such parsers."""
+    try:
+        parser = _tool_parser_factory(request, tool_call_parser)
+    except ConstraintError:
+        return False
+    return isinstance(parser, type) and parser.reads_special_tokens
+
+
 def answer_parser_factory(
     request: pb.GenerateRequest, tool_call_parser: str | None, reasoning_parser: str | None
 ) -> Callable[[], AnswerParser] | None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
-from decode_service.answer_parser import AnswerParser, answer_parser_factory
+from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.config import DecodeServiceConfig
 from decode_service.constraints import Constraints, may_compile
 from decode_service.engine_loop import EngineLoop
@@ -197,6 +197,7 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
+                keeps_special_tokens(request, self.config.tool_call_parser),
                 constrained=may_compile(request)
                 and not (self._constraints is not None and self._constraints.is_warm(request)),
             )

@@ -44,6 +44,9 @@ Parsed = tuple[str, list[pb.ToolCallDelta]]  # (answer text, tool-call deltas)
 class ToolParser(abc.ABC):
     """One choice's parser: `feed` every text delta, then `finish` once."""
 
+    # Whether the calls start with a control token, which the text keeps only when asked to.
+    reads_special_tokens = False
+
     def __init__(self, new_id: Callable[[], str] = openai_call_id) -> None:
         self.num_calls = 0
         self._new_id = new_id
@@ -268,6 +271,7 @@ class MistralParser(_JsonCallsParser):
 
     MARKER = "[TOOL_CALLS]"
     SEPARATORS = "[],"
+    reads_special_tokens = True
 
     def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
         super().__init__(new_id)

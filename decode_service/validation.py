@@ -195,11 +195,13 @@ def build_sequence(
     max_tokens_cap: int,
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
+    keep_special_tokens: bool = False,
 ) -> Sequence:
     """Validate a public request against the served model and return its engine sequence.
 
     Tokenizes text and chat prompts and compiles constraints (cached; bounded by the compiler's
     timeout), so call it off the event loop. Without `constraints` a constrained request is refused.
+    `keep_special_tokens`: the answer's parser reads control tokens, so the text keeps them.
     """
     sampling = sampling_params(request.sampling, engine.vocab_size)
     tools = parse_tools(request)
@@ -207,8 +209,15 @@ def build_sequence(
     ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
     grammar = (constraints or Constraints(None)).compile(spec, request, ids)
+    skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
     seq = engine.make_sequence(
-        ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar=grammar
+        ids,
+        sampling,
+        stopping,
+        request_id,
+        cache_salt(request, salt_tenant),
+        grammar=grammar,
+        skip_special_tokens=skip_special and not keep_special_tokens,
     )
     check_fits_pool(engine, seq)
     return seq

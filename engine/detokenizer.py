@@ -50,6 +50,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
 
+    @property
+    def skip_special_tokens(self) -> bool:
+        return self._skip_special_tokens
+
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 

@@ -153,8 +153,10 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str = "",
         grammar: GrammarState | None = None,
+        skip_special_tokens: bool = True,
     ) -> Sequence:
-        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`)."""
+        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`;
+        its text without the tokenizer's special tokens unless `skip_special_tokens` is False)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -171,7 +173,11 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({stopping.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids) if self.tokenizer else None
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens)
+            if self.tokenizer
+            else None
+        )
         return Sequence(
             request_id or uuid.uuid4().hex,
             prompt_token_ids,
@@ -192,7 +198,9 @@ class Engine:
         OutOfBlocksError when sharing needs a block the pool does not have.
         """
         prompt = parent.token_ids[: parent.num_prompt_tokens]
-        detok = IncrementalDetokenizer(self.tokenizer, prompt) if self.tokenizer else None
+        detok = None
+        if parent.detokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, parent.detokenizer.skip_special_tokens)
         child = Sequence(
             parent.request_id,
             prompt,

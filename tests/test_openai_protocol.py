@@ -349,6 +349,14 @@ def test_tools_tool_choice_and_a_tool_result_turn_translate():
     assert not chat(tools=[WEATHER_TOOL]).generate.HasField("tool_choice")
 
 
+def test_skip_special_tokens_is_passed_on_only_when_given():
+    assert not chat().generate.HasField("skip_special_tokens")
+    assert chat(skip_special_tokens=False).generate.skip_special_tokens is False
+    with pytest.raises(FieldError) as error:
+        chat(skip_special_tokens="no")
+    assert error.value.param == "skip_special_tokens"
+
+
 def test_chat_template_kwargs_travel_as_json_and_errors_name_the_http_param():
     request = chat(chat_template_kwargs={"enable_thinking": False})
     assert json.loads(request.generate.chat_template_kwargs_json) == {"enable_thinking": False}
@@ -405,7 +413,6 @@ def test_extras_request_id_stop_string_and_continuous_usage():
         (Endpoint.CHAT, {"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
         (Endpoint.COMPLETION, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
         (Endpoint.CHAT, {"store": True}, "store"),
-        (Endpoint.CHAT, {"skip_special_tokens": False}, "skip_special_tokens"),
         (Endpoint.CHAT, {"continue_final_message": True}, "continue_final_message"),
         (Endpoint.CHAT, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         (

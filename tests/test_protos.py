@@ -80,6 +80,7 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "tool_choice",
         "parallel_tool_calls",
         "chat_template_kwargs_json",
+        "skip_special_tokens",
     }
     assert set(_fields(generation_pb2.ChatMessage)) == {
         "role",

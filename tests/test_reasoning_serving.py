@@ -110,3 +110,15 @@ def test_bad_chat_template_kwargs_are_refused_naming_the_field(server, kwargs_js
     assert (
         caught.value.details().startswith("chat_template_kwargs_json: ") and needle in caught.value.details()
     )
+
+
+def test_special_tokens_stay_in_the_text_when_asked(server):
+    running, _ = server
+    special = running.engine.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    texts = {}
+    for skip in (True, False):
+        request = chat(sampling={"logit_bias": {special: 100.0}}, skip_special_tokens=skip)
+        responses = list(running.stub.Generate(request, timeout=60))
+        assert all(token_id == special for r in responses for token_id in r.token_ids)
+        texts[skip] = "".join(r.reasoning_text + r.text for r in responses)
+    assert texts[True] == "" and texts[False] == "<|im_start|>" * 40

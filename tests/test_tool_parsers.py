@@ -10,7 +10,7 @@ import random
 import pytest
 
 from decode_service import config
-from decode_service.answer_parser import AnswerParser, answer_parser_factory
+from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.constraints import ConstraintError
 from decode_service.reasoning import REASONING_PARSERS, make_reasoning_parser
 from decode_service.tool_parsers import (
@@ -213,3 +213,13 @@ def test_which_parser_a_request_gets():
 def test_the_servers_parser_flags_name_the_parsers_there_are():
     assert set(config.TOOL_CALL_PARSERS) == set(TOOL_CALL_PARSERS)
     assert set(config.REASONING_PARSERS) == set(REASONING_PARSERS)
+
+
+def test_only_a_parser_that_reads_a_control_token_keeps_special_tokens():
+    tools = [pb.FunctionTool(name="f")]
+    auto = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")], tools=tools)
+    assert keeps_special_tokens(auto, "mistral")
+    assert not keeps_special_tokens(auto, "hermes") and not keeps_special_tokens(auto, None)
+    named = pb.GenerateRequest(tools=tools, tool_choice=pb.ToolChoice(function_name="f"))
+    assert not keeps_special_tokens(named, "mistral")
+    assert not keeps_special_tokens(pb.GenerateRequest(), "mistral")

@@ -43,7 +43,7 @@ _COMMON_FIELDS = frozenset(
         *_CONSTRAINT_FIELDS,
         # vLLM's extras
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
-        "priority", "include_stop_str_in_output", "request_id",
+        "priority", "include_stop_str_in_output", "request_id", "skip_special_tokens",
         # accepted no-ops: metadata goes with `store` (false only); the rest are hints that change no answer
         "metadata", "prediction", "prompt_cache_key", "safety_identifier",
     }
@@ -64,7 +64,6 @@ _NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
@@ -585,6 +584,8 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
     request_id = _string(body, "request_id")
     if request_id:
         request.request_id = request_id
+    if body.get("skip_special_tokens") is not None:
+        request.skip_special_tokens = _boolean(body, "skip_special_tokens")
     stream = _boolean(body, "stream")
     include_usage, continuous_usage = _stream_options(body, stream)
     return OpenAIRequest(
