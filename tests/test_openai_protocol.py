@@ -12,13 +12,8 @@ from decode_service.openai_http.errors import (
     UnauthorizedError,
     http_error,
 )
-from decode_service.openai_http.protocol import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    Endpoint,
-    FieldError,
-    UnsupportedFieldError,
-    translate,
-)
+from decode_service.openai_http.fields import FieldError, UnsupportedFieldError
+from decode_service.openai_http.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, Endpoint, translate
 from decode_service.openai_http.responses import ResponseBuilder
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from protos.tandem.v1 import generation_pb2 as pb

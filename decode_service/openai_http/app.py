@@ -26,7 +26,8 @@ from decode_service.openai_http.errors import (
     UnauthorizedError,
     http_error,
 )
-from decode_service.openai_http.protocol import Endpoint, FieldError, OpenAIRequest, translate
+from decode_service.openai_http.fields import FieldError
+from decode_service.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.openai_http.responses import ResponseBuilder, sse_event
 from tandem.security import BearerTokens
 

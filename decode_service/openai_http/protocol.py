@@ -6,7 +6,8 @@ that checks gRPC requests. Fields set to null count as absent, as the OpenAI API
 whose meaning tandem would change is refused with a 400 that names it, never ignored; fields that only
 shape the answer, or that vLLM accepts as no-ops, are accepted (the README lists every field).
 
-Validation errors raised later name the gRPC field (`structured_output.json_schema`,
+Output constraints and tools are read by `agent_fields`, JSON types by `fields`. Validation errors
+raised later name the gRPC field (`structured_output.json_schema`,
 `tools[1].parameters_json`); `OpenAIRequest.param_for` names the HTTP parameter the client used instead.
 """
 
@@ -19,28 +20,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from decode_service.openai_http.agent_fields import (
+    CONSTRAINT_FIELDS,
+    chat_tools,
+    structured_output,
+    tool_calls,
+)
+from decode_service.openai_http.fields import (
+    INT32,
+    FieldError,
+    UnsupportedFieldError,
+    boolean,
+    integer,
+    is_int,
+    json_object,
+    number,
+    string,
+)
 from engine.sampler import SEED_MASK
 from protos.tandem.v1 import generation_pb2 as pb
 
 # OpenAI's completions API defaults max_tokens to 16 (vLLM follows it); chat runs to the context's end.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-# Each way of asking for a constrained output: response_format, vLLM's structured_outputs and its older
-# guided_* fields (vLLM users still send them). A request may use exactly one.
-_GUIDED_FIELDS = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED_FIELDS)
 
 _COMMON_FIELDS = frozenset(
     {
         "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
         "frequency_penalty", "logit_bias", "logprobs", "user", "stream", "stream_options",
-        *_CONSTRAINT_FIELDS,
+        *CONSTRAINT_FIELDS,
         # vLLM's extras
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
         "priority", "include_stop_str_in_output", "request_id", "skip_special_tokens",
@@ -74,31 +82,11 @@ _NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 # Sent back by clients that replay earlier answers whole; the chat templates tandem renders drop them.
 _DROPPED_MESSAGE_FIELDS = frozenset({"refusal", "reasoning_content", "reasoning", "annotations"})
-_TOOL_CHOICE_MODES = {
-    "none": pb.TOOL_CHOICE_NONE,
-    "auto": pb.TOOL_CHOICE_AUTO,
-    "required": pb.TOOL_CHOICE_REQUIRED,
-}
 
 
 class Endpoint(enum.Enum):
     CHAT = "chat.completion"
     COMPLETION = "text_completion"
-
-
-class FieldError(InvalidRequestError):
-    """A request field of the wrong JSON type; `param` names it for the error body."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class UnsupportedFieldError(FieldError):
-    """A request field tandem does not implement (a 400 naming it, as OpenAI clients expect)."""
-
-    def __init__(self, param: str, detail: str = "is not supported by this server") -> None:
-        super().__init__(param, f"{param} {detail}")
 
 
 @dataclass(frozen=True)
@@ -143,50 +131,6 @@ def _function_param(match: re.Match[str]) -> str:
     return f"{match.group(1)}.function.{name}"
 
 
-_INT32 = range(-(2**31), 2**31)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: Mapping[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FieldError(name, f"{name} must be a number, got {value!r}")
-    return value
-
-
-def _integer(body: Mapping[str, Any], name: str) -> int | None:
-    """An integer field; the wire's fields are int32, so larger values cannot be meant."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise FieldError(name, f"{name} must be an integer, got {value!r}")
-    if value not in _INT32:
-        raise FieldError(name, f"{name} is out of range, got {value!r}")
-    return value
-
-
-def _boolean(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise FieldError(name, f"{name} must be a boolean, got {value!r}")
-    return value
-
-
-def _string(body: Mapping[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise FieldError(name, f"{name} must be a string, got {value!r}")
-    return value
-
-
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     """Refuse every field that would change the answer in a way tandem does not implement."""
     for name, value in body.items():
@@ -212,7 +156,7 @@ def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(_is_int(v) and v in _INT32 for v in value):
+    if not isinstance(value, list) or not all(is_int(v) and v in INT32 for v in value):
         raise FieldError(name, f"{name} must be a list of integers, got {value!r}")
     return value
 
@@ -230,7 +174,7 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
             token_id = int(key)
         except (TypeError, ValueError):
             token_id = None
-        if token_id is None or token_id not in _INT32:
+        if token_id is None or token_id not in INT32:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise FieldError("logit_bias", f"logit_bias values must be numbers, got {value!r}")
@@ -251,8 +195,8 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
     for name in options:
         if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
             raise UnsupportedFieldError(f"stream_options.{name}")
-    include_usage = _boolean(options, "include_usage")
-    return include_usage, include_usage and _boolean(options, "continuous_usage_stats")
+    include_usage = boolean(options, "include_usage")
+    return include_usage, include_usage and boolean(options, "continuous_usage_stats")
 
 
 def _message_content(index: int, content: object) -> str:
@@ -271,51 +215,6 @@ def _message_content(index: int, content: object) -> str:
             )
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-def _object(value: object, param: str) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise FieldError(param, f"{param} must be an object, got {value!r}")
-    return value
-
-
-def _known_keys(value: Mapping[str, Any], param: str, known: tuple[str, ...]) -> None:
-    for name, item in value.items():
-        if name not in known and item is not None:
-            raise UnsupportedFieldError(f"{param}.{name}")
-
-
-def _required_string(value: Mapping[str, Any], name: str, param: str) -> str:
-    item = value.get(name)
-    if not isinstance(item, str):
-        raise FieldError(f"{param}.{name}", f"{param}.{name} must be a string, got {item!r}")
-    return item
-
-
-def _tool_calls(index: int, calls: object) -> list[pb.ToolCall]:
-    """An assistant turn's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
-    param = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise FieldError(param, f"{param} must be an array of tool calls, got {calls!r}")
-    converted = []
-    for position, call in enumerate(calls):
-        at = f"{param}[{position}]"
-        call = _object(call, at)
-        _known_keys(call, at, ("id", "type", "function"))
-        if call.get("type", "function") != "function":
-            raise UnsupportedFieldError(
-                f"{at}.type", f"is {call['type']!r}; only function calls are supported"
-            )
-        function = _object(call.get("function"), f"{at}.function")
-        _known_keys(function, f"{at}.function", ("name", "arguments"))
-        converted.append(
-            pb.ToolCall(
-                id=_required_string(call, "id", at),
-                name=_required_string(function, "name", f"{at}.function"),
-                arguments=_required_string(function, "arguments", f"{at}.function"),
-            )
-        )
-    return converted
 
 
 def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
@@ -339,148 +238,13 @@ def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
         text = "" if content is None and role == "assistant" else _message_content(index, content)
         converted_message = pb.ChatMessage(role=role, content=text)
         if message.get("tool_calls") is not None:
-            converted_message.tool_calls.extend(_tool_calls(index, message["tool_calls"]))
+            converted_message.tool_calls.extend(tool_calls(index, message["tool_calls"]))
         for name in ("tool_call_id", "name"):
-            value = _string(message, name) if name in message else None
+            value = string(message, name) if name in message else None
             if value is not None:
                 setattr(converted_message, name, value)
         converted.append(converted_message)
     return converted
-
-
-def _tools(body: Mapping[str, Any]) -> list[pb.FunctionTool]:
-    """[{"type": "function", "function": {name, description, parameters, strict}}] → FunctionTools.
-
-    `strict` is accepted whatever its value: required and named tool choices always follow the schema
-    (a grammar enforces it) and auto never can (the model writes the calls freely)."""
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise FieldError("tools", f"tools must be an array of function tools, got {tools!r}")
-    converted = []
-    for index, tool in enumerate(tools):
-        param = f"tools[{index}]"
-        tool = _object(tool, param)
-        if tool.get("type") != "function":
-            raise UnsupportedFieldError(
-                f"{param}.type", f"is {tool.get('type')!r}; only function tools are supported"
-            )
-        _known_keys(tool, param, ("type", "function"))
-        function = _object(tool.get("function"), f"{param}.function")
-        _known_keys(function, f"{param}.function", ("name", "description", "parameters", "strict"))
-        converted_tool = pb.FunctionTool(name=_required_string(function, "name", f"{param}.function"))
-        description = _string(function, "description")
-        if description:
-            converted_tool.description = description
-        parameters = function.get("parameters")
-        if parameters is not None:
-            converted_tool.parameters_json = json.dumps(_object(parameters, f"{param}.function.parameters"))
-        if function.get("strict") is not None and not isinstance(function["strict"], bool):
-            raise FieldError(f"{param}.function.strict", f"{param}.function.strict must be a boolean")
-        converted.append(converted_tool)
-    return converted
-
-
-def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> pb.ToolChoice | None:
-    """ "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; None when unset."""
-    choice = body.get("tool_choice")
-    if choice is None:
-        return None
-    if isinstance(choice, str) and choice in _TOOL_CHOICE_MODES:
-        converted = pb.ToolChoice(mode=_TOOL_CHOICE_MODES[choice])
-    elif isinstance(choice, dict) and choice.get("type") == "function":
-        function = _object(choice.get("function"), "tool_choice.function")
-        converted = pb.ToolChoice(function_name=_required_string(function, "name", "tool_choice.function"))
-    else:
-        raise FieldError(
-            "tool_choice",
-            f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": '
-            f'{{"name": ...}}}}, got {choice!r}',
-        )
-    if not has_tools:
-        if choice != "none":
-            raise FieldError("tool_choice", f"tool_choice {choice!r} needs tools")
-        return None  # "none" without tools is the default: nothing to send
-    return converted
-
-
-def _json_schema_text(value: object, param: str) -> str:
-    """A JSON schema given as an object or as JSON text, as JSON text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise FieldError(param, f"{param} is not valid JSON: {exc}") from None
-    if not isinstance(value, (dict, bool)):
-        raise FieldError(param, f"{param} must be a JSON schema (an object), got {value!r}")
-    return json.dumps(value)
-
-
-def _constraint(kind: str, value: object, param: str) -> pb.StructuredOutput:
-    """One structured-output kind (json, regex, choice, grammar, json_object) as a StructuredOutput."""
-    if kind == "json":
-        return pb.StructuredOutput(json_schema=_json_schema_text(value, param))
-    if kind == "json_object":
-        if value is not True:
-            raise FieldError(param, f"{param} must be true, got {value!r}")
-        return pb.StructuredOutput(json_object=True)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise FieldError(param, f"{param} must be a non-empty array of strings, got {value!r}")
-        return pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
-    if not isinstance(value, str) or not value:
-        raise FieldError(param, f"{param} must be a non-empty string, got {value!r}")
-    return pb.StructuredOutput(**{kind: value})
-
-
-def _response_format(value: object) -> tuple[pb.StructuredOutput | None, str]:
-    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
-    response_format = _object(value, "response_format")
-    kind = response_format.get("type")
-    if kind == "text":
-        _known_keys(response_format, "response_format", ("type",))
-        return None, "response_format"
-    if kind == "json_object":
-        _known_keys(response_format, "response_format", ("type",))
-        return pb.StructuredOutput(json_object=True), "response_format"
-    if kind == "json_schema":
-        _known_keys(response_format, "response_format", ("type", "json_schema"))
-        spec = _object(response_format.get("json_schema"), "response_format.json_schema")
-        _known_keys(spec, "response_format.json_schema", ("name", "schema", "strict", "description"))
-        param = "response_format.json_schema.schema"
-        if spec.get("schema") is None:
-            raise FieldError(param, f"{param} is required")
-        return pb.StructuredOutput(json_schema=_json_schema_text(spec["schema"], param)), param
-    raise FieldError(
-        "response_format.type",
-        f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
-    )
-
-
-def _structured_output(body: Mapping[str, Any]) -> tuple[pb.StructuredOutput | None, str | None]:
-    """The one output constraint the request asks for, and the parameter that asked; a 400 when several."""
-    given = [name for name in _CONSTRAINT_FIELDS if body.get(name) is not None]
-    if "response_format" in given and body["response_format"] == {"type": "text"}:
-        given.remove("response_format")
-    if "structured_outputs" in given:
-        options = _object(body["structured_outputs"], "structured_outputs")
-        _known_keys(options, "structured_outputs", ("json", "regex", "choice", "grammar", "json_object"))
-        given.remove("structured_outputs")
-        given.extend(f"structured_outputs.{name}" for name in options if options[name] is not None)
-    if len(given) > 1:
-        raise FieldError(
-            given[1], f"{' and '.join(given)} are all set; a request may use one output constraint"
-        )
-    if not given:
-        return None, None
-    param = given[0]
-    if param == "response_format":
-        return _response_format(body[param])
-    if param in _GUIDED_FIELDS:
-        return _constraint(_GUIDED_FIELDS[param], body[param], param), param
-    kind = param.removeprefix("structured_outputs.")
-    return _constraint(kind, body["structured_outputs"][kind], param), param
 
 
 def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
@@ -490,7 +254,7 @@ def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t in _INT32 for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) and t in INT32 for t in prompt):
         request.token_ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise UnsupportedFieldError("prompt", "holds several prompts; send one request per prompt")
@@ -508,15 +272,15 @@ def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         "frequency_penalty",
         "repetition_penalty",
     ):
-        value = _number(body, name)
+        value = number(body, name)
         if value is not None:
             setattr(sampling, name, value)
-    top_k = _integer(body, "top_k")
+    top_k = integer(body, "top_k")
     if top_k is not None:
         sampling.top_k = top_k
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+        if not is_int(seed) or not -(2**63) <= seed < 2**64:
             raise FieldError("seed", f"seed must be a 64-bit integer, got {seed!r}")
         # OpenAI seeds are signed; the wire's are uint64. The mapping is one-to-one, so still reproducible.
         sampling.seed = seed & SEED_MASK
@@ -526,9 +290,9 @@ def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
 def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
     """How many alternatives to report per token; None when logprobs were not asked for."""
     if endpoint is Endpoint.COMPLETION:
-        return _integer(body, "logprobs")
-    top = _integer(body, "top_logprobs")
-    if not _boolean(body, "logprobs"):
+        return integer(body, "logprobs")
+    top = integer(body, "top_logprobs")
+    if not boolean(body, "logprobs"):
         if top:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         return None
@@ -550,70 +314,52 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
     if top_logprobs is not None:
         # The engine returns the chosen token's logprob only alongside >= 1 alternative; extra ones are cut.
         request.sampling.logprobs = max(top_logprobs, 1) if top_logprobs >= 0 else top_logprobs
-    max_tokens = _integer(body, "max_completion_tokens") if endpoint is Endpoint.CHAT else None
+    max_tokens = integer(body, "max_completion_tokens") if endpoint is Endpoint.CHAT else None
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+        max_tokens = integer(body, "max_tokens")
     if max_tokens is None and endpoint is Endpoint.COMPLETION:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
     request.stopping.stop.extend(_stop(body))
     request.stopping.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
-    request.stopping.ignore_eos = _boolean(body, "ignore_eos")
-    request.stopping.min_tokens = _integer(body, "min_tokens") or 0
-    n = _integer(body, "n")
+    request.stopping.ignore_eos = boolean(body, "ignore_eos")
+    request.stopping.min_tokens = integer(body, "min_tokens") or 0
+    n = integer(body, "n")
     if n == 0:
         # The wire's n = 0 means "unset" (one choice); an explicit 0 here is a mistake to report, not 1.
         raise FieldError("n", "n must be >= 1, got 0")
     request.n = 1 if n is None else n
-    request.priority = _integer(body, "priority") or 0
-    request.tenant = _string(body, "user") or ""
-    cache_salt = _string(body, "cache_salt")
+    request.priority = integer(body, "priority") or 0
+    request.tenant = string(body, "user") or ""
+    cache_salt = string(body, "cache_salt")
     if cache_salt:
         if "cache_salt" not in pb.GenerateRequest.DESCRIPTOR.fields_by_name:
             raise UnsupportedFieldError("cache_salt", "is not supported by this server (no prefix caching)")
         request.cache_salt = cache_salt
-    constraint, constraint_param = _structured_output(body)
+    constraint, constraint_param = structured_output(body)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
     if endpoint is Endpoint.CHAT:
-        _chat_tools(body, request, constraint_param)
+        chat_tools(body, request, constraint_param)
         kwargs = body.get("chat_template_kwargs")
         if kwargs:
-            request.chat_template_kwargs_json = json.dumps(_object(kwargs, "chat_template_kwargs"))
-    request_id = _string(body, "request_id")
+            request.chat_template_kwargs_json = json.dumps(json_object(kwargs, "chat_template_kwargs"))
+    request_id = string(body, "request_id")
     if request_id:
         request.request_id = request_id
     if body.get("skip_special_tokens") is not None:
-        request.skip_special_tokens = _boolean(body, "skip_special_tokens")
-    stream = _boolean(body, "stream")
+        request.skip_special_tokens = boolean(body, "skip_special_tokens")
+    stream = boolean(body, "stream")
     include_usage, continuous_usage = _stream_options(body, stream)
     return OpenAIRequest(
         endpoint=endpoint,
         generate=request,
-        model=_string(body, "model"),
+        model=string(body, "model"),
         stream=stream,
         include_usage=include_usage,
         top_logprobs=top_logprobs,
         continuous_usage=continuous_usage,
-        include_stop=_boolean(body, "include_stop_str_in_output"),
+        include_stop=boolean(body, "include_stop_str_in_output"),
         constraint_param=constraint_param,
     )
-
-
-def _chat_tools(body: Mapping[str, Any], request: pb.GenerateRequest, constraint_param: str | None) -> None:
-    """tools, tool_choice and parallel_tool_calls; a required or named choice is a grammar of its own, so
-    it cannot be combined with an output constraint."""
-    request.tools.extend(_tools(body))
-    choice = _tool_choice(body, len(request.tools) > 0)
-    if choice is not None:
-        request.tool_choice.CopyFrom(choice)
-        forced = choice.WhichOneof("choice") == "function_name" or choice.mode == pb.TOOL_CHOICE_REQUIRED
-        if forced and constraint_param is not None and request.tools:
-            raise FieldError(
-                "tool_choice",
-                f"tool_choice {body['tool_choice']!r} and {constraint_param} are both set; "
-                "a request may use one output constraint",
-            )
-    if body.get("parallel_tool_calls") is not None:
-        request.parallel_tool_calls = _boolean(body, "parallel_tool_calls")
