@@ -593,3 +593,15 @@ def test_cli_aborted_stream_exits_1(server, capsys):
     code, out, err = run_cli(capsys, WAIT_FOR_ABORT, "--request-id", "cli-abort", "--target", server.target)
     aborter.join(SAFETY_TIMEOUT)
     assert code == 1 and out == "first\n" and "finish: abort" in err
+
+
+def test_build_request_passes_template_kwargs_and_special_tokens():
+    request = build_request(
+        messages=[{"role": "user", "content": "hi"}],
+        chat_template_kwargs={"enable_thinking": False},
+        skip_special_tokens=False,
+    )
+    assert json.loads(request.chat_template_kwargs_json) == {"enable_thinking": False}
+    assert request.HasField("skip_special_tokens") and not request.skip_special_tokens
+    plain = build_request("hi")
+    assert not plain.chat_template_kwargs_json and not plain.HasField("skip_special_tokens")

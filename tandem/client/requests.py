@@ -141,12 +141,15 @@ def build_request(
     tools: Iterable[ToolLike] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; parameters mean what the fields of the same name in generation.proto mean.
 
     `json_schema` (a dict or JSON text), `regex`, `choice`, `grammar` and `json_object` are the kinds of
     `structured_output` (give at most one); `tool_choice` is "none", "auto", "required" or a function
-    ({"type": "function", "function": {"name": ...}}, or {"name": ...})."""
+    ({"type": "function", "function": {"name": ...}}, or {"name": ...}); `chat_template_kwargs` are extra
+    chat template variables (e.g. {"enable_thinking": False})."""
     if isinstance(stop, str):
         # A bare string would otherwise become one stop string per character.
         stop = (stop,)
@@ -188,4 +191,8 @@ def build_request(
         request.tool_choice.CopyFrom(_tool_choice(tool_choice))
     if parallel_tool_calls is not None:
         request.parallel_tool_calls = parallel_tool_calls
+    if chat_template_kwargs:
+        request.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
+    if skip_special_tokens is not None:
+        request.skip_special_tokens = skip_special_tokens
     return request

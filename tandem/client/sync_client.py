@@ -101,6 +101,8 @@ class TandemClient:
         tools: Iterable[ToolLike] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        skip_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> Iterator[GenerationDelta]:
@@ -142,6 +144,8 @@ class TandemClient:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+            skip_special_tokens=skip_special_tokens,
         )
         return self._stream(request, timeout, metadata)
 
