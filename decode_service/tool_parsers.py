@@ -63,6 +63,27 @@ class ToolParser(abc.ABC):
         return delta
 
 
+class _JsonString:
+    """Whether JSON text read one character at a time is inside a string literal (escapes understood)."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._escape = False
+
+    def step(self, char: str) -> bool:
+        """Read `char`; True when it belongs to a string literal, its quotes included."""
+        if self.inside:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self.inside = False
+            return True
+        self.inside = char == '"'
+        return self.inside
+
+
 class _JsonObjectScanner:
     """Finds where a JSON object ends in a growing buffer, resuming where the last scan stopped."""
 
@@ -72,23 +93,15 @@ class _JsonObjectScanner:
     def reset(self) -> None:
         self._position = 0
         self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._string = _JsonString()
 
     def end(self, text: str) -> int | None:
         """The index just past the object that opens `text`, or None if it is not complete yet."""
         for position in range(self._position, len(text)):
             char = text[position]
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif char == "\\":
-                    self._escape = True
-                elif char == '"':
-                    self._in_string = False
-            elif char == '"':
-                self._in_string = True
-            elif char in "{[":
+            if self._string.step(char):
+                continue
+            if char in "{[":
                 self._depth += 1
             elif char in "}]":
                 self._depth -= 1
@@ -317,8 +330,7 @@ class RequiredCallsParser(ToolParser):
     def __init__(self, new_id: Callable[[], str] = openai_call_id) -> None:
         super().__init__(new_id)
         self._depth = 0
-        self._in_string = False
-        self._escape = False
+        self._quoted = _JsonString()
         self._string: list[str] = []  # the key or name string being read (depth 2 only)
         self._expect_key = False
         self._key: str | None = None
@@ -348,18 +360,10 @@ class RequiredCallsParser(ToolParser):
 
     def _arguments_char(self, char: str) -> bool:
         """Advance through the arguments value; False when `char` is past its end (not part of it)."""
-        if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
+        if self._quoted.step(char):
             return True
         base = self._arguments_depth
-        if char == '"':
-            self._in_string = True
-        elif char in "{[":
+        if char in "{[":
             self._depth += 1
         elif char in "}]":
             if self._depth == base:  # a scalar value ended by its object's close
@@ -375,21 +379,14 @@ class RequiredCallsParser(ToolParser):
 
     def _structure_char(self, char: str, pieces: list[str], deltas: list[pb.ToolCallDelta]) -> None:
         """The array and call objects around the arguments: reads keys and the name."""
-        if self._in_string:
-            if self._escape:
-                self._escape = False
+        was_quoted = self._quoted.inside
+        if self._quoted.step(char):
+            if not was_quoted:  # the opening quote
+                self._string = []
+            elif self._quoted.inside:
                 self._string.append(char)
-            elif char == "\\":
-                self._escape = True
-                self._string.append(char)
-            elif char == '"':
-                self._in_string = False
-                self._string_done(pieces, deltas)
             else:
-                self._string.append(char)
-        elif char == '"':
-            self._in_string = True
-            self._string = []
+                self._string_done(pieces, deltas)
         elif char in "{[":
             self._depth += 1
             if self._depth == 2:
