@@ -404,3 +404,23 @@ def test_structured_output_flags_reach_the_config():
         "qwen3",
     )
     assert config.structured_output_compile_timeout_s == 10.0 and config.chat_template is None
+
+
+def test_cancelling_or_aborting_a_constrained_stream_frees_everything(server):
+    long_answer = pb.StructuredOutput(regex="[a-z]{300}")
+    call = server.stub.Generate(chat(max_tokens=300, structured_output=long_answer), timeout=60)
+    stream = iter(call)
+    next(stream)
+    next(stream)
+    call.cancel()
+    assert_nothing_held(server)
+
+    request = chat(max_tokens=300, structured_output=long_answer)
+    request.request_id = "constrained-abort"
+    stream = iter(server.stub.Generate(request, timeout=60))
+    received = [next(stream)]
+    assert server.stub.Abort(pb.AbortRequest(request_id="constrained-abort")).aborted
+    received.extend(stream)
+    assert received[-1].finish_reason == pb.ABORT
+    assert re.fullmatch("[a-z]*", "".join(response.text for response in received))
+    assert_nothing_held(server)
