@@ -57,10 +57,15 @@ class ToolParser(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> Parsed: ...
 
-    def _start_call(self, name: str, arguments: str = "") -> pb.ToolCallDelta:
-        delta = pb.ToolCallDelta(index=self.num_calls, id=self._new_id(), name=name, arguments=arguments)
+    def _start_call(self, name: str, arguments: str = "") -> list[pb.ToolCallDelta]:
+        """A new call's deltas as OpenAI streams them: its index, id and name first, then what is known of
+        its arguments (if anything) in a delta of its own."""
+        index = self.num_calls
         self.num_calls += 1
-        return delta
+        deltas = [pb.ToolCallDelta(index=index, id=self._new_id(), name=name)]
+        if arguments:
+            deltas.append(pb.ToolCallDelta(index=index, arguments=arguments))
+        return deltas
 
 
 class _JsonString:
@@ -140,7 +145,7 @@ class _AutoParser(ToolParser):
         text, self._blank = self._blank + text, ""
         return text
 
-    def _call(self, body: str, arguments_keys: tuple[str, ...]) -> pb.ToolCallDelta | None:
+    def _call(self, body: str, arguments_keys: tuple[str, ...]) -> list[pb.ToolCallDelta] | None:
         fields = _call_fields(body, arguments_keys)
         if fields is None:
             return None
@@ -184,7 +189,7 @@ class HermesParser(_AutoParser):
                 if call is None:
                     out.append(self._text(self.START + body + self.END))
                 else:
-                    calls.append(call)
+                    calls.extend(call)
         self._buffer = buffer
         return "".join(out), calls
 
@@ -194,7 +199,7 @@ class HermesParser(_AutoParser):
             self._inside = False
             call = self._call(buffer, ("arguments", "parameters"))
             if call is not None:
-                return "", [call]
+                return "", call
             buffer = self.START + buffer
         return self._text(buffer) if buffer.strip() or not self.num_calls else "", []
 
@@ -235,7 +240,7 @@ class _JsonCallsParser(_AutoParser):
             if call is None:
                 self._in_calls = False  # not a call after all: the rest of the answer is text
                 continue
-            calls.append(call)
+            calls.extend(call)
             self._buffer = self._buffer[end:]
         return "".join(out), calls
 
@@ -249,7 +254,7 @@ class _JsonCallsParser(_AutoParser):
         if self._in_calls and buffer.strip():
             call = self._call(buffer.strip(), ("arguments", "parameters"))
             if call is not None:
-                return "", [call]
+                return "", call
         return self._text(buffer), []
 
 
@@ -313,7 +318,7 @@ class NamedCallParser(ToolParser):
         if not text:
             return "", []
         if self.num_calls == 0:
-            return "", [self._start_call(self._name, text)]
+            return "", self._start_call(self._name, text)
         return "", [pb.ToolCallDelta(index=0, arguments=text)]
 
     def finish(self) -> Parsed:
@@ -414,7 +419,7 @@ class RequiredCallsParser(ToolParser):
     def _announce(self, pieces: list[str], deltas: list[pb.ToolCallDelta]) -> None:
         """The call's first delta, carrying the arguments written before its name, if any."""
         self._send(pieces, deltas)
-        deltas.append(self._start_call(self._name or "", self._unsent))
+        deltas.extend(self._start_call(self._name or "", self._unsent))
         self._unsent = ""
         self._started = True
 
