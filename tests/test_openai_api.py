@@ -375,6 +375,48 @@ def test_bad_requests_get_400_naming_the_field_while_others_are_served(server, k
     assert [first, *good][-1].choices[0].finish_reason == "length"
 
 
+def _body(fields: str) -> str:
+    """A JSON request body from raw JSON text, for what json.dumps cannot write (NaN, lone surrogates)."""
+    return "{" + fields + ', "model": "' + MODEL + '", "max_tokens": 2}'
+
+
+_HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "raw", "param", "text"),
+    [
+        ("completions", _body('"prompt": "\\ud800"'), "prompt", "lone UTF-16 surrogate"),
+        (
+            "chat/completions",
+            _body('"messages": [{"role": "user", "content": "a\\uDC00"}]'),
+            "messages[0].content",
+            "lone UTF-16 surrogate",
+        ),
+        ("completions", _body('"prompt": "hi", "user": "\\ud800"'), "user", "lone UTF-16 surrogate"),
+        ("completions", _body('"prompt": "hi", "stop": ["\\ud800"]'), "stop[0]", "lone UTF-16 surrogate"),
+        ("completions", _body('"prompt": "hi", "\\ud800": 1'), "body", "lone UTF-16 surrogate"),
+        ("completions", "[" * 200_000 + "]" * 200_000, "body", "nests arrays or objects too deeply"),
+        ("completions", _body('"prompt": "hi", "temperature": ' + _HUGE), "temperature", "finite number"),
+        ("completions", _body('"prompt": "hi", "top_p": 1e400'), "top_p", "finite number"),
+        ("completions", _body('"prompt": "hi", "temperature": NaN'), "body", "NaN is not a number"),
+        (
+            "completions",
+            _body('"prompt": "hi", "logit_bias": {"5": -' + _HUGE + "}"),
+            "logit_bias",
+            "logit_bias values must be a finite number",
+        ),
+    ],
+    ids=["prompt", "content", "user", "stop", "key", "nesting", "huge-int", "inf", "nan", "bias"],
+)
+def test_hostile_json_gets_400_naming_the_field_not_500(server, endpoint, raw, param, text):
+    status, body = http_call(server, "POST", f"/v1/{endpoint}", raw.encode())
+    assert status == 400, body
+    assert body["error"]["param"] == param and text in body["error"]["message"], body
+    answer = server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **GREEDY)
+    assert answer.choices[0].finish_reason == "length"
+
+
 def test_unknown_model_is_404(server):
     with pytest.raises(openai.NotFoundError) as error:
         server.client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)

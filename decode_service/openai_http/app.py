@@ -49,9 +49,38 @@ async def _read_json(request: Request, max_bytes: int) -> object:
         if len(body) > max_bytes:
             raise BodyTooLargeError(f"the request body exceeds this server's limit of {max_bytes} bytes")
     try:
-        return json.loads(body)
+        value = json.loads(body, parse_constant=_refuse_constant)
     except ValueError as exc:
         raise FieldError("body", f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise FieldError("body", "the request body nests arrays or objects too deeply") from None
+    # A lone surrogate (\ud800) is valid JSON but no text: it could never be encoded later on.
+    if b"\\ud" in body.lower():
+        try:
+            _refuse_lone_surrogates(value, "")
+        except RecursionError:
+            raise FieldError("body", "the request body nests arrays or objects too deeply") from None
+    return value
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _refuse_lone_surrogates(value: object, path: str) -> None:
+    """Raise a FieldError naming the first string (or key) under `value` that holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise FieldError(path or "body", f"{path or 'body'} holds a lone UTF-16 surrogate") from None
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path or "body")
+            _refuse_lone_surrogates(item, f"{path}.{key}" if path else key)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -6,6 +6,7 @@ these, so every wrongly typed field gets the same kind of 400.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,13 +35,24 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def finite_number(value: object, param: str, what: str) -> float:
+    """`value` as a finite float; `what` names it in the refusal (bools, huge ints and inf are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FieldError(param, f"{what} must be a number, got {value!r}")
+    try:
+        as_float = float(value)
+    except OverflowError:
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise FieldError(param, f"{what} must be a finite number, got {str(value)[:40]}")
+    return as_float
+
+
 def number(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise FieldError(name, f"{name} must be a number, got {value!r}")
-    return value
+    return finite_number(value, name, name)
 
 
 def integer(body: Mapping[str, Any], name: str) -> int | None:

@@ -31,6 +31,7 @@ from decode_service.openai_http.fields import (
     FieldError,
     UnsupportedFieldError,
     boolean,
+    finite_number,
     integer,
     is_int,
     json_object,
@@ -176,9 +177,7 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
             token_id = None
         if token_id is None or token_id not in INT32:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FieldError("logit_bias", f"logit_bias values must be numbers, got {value!r}")
-        converted[token_id] = value
+        converted[token_id] = finite_number(value, "logit_bias", "logit_bias values")
     return converted
 
 
