@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -118,17 +118,32 @@ def _finish_log_fields(request: ServedRequest, now: float) -> dict[str, object]:
     }
 
 
+def _trusted_header(headers: Iterable[tuple[str, object]], name: str) -> str | None:
+    """The one value of the trusted header `name` (lowercase), None when absent.
+
+    A gateway that appends its header rather than replacing the client's (Envoy's default) would let the
+    client choose which copy counts, and the two doors used to pick different ones: a request that carries
+    it more than once is refused."""
+    values = [str(value) for key, value in headers if key.lower() == name]
+    if len(values) > 1:
+        raise InvalidRequestError(
+            f"the {name} header appears {len(values)} times; the gateway must send exactly one"
+        )
+    return values[0] if values else None
+
+
 def tenant_and_priority(
-    request: pb.GenerateRequest, headers: Mapping[str, str], config: DecodeServiceConfig
+    request: pb.GenerateRequest, headers: Iterable[tuple[str, object]], config: DecodeServiceConfig
 ) -> tuple[str, int]:
-    """Tenant and priority from the trusted gateway's headers (gRPC metadata or HTTP headers) when
-    configured, else from the request."""
+    """Tenant and priority from the trusted gateway's headers (gRPC metadata or HTTP headers, as (name,
+    value) pairs) when configured, else from the request."""
     tenant, priority = request.tenant, request.priority
     if config.tenant_header:
-        tenant = str(headers.get(config.tenant_header, ""))
+        tenant = _trusted_header(headers, config.tenant_header) or ""
     if config.priority_header:
+        value = _trusted_header(headers, config.priority_header) or "0"
         try:
-            priority = int(headers.get(config.priority_header, 0))
+            priority = int(value)
         except ValueError:
             priority = 0
     return tenant, priority

@@ -34,9 +34,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # Writes go through the stall watchdog rather than `yield`, so a client that stops reading
         # cannot hold its slot: the write is timed out and the request aborted at once.
-        metadata = {key: str(value) for key, value in context.invocation_metadata() or ()}
-        tenant, priority = tenant_and_priority(request, metadata, self._generations.config)
         try:
+            metadata = tuple(context.invocation_metadata() or ())
+            tenant, priority = tenant_and_priority(request, metadata, self._generations.config)
             generation = await self._generations.start(request, time.monotonic(), tenant, priority)
         except Exception as exc:
             await self._refuse(context, exc)

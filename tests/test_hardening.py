@@ -10,6 +10,8 @@ exits non-zero naming the error (item 9) in test_serving_shell.py; everything at
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,7 @@ import pytest
 from conftest import save_tiny_model, wait_until
 from test_decode_server import RunningServer, start_server
 from test_disagg_serving import LoopThread
+from test_openai_api import Server
 
 from decode_service.request_limits import RequestLimits
 from decode_service.validation_pool import SHORT_PROMPT_BYTES
@@ -342,6 +345,39 @@ def test_tenant_and_priority_come_from_the_gateway_headers_when_configured(model
         assert (line.tenant, line.priority) == ("gold", 3)
     finally:
         server.close()
+
+
+def test_a_repeated_trusted_header_is_refused_on_both_doors(model_dir):
+    """A gateway that appends its header (Envoy's default) must not let the client pick its tenant; HTTP
+    took the first copy and gRPC the last, so either way a duplicate is refused."""
+    grpc_server = start_server(model_dir, tenant_header="x-tenant", priority_header="x-priority")
+    http_server = Server(model_dir, tenant_header="x-tenant", priority_header="x-priority")
+    try:
+        for header in ("x-tenant", "x-priority"):
+            metadata = [(header, "1"), (header, "2")]
+            with pytest.raises(grpc.RpcError) as caught:
+                list(grpc_server.stub.Generate(hello(), timeout=60, metadata=metadata))
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"the {header} header appears 2 times" in caught.value.details()
+
+            connection = http.client.HTTPConnection("127.0.0.1", http_server.server.http_port, timeout=60)
+            body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+            connection.putrequest("POST", "/v1/completions")
+            for value in ("1", "2"):
+                connection.putheader(header, value)
+            connection.putheader("Content-Type", "application/json")
+            connection.putheader("Content-Length", str(len(body)))
+            connection.endheaders(body)
+            response = connection.getresponse()
+            error = json.loads(response.read())["error"]
+            connection.close()
+            assert response.status == 400 and f"the {header} header appears 2 times" in error["message"]
+        one = [("x-tenant", "gold"), ("x-priority", "3")]
+        assert list(grpc_server.stub.Generate(hello(), timeout=60, metadata=one))[-1].finish_reason
+        assert wait_until(grpc_server.pool_is_full) and wait_until(http_server.idle)
+    finally:
+        grpc_server.close()
+        http_server.close()
 
 
 # --- item 6: an unread Prefill -------------------------------------------------------------------------

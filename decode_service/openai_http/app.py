@@ -159,7 +159,9 @@ class OpenAIRoutes:
                 )
             generate = openai_request.generate
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, generate.request_id)
-            tenant, priority = tenant_and_priority(generate, request.headers, self._generations.config)
+            tenant, priority = tenant_and_priority(
+                generate, request.headers.items(), self._generations.config
+            )
             generation = await self._generations.start(generate, arrival, tenant, priority)
         except Exception as exc:
             return self._error(exc, openai_request.param_for if openai_request is not None else None)
