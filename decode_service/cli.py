@@ -170,6 +170,12 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"longest stop string, in characters (default: {defaults.max_stop_string_length})",
     )
     group.add_argument(
+        "--max-logit-bias",
+        type=int,
+        default=defaults.max_logit_bias,
+        help=f"logit_bias entries one request may give (default: {defaults.max_logit_bias})",
+    )
+    group.add_argument(
         "--max-validation-queue",
         type=int,
         default=16,
@@ -275,6 +281,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
             max_prompt_bytes=args.max_prompt_bytes,
             max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length,
+            max_logit_bias=args.max_logit_bias,
         ),
         max_validation_queue=args.max_validation_queue,
         max_stream_buffer=args.max_stream_buffer,

@@ -21,16 +21,25 @@ class RequestLimits:
     `max_id_bytes` bounds request ids and tenant names (printable text only: they are echoed in every
     stream message and written to logs). `max_prompt_bytes` bounds a text or chat prompt's UTF-8 size
     before it is tokenized. `max_stop_strings` and `max_stop_string_length` (characters) bound the
-    stop-string matcher, which runs on the engine thread for every token.
+    stop-string matcher, which runs on the engine thread for every token. `max_logit_bias` bounds a
+    request's logit bias entries, checked before any is converted (each costs Python time on the way in
+    and a scatter on every step).
     """
 
     max_id_bytes: int = 1024
     max_prompt_bytes: int = 1024 * 1024
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
+    max_logit_bias: int = 1024
 
     def validate(self) -> None:
-        for name in ("max_id_bytes", "max_prompt_bytes", "max_stop_strings", "max_stop_string_length"):
+        for name in (
+            "max_id_bytes",
+            "max_prompt_bytes",
+            "max_stop_strings",
+            "max_stop_string_length",
+            "max_logit_bias",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -62,4 +71,11 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"a stop string has {longest} characters, above this server's limit of "
                 f"{self.max_stop_string_length} (--max-stop-string-length)"
+            )
+
+    def check_logit_bias(self, count: int) -> None:
+        if count > self.max_logit_bias:
+            raise InvalidRequestError(
+                f"logit_bias has {count} entries, above this server's limit of {self.max_logit_bias} "
+                "(--max-logit-bias)"
             )

@@ -59,6 +59,7 @@ def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_l
             f"token_ids has {len(request.token_ids)} tokens, above the context length of {max_model_len}"
         )
     limits.check_stop(request.stopping.stop)
+    limits.check_logit_bias(len(request.sampling.logit_bias))
 
 
 def chat_message(index: int, message: pb.ChatMessage) -> dict[str, Any]:

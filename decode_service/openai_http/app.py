@@ -152,7 +152,8 @@ class OpenAIRoutes:
         openai_request: OpenAIRequest | None = None
         try:
             self._authorize(request)
-            openai_request = translate(await _read_json(request, self._max_body_bytes), endpoint)
+            body = await _read_json(request, self._max_body_bytes)
+            openai_request = translate(body, endpoint, self._generations.config.limits.max_logit_bias)
             if openai_request.model is not None and openai_request.model != self.model:
                 raise ModelNotServedError(
                     f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"

@@ -38,6 +38,7 @@ from decode_service.openai_http.fields import (
     number,
     string,
 )
+from decode_service.request_limits import RequestLimits
 from engine.sampler import SEED_MASK
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -162,13 +163,20 @@ def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
     return value
 
 
-def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
-    """JSON object keys are strings: {"50256": -100} means token 50256."""
+def _logit_bias(body: Mapping[str, Any], max_entries: int) -> dict[int, float]:
+    """JSON object keys are strings: {"50256": -100} means token 50256. At most `max_entries`, counted
+    before any is converted."""
     bias = body.get("logit_bias")
     if bias is None:
         return {}
     if not isinstance(bias, dict):
         raise FieldError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+    if len(bias) > max_entries:
+        raise FieldError(
+            "logit_bias",
+            f"logit_bias has {len(bias)} entries, above this server's limit of {max_entries} "
+            "(--max-logit-bias)",
+        )
     converted = {}
     for key, value in bias.items():
         try:
@@ -261,7 +269,7 @@ def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
         raise FieldError("prompt", f"prompt must be a non-empty string or array of token ids, got {prompt!r}")
 
 
-def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest, max_logit_bias: int) -> None:
     sampling = request.sampling
     for name in (
         "temperature",
@@ -283,7 +291,7 @@ def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
             raise FieldError("seed", f"seed must be a 64-bit integer, got {seed!r}")
         # OpenAI seeds are signed; the wire's are uint64. The mapping is one-to-one, so still reproducible.
         sampling.seed = seed & SEED_MASK
-    sampling.logit_bias.update(_logit_bias(body))
+    sampling.logit_bias.update(_logit_bias(body, max_logit_bias))
 
 
 def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
@@ -298,8 +306,11 @@ def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
     return top or 0
 
 
-def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
-    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for."""
+def translate(
+    body: object, endpoint: Endpoint, max_logit_bias: int = RequestLimits.max_logit_bias
+) -> OpenAIRequest:
+    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for; a `logit_bias`
+    over `max_logit_bias` entries is refused before any entry is converted."""
     if not isinstance(body, dict):
         raise FieldError("body", "the request body must be a JSON object")
     _check_fields(body, _CHAT_FIELDS if endpoint is Endpoint.CHAT else _COMPLETION_FIELDS)
@@ -308,7 +319,7 @@ def translate(body: object, endpoint: Endpoint) -> OpenAIRequest:
         request.messages.extend(_messages(body))
     else:
         _prompt(body, request)
-    _sampling(body, request)
+    _sampling(body, request, max_logit_bias)
     top_logprobs = _top_logprobs(body, endpoint)
     if top_logprobs is not None:
         # The engine returns the chosen token's logprob only alongside >= 1 alternative; extra ones are cut.
