@@ -55,7 +55,7 @@ class TokenOutput:
     text: str
     finish_reason: FinishReason | None
     # Tokens the grammar forced after the sampled one (jump-forward): appended, their KV not computed yet.
-    forced_token_ids: list[int] = field(default_factory=list)
+    forced_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -292,13 +292,15 @@ class Engine:
         self, seq: Sequence, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]]
     ) -> TokenOutput:
         text = seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
-        forced = []
+        if seq.grammar is None:  # the per-token path of unconstrained requests: nothing more to do
+            return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason)
+        forced: list[int] = []
         for forced_id in self._jump_forward(seq):
             if seq.is_finished:  # a stop string matched inside the forced text
                 break
             text += seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
             forced.append(forced_id)
-        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason, forced)
+        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason, tuple(forced))
 
     def _jump_forward(self, seq: Sequence) -> list[int]:
         """The tokens `seq`'s grammar forces next, up to its length limits (none for requests that want
