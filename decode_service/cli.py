@@ -33,6 +33,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/v1/models, /health) on this port, same host, TLS and token (default: off)",
     )
     parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=4096,
+        help="open HTTP connections, at most (further ones are answered 503 and closed); lowered to half "
+        "the process's open-file limit if that is smaller (default: 4096)",
+    )
+    parser.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an HTTP client has to send a whole request, headers and body; slower ones get 408 "
+        "and are closed (default: 30)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help="model name the HTTP API answers to and lists in /v1/models (default: the model's name)",
@@ -176,6 +190,19 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"logit_bias entries one request may give (default: {defaults.max_logit_bias})",
     )
     group.add_argument(
+        "--max-chat-messages",
+        type=int,
+        default=defaults.max_chat_messages,
+        help=f"turns one chat request may hold (default: {defaults.max_chat_messages})",
+    )
+    group.add_argument(
+        "--max-unstreamed-tokens",
+        type=int,
+        default=defaults.max_unstreamed_tokens,
+        help="HTTP: n x max_tokens x (1 + logprobs) a non-streamed answer may hold; larger requests are "
+        f"told to stream (default: {defaults.max_unstreamed_tokens})",
+    )
+    group.add_argument(
         "--max-validation-queue",
         type=int,
         default=16,
@@ -261,6 +288,8 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
     config = DecodeServiceConfig(
         **server_settings_from_args(args),
         http_port=args.http_port,
+        http_max_connections=args.http_max_connections,
+        http_read_timeout_s=args.http_read_timeout,
         served_model_name=args.served_model_name,
         policy=args.policy,
         tenant_weights=parse_tenant_weights(args.tenant_weights),
@@ -282,6 +311,8 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
             max_stop_strings=args.max_stop_strings,
             max_stop_string_length=args.max_stop_string_length,
             max_logit_bias=args.max_logit_bias,
+            max_chat_messages=args.max_chat_messages,
+            max_unstreamed_tokens=args.max_unstreamed_tokens,
         ),
         max_validation_queue=args.max_validation_queue,
         max_stream_buffer=args.max_stream_buffer,

@@ -59,6 +59,9 @@ class DecodeServiceConfig(ServerConfig):
     port: int = 50051
     # The OpenAI-compatible HTTP API on the same host, process and engine; None: off.
     http_port: int | None = None
+    # Against slow or piled-up clients: open connections, at most, and seconds to send a whole request.
+    http_max_connections: int = 4096
+    http_read_timeout_s: float = 30.0
     # The model name the HTTP API answers to; None: the engine's model name.
     served_model_name: str | None = None
     policy: str = "fifo"
@@ -110,6 +113,10 @@ class DecodeServiceConfig(ServerConfig):
         super().validate()
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ConfigError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http_max_connections < 1:
+            raise ConfigError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
+        if not self.http_read_timeout_s > 0:
+            raise ConfigError(f"http_read_timeout_s must be > 0, got {self.http_read_timeout_s}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ConfigError("served_model_name must not be empty")
         if self.max_preemptions < 0:

@@ -23,7 +23,10 @@ class RequestLimits:
     before it is tokenized. `max_stop_strings` and `max_stop_string_length` (characters) bound the
     stop-string matcher, which runs on the engine thread for every token. `max_logit_bias` bounds a
     request's logit bias entries, checked before any is converted (each costs Python time on the way in
-    and a scatter on every step).
+    and a scatter on every step). `max_chat_messages` bounds a chat's turns before any is converted or
+    rendered: the chat template costs ~20 µs of GIL-held Python per turn, however short. A non-streamed
+    HTTP answer is built whole in memory, so `max_unstreamed_tokens` bounds what it may hold: choices
+    x max_tokens x (1 + alternatives per token), ~300 bytes each.
     """
 
     max_id_bytes: int = 1024
@@ -31,6 +34,8 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_length: int = 256
     max_logit_bias: int = 1024
+    max_chat_messages: int = 2048
+    max_unstreamed_tokens: int = 64 * 4096
 
     def validate(self) -> None:
         for name in (
@@ -39,6 +44,8 @@ class RequestLimits:
             "max_stop_strings",
             "max_stop_string_length",
             "max_logit_bias",
+            "max_chat_messages",
+            "max_unstreamed_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -78,4 +85,22 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"logit_bias has {count} entries, above this server's limit of {self.max_logit_bias} "
                 "(--max-logit-bias)"
+            )
+
+    def check_chat_messages(self, count: int) -> None:
+        if count > self.max_chat_messages:
+            raise InvalidRequestError(
+                f"messages has {count} turns, above this server's limit of {self.max_chat_messages} "
+                "(--max-chat-messages)"
+            )
+
+    def check_unstreamed(self, choices: int, max_tokens: int, alternatives: int) -> None:
+        """A whole (non-streamed) answer's worst case, from what the request asks for."""
+        worst = choices * max_tokens * (1 + alternatives)
+        if worst > self.max_unstreamed_tokens:
+            raise InvalidRequestError(
+                f"a non-streamed answer of n={choices} x max_tokens={max_tokens} x (1 + {alternatives} "
+                f"logprobs) may hold {worst} tokens, above this server's limit of "
+                f"{self.max_unstreamed_tokens} (--max-unstreamed-tokens); stream it (stream: true), "
+                "or lower n, max_tokens or logprobs"
             )

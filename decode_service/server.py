@@ -19,6 +19,7 @@ from decode_service.engine_loop import EngineLoop
 from decode_service.generation import Generations
 from decode_service.metrics import DecodeMetrics
 from decode_service.openai_http.app import OpenAIRoutes
+from decode_service.openai_http.connections import ConnectionLimits
 from decode_service.openai_http.server import HttpServer
 from decode_service.policies import make_policy
 from decode_service.remote_prefill.stage import RemotePrefill
@@ -32,6 +33,7 @@ from engine.engine import Engine
 from engine.errors import ConfigError
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from serving.event_log import EventLog
+from serving.open_files import open_file_limit
 from serving.server import TierServer, serve_until_signalled, server_version
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,13 @@ class DecodeServer(TierServer):
                 MAX_HTTP_BODY_BYTES,
                 lambda: self._http_serving,
             )
-            self.http = HttpServer(routes.app(), config.host, config.http_port, config.tls)
+            limits = ConnectionLimits(
+                # Half the descriptors at most: the gRPC port, model files and prefill calls need theirs.
+                max_connections=min(config.http_max_connections, open_file_limit() // 2),
+                read_timeout=config.http_read_timeout_s,
+                stall_timeout=config.stream_stall_timeout_s,
+            )
+            self.http = HttpServer(routes.app(), config.host, config.http_port, limits, config.tls)
 
     async def start(self) -> int:
         port = await super().start()

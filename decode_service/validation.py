@@ -53,6 +53,7 @@ def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_l
         limits.check_id("tenant", request.tenant)
     if request.cache_salt:
         limits.check_id("cache_salt", request.cache_salt)
+    limits.check_chat_messages(len(request.messages))
     limits.check_prompt_bytes(prompt_bytes(request))
     if len(request.token_ids) > max_model_len:
         raise InvalidRequestError(

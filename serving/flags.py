@@ -186,12 +186,14 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
 
     from engine.engine import Engine
     from engine.model_store import resolve_model
+    from serving.open_files import raise_open_file_limit
     from serving.parent_watch import stop_with_parent
     from tandem.logs import set_log_prompts, use_log_format
 
     stop_with_parent()
     use_log_format(args.log_format)
     set_log_prompts(args.log_prompts)
+    raise_open_file_limit()
     check_positive(args, "max_concurrent_streams")
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model(args.model)

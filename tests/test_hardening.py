@@ -21,7 +21,7 @@ import pytest
 from conftest import save_tiny_model, wait_until
 from test_decode_server import RunningServer, start_server
 from test_disagg_serving import LoopThread
-from test_openai_api import Server, http_call
+from test_openai_api import MODEL, Server, http_call
 
 from decode_service.request_limits import RequestLimits
 from decode_service.validation_pool import SHORT_PROMPT_BYTES
@@ -454,3 +454,74 @@ def test_logit_bias_over_the_limit_is_refused_on_both_doors_before_conversion(mo
     finally:
         grpc_server.close()
         http_server.close()
+
+
+def test_chat_turns_over_the_limit_are_refused_on_both_doors_before_rendering(model_dir):
+    """110k tiny turns once took 4.1 s of GIL-held conversion and templating to refuse; now the count is
+    checked first, on both doors."""
+    grpc_server = start_server(model_dir, limits=RequestLimits(max_chat_messages=4))
+    http_server = Server(model_dir, limits=RequestLimits(max_chat_messages=4))
+    try:
+        request = pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="hi")] * 5,
+            stopping=pb.StoppingParams(max_tokens=2),
+        )
+        refused = refusal(grpc_server, request)
+        assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages has 5 turns" in refused.details() and "--max-chat-messages" in refused.details()
+
+        # Not even the turns' shape is looked at: the count refuses first.
+        turns = [{"role": 7, "content": None}] * 110_000
+        status, body = http_call(
+            http_server, "POST", "/v1/chat/completions", {"messages": turns, "max_tokens": 2}
+        )
+        assert status == 400 and body["error"]["param"] == "messages"
+        assert "messages has 110000 turns" in body["error"]["message"]
+
+        within = [{"role": "user", "content": "hi"}] * 4
+        status, body = http_call(
+            http_server, "POST", "/v1/chat/completions", {"messages": within, "max_tokens": 2}
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        request.messages.pop()
+        assert list(grpc_server.stub.Generate(request, timeout=60))[-1].finish_reason == pb.LENGTH
+        assert wait_until(grpc_server.pool_is_full) and wait_until(http_server.idle)
+    finally:
+        grpc_server.close()
+        http_server.close()
+
+
+def test_a_whole_answer_past_the_memory_bound_is_told_to_stream(model_dir):
+    """n=64, max_tokens=600, logprobs=20 once made a server hold +226 MiB for one small request. The
+    worst case of a non-streamed answer is bounded; the same request streamed is served."""
+    server = Server(model_dir, limits=RequestLimits(max_unstreamed_tokens=60))
+    try:
+        ask = {"prompt": "Hello", "n": 2, "max_tokens": 10, "logprobs": 3, "ignore_eos": True}
+        status, body = http_call(server, "POST", "/v1/completions", ask)  # 2 x 10 x (1 + 3) = 80
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+        message = body["error"]["message"]
+        assert "n=2 x max_tokens=10 x (1 + 3 logprobs) may hold 80 tokens" in message
+        assert "--max-unstreamed-tokens" in message and "stream: true" in message
+
+        ask["logprobs"] = 2  # 2 x 10 x 3 = 60: at the limit
+        status, body = http_call(server, "POST", "/v1/completions", ask)
+        assert status == 200 and len(body["choices"]) == 2
+
+        # Unset max_tokens counts as the server's cap (4096 by default), streamed answers are not bound.
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        status, body = http_call(server, "POST", "/v1/chat/completions", chat)
+        assert status == 400 and "max_tokens=4096" in body["error"]["message"]
+        streamed = server.client.completions.create(
+            model=MODEL,
+            prompt="Hello",
+            n=2,
+            max_tokens=10,
+            logprobs=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        assert [chunk.usage.completion_tokens for chunk in streamed if chunk.usage] == [20]
+        assert wait_until(server.idle)
+    finally:
+        server.close()

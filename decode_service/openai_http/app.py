@@ -153,12 +153,14 @@ class OpenAIRoutes:
         try:
             self._authorize(request)
             body = await _read_json(request, self._max_body_bytes)
-            openai_request = translate(body, endpoint, self._generations.config.limits.max_logit_bias)
+            openai_request = translate(body, endpoint, self._generations.config.limits)
             if openai_request.model is not None and openai_request.model != self.model:
                 raise ModelNotServedError(
                     f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
                 )
             generate = openai_request.generate
+            if not openai_request.stream:
+                self._check_unstreamed(openai_request)
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, generate.request_id)
             tenant, priority = tenant_and_priority(
                 generate, request.headers.items(), self._generations.config
@@ -183,6 +185,16 @@ class OpenAIRoutes:
                 background=BackgroundTask(generation.close),
             )
         return await self._whole_answer(request, generation, builder)
+
+    def _check_unstreamed(self, request: OpenAIRequest) -> None:
+        """A whole answer is built in memory: refuse one whose worst case is past the server's bound."""
+        config = self._generations.config
+        stopping = request.generate.stopping
+        config.limits.check_unstreamed(
+            max(request.generate.n, 1),
+            stopping.max_tokens if stopping.HasField("max_tokens") else config.max_tokens_cap,
+            max(request.generate.sampling.logprobs, 0),
+        )
 
     async def _events(
         self, generation: Generation, builder: ResponseBuilder, request: OpenAIRequest

@@ -133,6 +133,9 @@ def _function_param(match: re.Match[str]) -> str:
     return f"{match.group(1)}.function.{name}"
 
 
+DEFAULT_LIMITS = RequestLimits()
+
+
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     """Refuse every field that would change the answer in a way tandem does not implement."""
     for name, value in body.items():
@@ -224,10 +227,16 @@ def _message_content(index: int, content: object) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: Mapping[str, Any]) -> list[pb.ChatMessage]:
+def _messages(body: Mapping[str, Any], max_messages: int) -> list[pb.ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "messages must be a non-empty array of {role, content} objects")
+    if len(messages) > max_messages:
+        raise FieldError(
+            "messages",
+            f"messages has {len(messages)} turns, above this server's limit of {max_messages} "
+            "(--max-chat-messages)",
+        )
     converted = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -306,20 +315,18 @@ def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
     return top or 0
 
 
-def translate(
-    body: object, endpoint: Endpoint, max_logit_bias: int = RequestLimits.max_logit_bias
-) -> OpenAIRequest:
-    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for; a `logit_bias`
-    over `max_logit_bias` entries is refused before any entry is converted."""
+def translate(body: object, endpoint: Endpoint, limits: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:
+    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for; `logit_bias`
+    entries and chat turns past `limits` are refused before any is converted."""
     if not isinstance(body, dict):
         raise FieldError("body", "the request body must be a JSON object")
     _check_fields(body, _CHAT_FIELDS if endpoint is Endpoint.CHAT else _COMPLETION_FIELDS)
     request = pb.GenerateRequest()
     if endpoint is Endpoint.CHAT:
-        request.messages.extend(_messages(body))
+        request.messages.extend(_messages(body, limits.max_chat_messages))
     else:
         _prompt(body, request)
-    _sampling(body, request, max_logit_bias)
+    _sampling(body, request, limits.max_logit_bias)
     top_logprobs = _top_logprobs(body, endpoint)
     if top_logprobs is not None:
         # The engine returns the chosen token's logprob only alongside >= 1 alternative; extra ones are cut.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from decode_service.openai_http.connections import ConnectionLimits, GuardedHttpProtocol
 from engine.errors import ConfigError
 from serving.config import TLSConfig
 
@@ -28,13 +30,17 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    """Serves `app` on host:port (with the gRPC port's TLS settings when given) until `stop()`."""
+    """Serves `app` on host:port (with the gRPC port's TLS settings when given) until `stop()`; each
+    connection is held to `limits`."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None = None) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, limits: ConnectionLimits, tls: TLSConfig | None = None
+    ) -> None:
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            http=functools.partial(GuardedHttpProtocol, limits=limits),  # type: ignore[arg-type]
             ssl_certfile=tls.cert if tls else None,
             ssl_keyfile=tls.key if tls else None,
             # Mutual TLS like the gRPC port: a client CA makes a client certificate mandatory.
@@ -67,6 +73,11 @@ class HttpServer:
         except SystemExit:
             # uvicorn exits the process when it cannot bind; here that must not take the gRPC port down.
             logger.error("the HTTP API stopped: uvicorn could not start")
+
+    @property
+    def open_connections(self) -> int:
+        """HTTP connections the server holds now (refused ones are never counted)."""
+        return len(self._server.server_state.connections)
 
     async def stop(self) -> None:
         """Close the port; open connections get a second to finish their responses."""
