@@ -1,4 +1,5 @@
-"""Soak: good clients and every hostile pattern of issue 13 at once, against real `tandem serve` processes.
+"""Soak: good clients and every hostile pattern of issues 13 and 25 at once, against real `tandem serve`
+processes.
 
 Both tiers run as subprocesses on a tiny model (decode calls prefill for every prompt). Good clients
 send short requests at a light, steady rate the whole time; hostile clients run in 5-second windows,
@@ -10,6 +11,7 @@ held on either tier and both servers still serve.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import socket
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +43,9 @@ STALL_TIMEOUT_S = 3.0
 # from here (an unfixed server fails it by seconds: huge prompts tokenized inline, slots held by readers
 # that never read).
 TTFT_FLOOR_S = 0.1
+HTTP_READ_TIMEOUT_S = 2.0
+HTTP_MAX_CONNECTIONS = 200
+SLOWLORIS_CONNECTIONS = 300
 START_TIMEOUT_S = 300.0
 
 
@@ -85,6 +91,7 @@ class Tier:
             *flags,
         ]
         self.port, self.metrics_port = port, metrics_port
+        self.http_port = int(flags[flags.index("--http-port") + 1]) if "--http-port" in flags else None
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
@@ -120,7 +127,9 @@ class Hostile:
 
     def __init__(self, decode: Tier, prefill: Tier, on: threading.Event, stop: threading.Event) -> None:
         self.decode, self.prefill, self.on, self.stop = decode, prefill, on, stop
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{decode.port}")
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{decode.port}", options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
+        )
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.rng = random.Random(13)
         self.errors: list[BaseException] = []
@@ -135,6 +144,9 @@ class Hostile:
             self.unread_prefill,
             self.rotating_tenants,
             self.min_tokens_and_stop,
+            self.slowloris,
+            self.refused_flood,
+            self.refused_flood,
         ]
 
     def run(self, attack: Callable[[], None]) -> None:
@@ -214,6 +226,41 @@ class Hostile:
         stopping = pb.StoppingParams(max_tokens=12, min_tokens=10, stop=["a", "e"])
         self._generate(pb.GenerateRequest(prompt="the", stopping=stopping, priority=1000))
 
+    def slowloris(self) -> None:
+        """More half-sent HTTP requests than the cap allows, held past the read deadline."""
+        held = []
+        try:
+            for _ in range(SLOWLORIS_CONNECTIONS):
+                sock = socket.create_connection(("127.0.0.1", self.decode.http_port), timeout=10)
+                held.append(sock)
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: tandem\r\n")
+            time.sleep(2 * HTTP_READ_TIMEOUT_S)
+        finally:
+            for sock in held:
+                sock.close()
+
+    def refused_flood(self) -> None:
+        """Requests that are refused, each as large as the doors take, sent back to back."""
+        huge_bias = pb.GenerateRequest(prompt="a")
+        huge_bias.sampling.logit_bias.update({token_id: 1.0 for token_id in range(380_000)})
+        self._generate(huge_bias)
+        url = f"http://127.0.0.1:{self.decode.http_port}/v1/chat/completions"
+        for body in (
+            {"messages": [{"role": "user", "content": "hi"}] * 110_000},
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "logit_bias": {str(i): 1 for i in range(380_000)},
+            },
+        ):
+            request = urllib.request.Request(
+                url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            try:
+                urllib.request.urlopen(request, timeout=30).close()
+            except urllib.error.HTTPError as refused:
+                refused.close()
+                assert refused.code == 400, refused.code
+
 
 def good_client(
     port: int, stop: threading.Event, on: threading.Event, ttfts: dict[bool, list[float]], errors: list
@@ -253,7 +300,7 @@ def p99(samples: list[float]) -> float:
 def test_good_clients_keep_their_latency_while_every_attack_runs(tmp_path, record_property):
     model_dir = tmp_path / "model"
     save_tiny_model(model_dir, 21)
-    port, metrics_port, prefill_port, prefill_metrics_port = free_ports(4)
+    port, metrics_port, prefill_port, prefill_metrics_port, http_port = free_ports(5)
     prefill = Tier(
         "prefill", model_dir, prefill_port, prefill_metrics_port, ["--max-num-batched-tokens", "256"]
     )
@@ -279,6 +326,12 @@ def test_good_clients_keep_their_latency_while_every_attack_runs(tmp_path, recor
             "64",
             "--prefill-timeout",
             "20",
+            "--http-port",
+            str(http_port),
+            "--http-read-timeout",
+            str(HTTP_READ_TIMEOUT_S),
+            "--http-max-connections",
+            str(HTTP_MAX_CONNECTIONS),
         ],
     )
     on, stop = threading.Event(), threading.Event()
