@@ -10,8 +10,11 @@ counts):
 - `tandem-aggregated-http`  the same server measured through its OpenAI-compatible HTTP API, by the
                    OpenAI backend that also measures llama-server (the HTTP path's cost vs gRPC);
 - `tandem-disaggregated`  a prefill server and a decode server (when decode has `--prefill`);
+- `tandem-aggregated-int8`, `tandem-aggregated-int8-kv-int8`  the aggregated server with int8 weights
+                   (`--quantization int8`), and with the int8 KV cache too (`--kv-cache-dtype int8`);
 - `llama-server`   llama.cpp, `-np 16 -cb`, on the F32 GGUF of the same Q4_1 weights (needs
-                   `python -m bench.llama_cpp_build` once).
+                   `python -m bench.llama_cpp_build` once);
+- `llama-server-q8_0`  the same on the Q8_0 GGUF (`--no-repack`), what CPU users of llama.cpp run.
 
 The headline workload (all requests at once) runs on every system; then a rate sweep runs on the
 server systems with the first --sweep-prompts requests of the same workload, Poisson arrivals. A
@@ -47,8 +50,17 @@ SYSTEMS = (
     "tandem-aggregated",
     "tandem-aggregated-http",
     "tandem-disaggregated",
+    "tandem-aggregated-int8",
+    "tandem-aggregated-int8-kv-int8",
     "llama-server",
+    "llama-server-q8_0",
 )
+# The server flags of each precision mode of the aggregated server.
+PRECISION_FLAGS = {
+    "tandem-aggregated": [],
+    "tandem-aggregated-int8": ["--quantization", "int8"],
+    "tandem-aggregated-int8-kv-int8": ["--quantization", "int8", "--kv-cache-dtype", "int8"],
+}
 SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "llama-server")
 BASELINE = "hf-static"
 
@@ -137,9 +149,9 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
     """Start system `name`; yields (backend kind, target, system description)."""
     from bench import servers
 
-    if name in ("tandem-static", "tandem-aggregated", "tandem-aggregated-http"):
+    if name in ("tandem-static", "tandem-aggregated-http", *PRECISION_FLAGS):
         batching = "static" if name == "tandem-static" else "continuous"
-        server_args = _tandem_server_args(args, batching)
+        server_args = _tandem_server_args(args, batching) + PRECISION_FLAGS.get(name, [])
         http_port = servers.free_port() if name.endswith("-http") else None
         if http_port is not None:
             server_args += ["--http-port", str(http_port)]
@@ -169,14 +181,15 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
         with servers.running(prefill, decode):
             threads = {"prefill": prefill_threads, "decode": decode_threads}
             yield "tandem", target, {"threads": threads, "server_args": server_args}
-    elif name == "llama-server":
+    elif name in ("llama-server", "llama-server-q8_0"):
         from bench.llama_cpp_build import default_tools
 
         tools = default_tools()
         if not tools.is_ready():
             raise SystemSkipped(f"llama.cpp not built in {tools.root}: run `python -m bench.llama_cpp_build`")
+        gguf = tools.q8_0_model if name == "llama-server-q8_0" else tools.f32_model
         server, url = servers.llama_server(
-            name, tools.server, tools.f32_model, args.threads, args.llama_parallel, args.llama_context
+            name, tools.server, gguf, args.threads, args.llama_parallel, args.llama_context
         )
         with server:
             manifest = json.loads(tools.manifest.read_text()) if tools.manifest.is_file() else {}
@@ -187,7 +200,7 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
                     "threads": {"server": args.threads},
                     "parallel": args.llama_parallel,
                     "context": args.llama_context,
-                    "gguf": tools.f32_model.name,
+                    "gguf": gguf.name,
                     "build": manifest.get("sdist"),
                 },
             )

@@ -1,11 +1,12 @@
-"""Build llama.cpp's `llama-server` and `llama-quantize` once into the tandem cache, and make the F32 GGUF.
+"""Build llama.cpp's `llama-server` and `llama-quantize` once into the tandem cache; make F32 and Q8_0 GGUFs.
 
 llama.cpp is the strongest CPU peer we compare against, but it is not packaged as a binary here. PyPI's
 `llama-cpp-python` sdist vendors its sources, so we fetch that sdist with pip, configure only the two
 targets we need (server on; web UI, prebuilt-UI download, OpenSSL and curl off; native CPU flags; static
 libraries so the binaries stand alone) and build them under `nice -n 19`, because the machine's cores
 are shared. The model is the very Q4_1 GGUF tandem's default model comes from, re-quantized to F32 with
-`llama-quantize --allow-requantize`, so llama.cpp and tandem compute with the same dequantized weights.
+`llama-quantize --allow-requantize`, so llama.cpp and tandem compute with the same dequantized weights,
+and that F32 file quantized to Q8_0, what llama.cpp's CPU users run.
 
 This is slow (about 10 minutes on 2 cores) and never part of `make test`:
 
@@ -51,6 +52,7 @@ CMAKE_FLAGS = (
 )
 Q4_1_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 F32_NAME = "SmolLM2-135M-Instruct.F32.gguf"
+Q8_0_NAME = "SmolLM2-135M-Instruct.Q8_0.gguf"
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ class LlamaCppTools:
         return self.root / "models" / F32_NAME
 
     @property
+    def q8_0_model(self) -> Path:
+        """What CPU users of llama.cpp run: 8-bit blocks of 32 weights, each with an fp16 scale."""
+        return self.root / "models" / Q8_0_NAME
+
+    @property
     def manifest(self) -> Path:
         return self.root / "manifest.json"
 
@@ -83,7 +90,7 @@ class LlamaCppTools:
         return self.server.is_file() and self.quantize.is_file()
 
     def is_ready(self) -> bool:
-        return self.is_built() and self.f32_model.is_file()
+        return self.is_built() and self.f32_model.is_file() and self.q8_0_model.is_file()
 
 
 def default_tools(home: Path | None = None) -> LlamaCppTools:
@@ -166,6 +173,11 @@ def make_f32_model(tools: LlamaCppTools) -> None:
     _run([str(tools.quantize), "--allow-requantize", str(tools.q4_1_model), str(tools.f32_model), "F32"])
 
 
+def make_q8_0_model(tools: LlamaCppTools) -> None:
+    """Quantize the F32 GGUF to Q8_0, as llama.cpp users do with `llama-quantize`."""
+    _run([str(tools.quantize), str(tools.f32_model), str(tools.q8_0_model), "Q8_0"])
+
+
 def ensure_llama_cpp(tools: LlamaCppTools, jobs: int = 2, force: bool = False) -> LlamaCppTools:
     """Build what is missing (everything with `force`) and record how in `manifest.json`."""
     started = time.monotonic()
@@ -180,6 +192,9 @@ def ensure_llama_cpp(tools: LlamaCppTools, jobs: int = 2, force: bool = False) -
     if force or not tools.f32_model.is_file():
         make_f32_model(tools)
     manifest["f32_model"] = tools.f32_model.name
+    if force or not tools.q8_0_model.is_file():
+        make_q8_0_model(tools)
+    manifest["q8_0_model"] = tools.q8_0_model.name
     tools.manifest.write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info("llama.cpp tools ready in %s (%.0f s)", tools.root, time.monotonic() - started)
     return tools

@@ -8,10 +8,11 @@ Sections, in this order (each reuses its own benchmark's machinery):
 - serving: `tandem bench serving-path` (near-zero-cost model, 128 streams x 128 tokens, 3 rounds) over
   gRPC and over the OpenAI HTTP API: server CPU µs per token (target ≤ 60) and served tok/s
   (≥ 15,000), the gRPC figures beside the issue's recorded "before" (bench.perf_targets).
-- single: a tandem aggregated decode server and llama-server (F32 GGUF, one slot), each started the way
-  `tandem bench compare` starts them with 2 threads, one after the other, sent the same prompts one at
-  a time (256 greedy tokens): TTFT p50 and decode tok/s (1 / TPOT p50), the ratio (≥ 1.0x), and the
-  weight-read bound (weight bytes per step / read bandwidth from bench.roofline's probe).
+- single: tandem aggregated against llama-server (F32 GGUF, one slot), and tandem with int8 weights
+  against llama-server on the Q8_0 GGUF, each started the way `tandem bench compare` starts them with 2
+  threads, one after the other, sent the same prompts one at a time (256 greedy tokens): TTFT p50 and
+  decode tok/s (1 / TPOT p50), each pair's ratio (≥ 1.0x), and the fp32 weight-read bound (weight
+  bytes per step / read bandwidth from bench.roofline's probe).
 - kv: bench.kv_transfer's servers in this process: KV transfer GB/s by prompt length (≥ 1 GB/s at
   4k tokens) and disaggregated / aggregated TTFT at low load (≤ 1.2 for prompts ≥ 1k tokens); where
   bench.kv_transfer has the wire-only measurement (bench.kv_wire), the wire alone up to 16k tokens.
@@ -49,6 +50,8 @@ SECTIONS = ("serving", "single", "kv", "headline")
 MAX_START_LOAD = 1.0
 THREADS = 2
 HEADLINE_SYSTEMS = ("tandem-aggregated", "llama-server")
+# Single stream: each tandem precision against llama.cpp at the same weight precision.
+SINGLE_PAIRS = (("tandem-aggregated", "llama-server"), ("tandem-aggregated-int8", "llama-server-q8_0"))
 # The headline workload's session in compare.json was measured with these SLOs; same again.
 HEADLINE_GOODPUT = ["ttft:5000", "tpot:500"]
 
@@ -236,7 +239,7 @@ def weight_read_bound(model_dir: Path) -> dict:
 
 
 def single_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[Figure]]:
-    """Tandem aggregated and llama-server, one request at a time on the same prompts."""
+    """Each tandem precision and llama-server at the same precision, one request at a time, same prompts."""
     from bench.compare import serving
     from bench.roofline import ModelShape
     from bench.serve import build_workload, make_backend, measure
@@ -261,7 +264,7 @@ def single_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[F
     )
     workload = build_workload(compare_args, ModelShape.from_config_file(model_dir / "config.json").vocab)
     runs = {}
-    for name in HEADLINE_SYSTEMS:
+    for name in (name for pair in SINGLE_PAIRS for name in pair):
         with serving(name, compare_args, str(model_dir)) as (kind, target, extra):
             backend = make_backend(kind, target, name)
             runs[name] = asyncio.run(
@@ -272,15 +275,13 @@ def single_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[F
     bound = weight_read_bound(model_dir)
     rates = {name: 1000.0 / run["metrics"]["tpot_ms"]["p50"] for name, run in runs.items()}
     fractions = {name: rate / bound["tok_s"] for name, rate in rates.items()}
-    tandem, llama = HEADLINE_SYSTEMS
     bound_note = (
-        f"weight-read bound {bound['tok_s']:.0f} tok/s ({bound['weight_bytes_per_step'] / 1e6:.0f} MB "
-        f"per step at {bound['read_bandwidth_gbs']:.1f} GB/s); tandem {fractions[tandem]:.0%} of it, "
-        f"llama-server {fractions[llama]:.0%}"
+        f"fp32 weight-read bound {bound['tok_s']:.0f} tok/s ({bound['weight_bytes_per_step'] / 1e6:.0f} MB "
+        f"per step at {bound['read_bandwidth_gbs']:.1f} GB/s)"
     )
     figures = []
-    for name in HEADLINE_SYSTEMS:
-        metrics = runs[name]["metrics"]
+    for name, run in runs.items():
+        metrics = run["metrics"]
         failed = f"; {metrics['failed']} requests failed" if metrics["failed"] else ""
         figures += [
             Figure("single", f"TTFT p50, {name}", metrics["ttft_ms"]["p50"], "ms", note=failed.lstrip("; ")),
@@ -289,19 +290,20 @@ def single_section(args: argparse.Namespace, sizes: Sizes) -> tuple[dict, list[F
                 f"decode tok/s (1/TPOT p50), {name}",
                 round(rates[name], 1),
                 "tok/s",
-                note=f"{fractions[name]:.0%} of the weight-read bound",
+                note=f"{fractions[name]:.0%} of the fp32 weight-read bound",
             ),
         ]
-    figures.append(
-        Figure(
-            "single",
-            "decode tok/s, tandem / llama-server",
-            round(rates[tandem] / rates[llama], 3),
-            "x",
-            perf_targets.SINGLE_STREAM_RATIO,
-            note=bound_note,
+    for tandem, llama in SINGLE_PAIRS:
+        figures.append(
+            Figure(
+                "single",
+                f"decode tok/s, {tandem} / {llama}",
+                round(rates[tandem] / rates[llama], 3),
+                "x",
+                perf_targets.SINGLE_STREAM_RATIO,
+                note=bound_note,
+            )
         )
-    )
     return {"workload": workload.description, "weight_read_bound": bound, "runs": runs}, figures
 
 

@@ -190,7 +190,8 @@ def tandem_prefill_server(
 def llama_server(
     name: str, binary: Path, gguf: Path, threads: int, parallel: int, context: int
 ) -> tuple[ServerProcess, str]:
-    """`llama-server` with `parallel` slots and continuous batching; returns it and its base URL."""
+    """`llama-server` with `parallel` slots and continuous batching; returns it and its base URL. A Q8_0
+    GGUF runs with `--no-repack`: repacking its weights hangs at start on this machine kind."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
@@ -211,6 +212,8 @@ def llama_server(
         "-c",
         str(context),
     ]
+    if "q8_0" in gguf.name.lower():
+        command.append("--no-repack")
     return ServerProcess(name, command, lambda: _http_healthy(f"{url}/health"), thread_env(threads)), url
 
 

@@ -1,0 +1,333 @@
+"""`tandem bench quantized`: tandem's precision modes against llama-server F32 and Q8_0, in one run.
+
+    tandem bench quantized [--systems ...] [--quick] [--out-dir bench/results]
+
+Systems, each a fresh server measured alone, one after another (`tandem bench compare` starts them):
+tandem aggregated in fp32, with int8 weights (`--quantization int8`) and with int8 weights and int8 KV
+(`--kv-cache-dtype int8`); llama-server (`-np 16 -cb -t 2`) on the F32 GGUF and on the Q8_0 GGUF of the
+same weights. On each server, in this order:
+
+- multi-turn: bench.multi_turn's chat (4 conversations x 4 turns, a shared 512-token system prompt,
+  history resent each turn, 32-token replies), first, while the server's prompt cache is cold: output
+  tok/s and the median TTFT of turns >= 2;
+- single: one request at a time (4 prompts of the headline's lengths, 256 greedy tokens): decode tok/s
+  (1 / TPOT p50) and TTFT p50;
+- headline: `tandem bench compare`'s workload all at once (64 requests): output tok/s;
+- memory: the peak RSS of the system's server processes over the three.
+
+Writes `quantized.json`, `quantized.png` and `README_quantized_table.md` (the README's benchmark table)
+and prints the ratios of tandem int8 to llama-server Q8_0. Takes about 15 minutes on a quiet 2-core
+machine; `--quick` runs a smoke-sized version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import logging
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = (
+    "tandem-aggregated",
+    "tandem-aggregated-int8",
+    "tandem-aggregated-int8-kv-int8",
+    "llama-server",
+    "llama-server-q8_0",
+)
+LABELS = {
+    "tandem-aggregated": "tandem fp32",
+    "tandem-aggregated-int8": "tandem int8",
+    "tandem-aggregated-int8-kv-int8": "tandem int8 + int8 KV",
+    "llama-server": "llama-server F32",
+    "llama-server-q8_0": "llama-server Q8_0",
+}
+# The pair the ratios compare: tandem's 8-bit weights against llama.cpp's.
+TANDEM, PEER = "tandem-aggregated-int8", "llama-server-q8_0"
+MAX_START_LOAD = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: {SYSTEMS})")
+    parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
+    parser.add_argument("--quick", action="store_true", help="smoke-sized workloads")
+    parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+
+
+def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser.parse_args(argv)
+
+
+def _systems(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)})")
+    return names
+
+
+def peak_rss_bytes(pids: list[int]) -> int:
+    """The summed high-water RSS (VmHWM) of `pids`: what each process held at its peak."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
+def _server_pids() -> list[int]:
+    import psutil
+
+    return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
+@contextlib.contextmanager
+def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[str, str, dict]]:
+    """The system as `tandem bench compare` starts it, with every workload's needs met."""
+    from bench import compare
+
+    compare_args = _parse(
+        compare.add_arguments,
+        ["--threads", str(args.threads), "--no-progress", "--kv-cache-memory", "2GiB"],
+    )
+    with compare.serving(name, compare_args, model) as served:
+        yield served
+
+
+def _chat_client(kind: str, target: str):
+    from bench.multi_turn import LlamaServerChatClient, TandemChatClient
+
+    return TandemChatClient(target) if kind == "tandem" else LlamaServerChatClient(target)
+
+
+def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
+    """Multi-turn, single stream and headline on one fresh server of system `name`."""
+    from bench.multi_turn import FIRST_PLAIN_TOKEN, run_conversations, summarize
+    from bench.serve import make_backend, measure
+    from bench.workload import ArrivalProcess
+
+    with serving(name, args, str(model_dir)) as (kind, target, extra):
+
+        async def chat() -> dict:
+            client = _chat_client(kind, target)
+            async for _ in client.complete([FIRST_PLAIN_TOKEN + i for i in range(8)], 2):
+                pass
+            turns, wall_s = await run_conversations(client, workloads["chat"])
+            await client.close()
+            return summarize(turns, wall_s)
+
+        multi_turn = asyncio.run(chat())
+        backend_args, single, headline = workloads["args"], workloads["single"], workloads["headline"]
+        single_run = asyncio.run(
+            measure(
+                make_backend(kind, target, name),
+                backend_args,
+                ArrivalProcess(math.inf),
+                False,
+                extra,
+                single,
+                max_concurrency=1,
+            )
+        )
+        headline_run = asyncio.run(
+            measure(
+                make_backend(kind, target, name),
+                backend_args,
+                ArrivalProcess(math.inf),
+                False,
+                extra,
+                headline,
+            )
+        )
+        memory = peak_rss_bytes(_server_pids())
+    single_metrics, headline_metrics = single_run["metrics"], headline_run["metrics"]
+    result = {
+        "system": name,
+        "label": LABELS[name],
+        "server": extra,
+        "single_decode_tok_s": 1000.0 / single_metrics["tpot_ms"]["p50"],
+        "single_ttft_ms_p50": single_metrics["ttft_ms"]["p50"],
+        "multi_turn_tok_s": multi_turn["output_throughput"],
+        "multi_turn_median_ttft_ms": multi_turn["median_ttft_ms_turns_2_plus"],
+        "headline_tok_s": headline_metrics["output_throughput"],
+        "peak_rss_bytes": memory,
+        "failed": single_metrics["failed"] + headline_metrics["failed"],
+        "multi_turn": multi_turn,
+    }
+    logger.info(
+        "%s: single %.1f tok/s, multi-turn %.1f tok/s (TTFT %.0f ms), headline %.1f tok/s, peak RSS %.0f MiB",
+        name,
+        result["single_decode_tok_s"],
+        result["multi_turn_tok_s"],
+        result["multi_turn_median_ttft_ms"] or math.nan,
+        result["headline_tok_s"],
+        memory / 2**20,
+    )
+    return result
+
+
+def ratios(runs: list[dict]) -> dict | None:
+    """tandem int8 over llama-server Q8_0 on each figure, where both ran."""
+    by_name = {run["system"]: run for run in runs}
+    if TANDEM not in by_name or PEER not in by_name:
+        return None
+    ours, theirs = by_name[TANDEM], by_name[PEER]
+    return {
+        "single_decode": ours["single_decode_tok_s"] / theirs["single_decode_tok_s"],
+        "multi_turn_throughput": ours["multi_turn_tok_s"] / theirs["multi_turn_tok_s"],
+        "multi_turn_median_ttft": ours["multi_turn_median_ttft_ms"] / theirs["multi_turn_median_ttft_ms"],
+        "headline_throughput": ours["headline_tok_s"] / theirs["headline_tok_s"],
+    }
+
+
+def table(document: dict) -> str:
+    """The README's benchmark table: a row per system, then the ratios and how it was measured."""
+    lines = [
+        "| system | single-stream decode tok/s | multi-turn chat tok/s | multi-turn median TTFT (ms) "
+        "| all-at-once tok/s | peak RSS (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in document["runs"]:
+        lines.append(
+            f"| {run['label']} | {run['single_decode_tok_s']:.1f} | {run['multi_turn_tok_s']:.1f} "
+            f"| {run['multi_turn_median_ttft_ms']:,.0f} | {run['headline_tok_s']:.1f} "
+            f"| {run['peak_rss_bytes'] / 2**20:,.0f} |"
+        )
+    lines.append("")
+    found = document.get("ratios")
+    if found:
+        lines.append(
+            f"tandem int8 / llama-server Q8_0: single-stream decode {found['single_decode']:.2f}x, "
+            f"multi-turn throughput {found['multi_turn_throughput']:.2f}x and median TTFT "
+            f"{found['multi_turn_median_ttft']:.2f}x, all-at-once {found['headline_throughput']:.2f}x."
+        )
+    workloads = document["workloads"]
+    machine = document["machine"]
+    lines += [
+        f"Workloads: multi-turn {workloads['chat']}; single stream {workloads['single']}; all at once "
+        f"{workloads['headline']}. Greedy, EOS ignored, {document['model']}.",
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; "
+        f"{document['threads']} threads per system. Measured {document['started']}, "
+        f"commit {document['commit']}, load average "
+        f"{document['load_average_at_start']} at start and {document['load_average_at_end']} at the end"
+        f"{'' if document['valid'] else ' (busy machine: not a valid comparison)'}; command: "
+        f"`{document['command']}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def draw(document: dict, out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = (
+        ("single_decode_tok_s", "single-stream decode tok/s"),
+        ("multi_turn_tok_s", "multi-turn chat tok/s"),
+        ("multi_turn_median_ttft_ms", "multi-turn median TTFT (ms)"),
+        ("headline_tok_s", "all-at-once tok/s"),
+        ("peak_rss_bytes", "peak RSS (MiB)"),
+    )
+    runs = document["runs"]
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 4))
+    for ax, (key, title) in zip(axes, figures, strict=True):
+        values = [run[key] / (2**20 if key == "peak_rss_bytes" else 1) for run in runs]
+        colours = ["tab:blue" if run["system"].startswith("tandem") else "tab:gray" for run in runs]
+        ax.bar(range(len(runs)), values, color=colours)
+        ax.set_xticks(range(len(runs)), [run["label"] for run in runs], rotation=45, ha="right")
+        ax.set_title(title)
+    fig.tight_layout()
+    path = out_dir / "quantized.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def workloads_for(args: argparse.Namespace, vocab: int) -> dict:
+    from bench import compare
+    from bench.multi_turn import ChatWorkload
+    from bench.serve import build_workload
+
+    sizes = ["--num-prompts", "4", "--output-len", "fixed:16"] if args.quick else []
+    headline_args = _parse(compare.add_arguments, ["--no-progress", *sizes])
+    single_sizes = [
+        "--num-prompts",
+        "1" if args.quick else "4",
+        "--output-len",
+        f"fixed:{16 if args.quick else 256}",
+    ]
+    single_args = _parse(compare.add_arguments, ["--no-progress", "--num-warmups", "1", *single_sizes])
+    chat = ChatWorkload.synthetic(vocab, 2 if args.quick else 4, 2 if args.quick else 4, 512, 48, 32, seed=0)
+    return {
+        "args": headline_args,
+        "headline": build_workload(headline_args, vocab),
+        "single": build_workload(single_args, vocab),
+        "chat": chat,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.compare import SystemSkipped
+    from bench.machine import git_commit, load_average, machine_info
+    from bench.report import command_line, write_json
+    from bench.roofline import ModelShape
+    from bench.servers import ServerStartError
+    from engine.model_store import resolve_model
+
+    start_load = load_average()
+    valid = start_load[0] <= MAX_START_LOAD
+    if not valid and not args.allow_load:
+        raise SystemExit(
+            f"load average {start_load[0]:.2f} > {MAX_START_LOAD}: other processes would void the comparison "
+            "(--allow-load runs anyway and records the run as not valid)"
+        )
+    model_dir = resolve_model(args.model)
+    workloads = workloads_for(args, ModelShape.from_config_file(model_dir / "config.json").vocab)
+    document = {
+        "benchmark": "quantized",
+        "machine": machine_info(),
+        "command": command_line(),
+        "commit": git_commit(),
+        "model": model_dir.name,
+        "threads": args.threads,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": start_load,
+        "valid": valid,
+        "workloads": {
+            "chat": workloads["chat"].describe(),
+            "single": workloads["single"].description,
+            "headline": workloads["headline"].description,
+        },
+        "runs": [],
+        "skipped": {},
+    }
+    for name in _systems(args.systems):
+        try:
+            document["runs"].append(measure_system(name, args, model_dir, workloads))
+        except (SystemSkipped, ServerStartError) as exc:
+            logger.warning("skipping %s: %s", name, exc)
+            document["skipped"][name] = str(exc)
+    document["ratios"] = ratios(document["runs"])
+    end_load = load_average()
+    # The run's own servers keep the load near their thread count; the 15-minute figure shows a neighbour.
+    document["load_average_at_end"] = end_load
+    document["valid"] = valid
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_dir / "quantized.json", document)
+    if document["runs"]:
+        (args.out_dir / "README_quantized_table.md").write_text(table(document))
+        logger.info("wrote %s", draw(document, args.out_dir))
+        print(table(document))
+    return 0 if not document["skipped"] else 1

@@ -1,0 +1,86 @@
+"""`tandem bench quantized`: the ratios and the README table it writes, and how it starts llama-server."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import quantized, servers
+
+
+def _run(system: str, single: float, chat: float, ttft: float, headline: float) -> dict:
+    return {
+        "system": system,
+        "label": quantized.LABELS[system],
+        "single_decode_tok_s": single,
+        "multi_turn_tok_s": chat,
+        "multi_turn_median_ttft_ms": ttft,
+        "headline_tok_s": headline,
+        "peak_rss_bytes": 700 * 2**20,
+    }
+
+
+def _document(runs: list[dict], valid: bool = True) -> dict:
+    return {
+        "runs": runs,
+        "ratios": quantized.ratios(runs),
+        "workloads": {"chat": {"turns": 4}, "single": {"num_requests": 4}, "headline": {"num_requests": 64}},
+        "machine": {"cpu": "Xeon", "cores": 2},
+        "model": "SmolLM2-135M-Instruct",
+        "threads": 2,
+        "started": "2026-12-01T20:00:00+00:00",
+        "commit": "abc1234",
+        "load_average_at_start": [0.2, 0.3, 0.4],
+        "load_average_at_end": [1.9, 1.2, 0.8],
+        "valid": valid,
+        "command": "tandem bench quantized",
+    }
+
+
+def test_ratios_are_tandem_int8_over_llama_q8_0_and_absent_without_both() -> None:
+    runs = [
+        _run("tandem-aggregated-int8", 60.0, 90.0, 300.0, 400.0),
+        _run("llama-server-q8_0", 50.0, 30.0, 1200.0, 100.0),
+    ]
+    assert quantized.ratios(runs) == {
+        "single_decode": 1.2,
+        "multi_turn_throughput": 3.0,
+        "multi_turn_median_ttft": 0.25,
+        "headline_throughput": 4.0,
+    }
+    assert quantized.ratios(runs[:1]) is None
+
+
+def test_the_table_has_a_row_per_system_and_says_when_the_machine_was_busy() -> None:
+    runs = [
+        _run("tandem-aggregated", 40.0, 80.0, 350.0, 180.0),
+        _run("tandem-aggregated-int8", 60.0, 90.0, 300.0, 400.0),
+        _run("llama-server-q8_0", 50.0, 30.0, 1200.0, 100.0),
+    ]
+    text = quantized.table(_document(runs))
+    assert "| tandem fp32 | 40.0 | 80.0 | 350 | 180.0 | 700 |" in text
+    assert "| llama-server Q8_0 | 50.0 | 30.0 | 1,200 | 100.0 | 700 |" in text
+    assert "single-stream decode 1.20x" in text and "all-at-once 4.00x" in text
+    assert "commit abc1234" in text and "not a valid comparison" not in text
+    assert "not a valid comparison" in quantized.table(_document(runs, valid=False))
+
+
+def test_unknown_systems_are_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown systems: tandem-int4"):
+        quantized._systems("tandem-aggregated,tandem-int4")
+
+
+def test_peak_rss_reads_each_process_high_water_mark() -> None:
+    own = quantized.peak_rss_bytes([os.getpid()])
+    assert own > 10 * 2**20
+    assert quantized.peak_rss_bytes([os.getpid(), os.getpid()]) == 2 * own
+    assert quantized.peak_rss_bytes([2**22 + 7]) == 0  # gone: counted as nothing
+
+
+def test_llama_server_runs_q8_0_without_repacking() -> None:
+    q8, _ = servers.llama_server("q8", Path("llama-server"), Path("m.Q8_0.gguf"), 2, 16, 16384)
+    f32, _ = servers.llama_server("f32", Path("llama-server"), Path("m.F32.gguf"), 2, 16, 16384)
+    assert "--no-repack" in q8.command and "--no-repack" not in f32.command
+    assert q8.command[q8.command.index("-np") + 1] == "16" and "-cb" in q8.command
