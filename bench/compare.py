@@ -9,7 +9,7 @@ counts):
 - `tandem-aggregated`  one decode server, chunked prefill mixed into decode steps;
 - `tandem-aggregated-http`  the same server measured through its OpenAI-compatible HTTP API, by the
                    OpenAI backend that also measures llama-server (the HTTP path's cost vs gRPC);
-- `tandem-disaggregated`  a prefill server and a decode server (when decode has `--prefill`);
+- `tandem-disaggregated`  a prefill server and a decode server;
 - `tandem-aggregated-int8`, `tandem-aggregated-int8-kv-int8`  the aggregated server with int8 weights
                    (`--quantization int8`), and with the int8 KV cache too (`--kv-cache-dtype int8`);
 - `llama-server`   llama.cpp, `-np 16 -cb`, on the F32 GGUF of the same Q4_1 weights (needs
@@ -163,8 +163,6 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
             else:
                 yield "openai", f"http://127.0.0.1:{http_port}", description
     elif name == "tandem-disaggregated":
-        if not servers.decode_supports_prefill_tier():
-            raise SystemSkipped("`tandem serve decode --help` has no --prefill flag yet (not wired up)")
         # Two processes share the cores: split the threads between them.
         prefill_threads = max(1, args.threads // 2)
         decode_threads = max(1, args.threads - prefill_threads)

@@ -45,14 +45,6 @@ def tandem_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", *args]
 
 
-def decode_supports_prefill_tier() -> bool:
-    """Whether `tandem serve decode` has a `--prefill` flag (the disaggregated mode is wired up)."""
-    help_text = subprocess.run(
-        tandem_command("serve", "decode", "--help"), capture_output=True, text=True, timeout=120, check=False
-    ).stdout
-    return "--prefill" in help_text
-
-
 def grpc_healthy(target: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

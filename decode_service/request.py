@@ -16,7 +16,7 @@ class RequestState(enum.Enum):
     """Where a request is in the decode tier's pipeline.
 
     WAITING: queued, holds no blocks. PREFILLING: admitted, its prompt blocks are reserved and its KV
-    is being computed (locally now, by a prefill tier later). RUNNING: in the decode batch, one token
+    is being computed (locally, or by a prefill tier). RUNNING: in the decode batch, one token
     per step. FINISHED: done or aborted, holds no blocks.
     """
 

@@ -1,7 +1,8 @@
 """The public `tandem.v1.Generation` service: protobuf in, `Generations` (shared with HTTP), protobuf out.
 
 Handlers never run model work: they await the request's stream and write it through the stall
-watchdog. Errors become status codes through `serving.status.status_for`, here and nowhere else.
+watchdog. Errors become status codes through `serving.status.status_for`, which the HTTP door's
+error mapping also goes through.
 """
 
 from __future__ import annotations

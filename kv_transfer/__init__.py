@@ -1,8 +1,8 @@
 """KV-cache transfer between the prefill and decode tiers: layout handshake and wire format.
 
-No gRPC here: the prefill service streams the frames ``encode_blocks`` yields (``serialize_response``
-is the Prefill method's serializer) and the decode service parses each message with
-``parse_response`` and passes KV frames to ``write_chunk``.
+The prefill service streams the frames ``encode_blocks`` yields (``serialize_response`` is the
+Prefill method's serializer, registered by ``grpc_method``) and the decode service parses each
+message with ``parse_response`` and passes KV frames to ``write_chunk``.
 """
 
 from kv_transfer.errors import (

@@ -2,7 +2,7 @@
 
 Handlers never run model work: validation is cheap and runs inline, prefill runs on the engine thread,
 and KV encoding on the sender's pool. A handler awaits its job's events and turns them into stream
-messages. Errors become status codes through `status.status_for`, here and nowhere else.
+messages. Errors become status codes through `status.status_for`.
 """
 
 from __future__ import annotations

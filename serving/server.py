@@ -89,7 +89,7 @@ class TierServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._health_services: tuple[str, ...] = ("",)
         self.port = 0
-        self._stopped = asyncio.Event()
+        self._stopped = False
 
     def _serve(self, service_name: str, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
         """Add the tier's servicer; health reports on it, and reflection lists it."""
@@ -154,9 +154,9 @@ class TierServer:
 
     async def stop(self) -> None:
         """Stop at once: the engine thread ends every live call, then the port closes."""
-        if self._stopped.is_set():
+        if self._stopped:
             return
-        self._stopped.set()
+        self._stopped = True
         self.registry.begin_drain()
         await asyncio.to_thread(self.engine_loop.stop)
         await self._close_dependencies()
@@ -166,9 +166,6 @@ class TierServer:
         await self.watchdog.stop()
         self._closed()
         logger.info("%s server stopped", self.tier)
-
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for service in self._health_services:

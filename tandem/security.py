@@ -94,7 +94,7 @@ def load_auth_token(token_file: PathLike | None = None) -> str | None:
 
 
 def bearer_metadata(token: str) -> tuple[str, str]:
-    """The metadata entry that carries `token`; the one place the header's format is written."""
+    """The metadata entry that carries `token` (`authorization: Bearer <token>`)."""
     return (AUTHORIZATION_HEADER, f"Bearer {token}")
 
 

@@ -189,16 +189,6 @@ def split_threads(total: int) -> tuple[int, int]:
     return decode, total - decode
 
 
-def decode_supports_prefill() -> bool:
-    """Whether `tandem serve decode` takes `--prefill` (disaggregated prefill) in this version."""
-    from decode_service.cli import add_arguments as add_decode_arguments
-
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_decode_arguments(probe)
-    _, unknown = probe.parse_known_args(["--prefill", "127.0.0.1:1"])
-    return not unknown
-
-
 def _common_flags(
     args: argparse.Namespace, model_dir: Path, port: int, metrics_port: int, threads: int
 ) -> list[str]:
@@ -230,7 +220,7 @@ def _common_flags(
     return flags
 
 
-def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -> list[TierSpec]:
+def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
     """The prefill and decode children (in start order) with their flags; extra flags go last and win."""
     decode_threads, prefill_threads = split_threads(args.threads or available_cpus())
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "serve"]
@@ -242,8 +232,7 @@ def tier_specs(args: argparse.Namespace, model_dir: Path, disaggregated: bool) -
     ]
     decode_flags = _common_flags(args, model_dir, args.port, args.metrics_port, decode_threads)
     decode_flags += ["--http-port", str(args.http_port)]
-    if disaggregated:
-        decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
+    decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
     decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
     return [
         TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads),
@@ -332,13 +321,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     if stop.event.is_set():
         return EXIT_OK
-    disaggregated = decode_supports_prefill()
-    if not disaggregated:
-        logger.warning(
-            "this decode tier has no --prefill yet: it runs aggregated (prefills prompts itself), "
-            "and the prefill tier runs beside it unused"
-        )
-    specs = tier_specs(args, model_dir, disaggregated)
+    specs = tier_specs(args, model_dir)
     tiers: list[Tier] = []
     forwarder = LogForwarder(json_lines=args.log_format == "json")
     try:

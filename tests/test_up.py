@@ -63,7 +63,7 @@ def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
             "--max-num-seqs 4 --threads 3",
         ]
     )
-    prefill, decode = tier_specs(args, Path("/models/m"), disaggregated=True)
+    prefill, decode = tier_specs(args, Path("/models/m"))
     assert (prefill.name, prefill.port, prefill.threads) == ("prefill", 7002, 2)
     assert (decode.name, decode.port, decode.threads) == ("decode", 7001, 2)
     assert prefill.argv[prefill.argv.index("serve") + 1] == "prefill"
@@ -77,8 +77,6 @@ def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
     assert decode.argv[decode.argv.index("--metrics-port") + 1] == "0"
     assert decode.argv[decode.argv.index("--http-port") + 1] == "8000" and "--http-port" not in prefill.argv
     assert decode.argv[-4:] == ["--max-num-seqs", "4", "--threads", "3"]
-    _, aggregated = tier_specs(args, Path("/models/m"), disaggregated=False)
-    assert "--prefill" not in aggregated.argv
 
 
 def test_how_to_call_lines_are_a_tandem_generate_and_a_valid_grpcurl_request():

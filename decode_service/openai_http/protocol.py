@@ -351,8 +351,6 @@ def translate(body: object, endpoint: Endpoint, limits: RequestLimits = DEFAULT_
     request.tenant = string(body, "user") or ""
     cache_salt = string(body, "cache_salt")
     if cache_salt:
-        if "cache_salt" not in pb.GenerateRequest.DESCRIPTOR.fields_by_name:
-            raise UnsupportedFieldError("cache_salt", "is not supported by this server (no prefix caching)")
         request.cache_salt = cache_salt
     constraint, constraint_param = structured_output(body)
     if constraint is not None:

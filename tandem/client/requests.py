@@ -1,4 +1,4 @@
-"""Turning keyword arguments into a `GenerateRequest`: the one place both clients build requests.
+"""Turning keyword arguments into a `GenerateRequest`, for both clients (blocking and asyncio).
 
 The client does not re-validate what the server validates (ranges, exactly one prompt form): the
 server is the single source of truth and answers INVALID_ARGUMENT with a precise message. Unset
