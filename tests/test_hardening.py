@@ -290,8 +290,10 @@ def test_finished_but_unread_streams_free_their_slots_and_stalled_calls_end(mode
     stalled = [never_read(server, f"{i}" * 1024, max_tokens=200) for i in range(2)]
     try:
         assert wait_until(lambda: len(server.server.registry) == 2)
+        # The engine is done with both, and the event loop has seen their last tokens (what admission
+        # counts); their clients have read nothing.
         assert wait_until(lambda: not server.server.scheduler.has_work)
-        # The engine is done with both; their clients have read nothing.
+        assert wait_until(lambda: server.server.registry.num_working == 0)
         assert len(server.server.registry) == 2
         assert list(server.stub.Generate(hello(), timeout=60))[-1].finish_reason == pb.LENGTH
         assert wait_until(lambda: len(server.server.registry) == 0, timeout=30)

@@ -246,7 +246,10 @@ def test_max_tokens_above_the_cap_is_rejected_not_clipped(decode):
 
 
 def test_concurrent_streams_per_connection_are_capped(model_dir):
-    """With a cap of 2, a third call on the same connection reaches the server only once one has ended."""
+    """With a cap of 2, three calls on one connection never run three at once on the server.
+
+    Asserted on what the server decided, step by step: how many of the calls each step's batch held.
+    Long answers (200 tokens) make the first two overlap however slowly a busy machine sends them."""
     engine = Engine.from_pretrained(model_dir, engine_config())
     config = DecodeServiceConfig(host="127.0.0.1", port=0)
     running = ServerThread(lambda: DecodeServer(engine, config, max_concurrent_streams=2))
@@ -254,15 +257,13 @@ def test_concurrent_streams_per_connection_are_capped(model_dir):
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             list(stub.Generate(greedy([1], 1), timeout=60))  # the connection now knows the server's limit
-            calls = [stub.Generate(greedy([i + 1, i + 2], 24, min_tokens=0), timeout=60) for i in range(3)]
+            calls = [stub.Generate(greedy([i + 1, i + 2], 200, min_tokens=0), timeout=120) for i in range(3)]
             results = [list(call) for call in calls]
         records = running.server.events.snapshot()
-        ids = [r[0].request_id for r in results]
-        first_step = {i: min(rec.step for rec in records if i in rec.request_ids) for i in ids}
-        first_finish = min(rec.step for rec in records if set(rec.finished) & set(ids))
-        started_late = [i for i in ids if first_step[i] > first_finish]
-        assert len(started_late) == 1, (first_step, first_finish)
-        assert all(len(tokens_of(r)) == 24 for r in results)
+        ids = {r[0].request_id for r in results}
+        together = [len(ids & set(rec.request_ids)) for rec in records]
+        assert max(together) == 2, together
+        assert all(len(tokens_of(r)) == 200 for r in results)
     finally:
         running.close()
 
