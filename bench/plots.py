@@ -8,7 +8,9 @@
   and without chunked prefill;
 - `structured_output.png`: per-token ITL of JSON-schema-constrained vs unconstrained streams (CDFs and
   p50/p90 bars) and the share of tokens the grammar forced, by schema (jump-forward potential);
-- `README_table.md`: the headline table, machine, date and command, for the project README.
+- `README_table.md`: the headline table of `tandem bench compare`, machine, date and command;
+- `quantized.png` and `README_quantized_table.md`: `tandem bench quantized`'s precision modes against
+  llama-server F32 and Q8_0 (the project README's benchmark table).
 
     tandem bench plots [--results-dir bench/results]
 """
@@ -342,6 +344,12 @@ def run(args: argparse.Namespace) -> int:
         written.append(draw_chunked_prefill(json.loads((out / "chunked_prefill.json").read_text()), out))
     if (out / "structured_output.json").is_file():
         written.append(draw_structured_output(json.loads((out / "structured_output.json").read_text()), out))
+    if (out / "quantized.json").is_file():
+        from bench import quantized
+
+        document = json.loads((out / "quantized.json").read_text())
+        (out / "README_quantized_table.md").write_text(quantized.table(document))
+        written += [quantized.draw(document, out), out / "README_quantized_table.md"]
     for path in written:
         print(path)
     return 0 if written else 1
