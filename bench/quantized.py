@@ -213,10 +213,15 @@ def table(document: dict) -> str:
             f"{found['multi_turn_median_ttft']:.2f}x, all-at-once {found['headline_throughput']:.2f}x."
         )
     workloads = document["workloads"]
+    chat, single, headline = workloads["chat"], workloads["single"], workloads["headline"]
     machine = document["machine"]
     lines += [
-        f"Workloads: multi-turn {workloads['chat']}; single stream {workloads['single']}; all at once "
-        f"{workloads['headline']}. Greedy, EOS ignored, {document['model']}.",
+        f"Workloads: multi-turn {chat['conversations']} conversations x {chat['turns']} turns (a shared "
+        f"{chat['system_len']}-token system prompt, {chat['user_len']}-token user turns, {chat['reply_len']}"
+        f"-token replies, history resent); single stream {single['num_requests']} requests one at a time, "
+        f"prompts {single['prompt_len']}, outputs {single['output_len']}; all at once "
+        f"{headline['num_requests']} requests, prompts {headline['prompt_len']}, outputs "
+        f"{headline['output_len']}. Greedy, EOS ignored, {document['model']}.",
         f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; "
         f"{document['threads']} threads per system. Measured {document['started']}, "
         f"commit {document['commit']}, load average "

@@ -26,7 +26,11 @@ def _document(runs: list[dict], valid: bool = True) -> dict:
     return {
         "runs": runs,
         "ratios": quantized.ratios(runs),
-        "workloads": {"chat": {"turns": 4}, "single": {"num_requests": 4}, "headline": {"num_requests": 64}},
+        "workloads": {
+            "chat": {"conversations": 4, "turns": 4, "system_len": 512, "user_len": 48, "reply_len": 32},
+            "single": {"num_requests": 4, "prompt_len": "uniform:60:330", "output_len": "fixed:256"},
+            "headline": {"num_requests": 64, "prompt_len": "uniform:60:330", "output_len": "uniform:16:256"},
+        },
         "machine": {"cpu": "Xeon", "cores": 2},
         "model": "SmolLM2-135M-Instruct",
         "threads": 2,
@@ -64,6 +68,7 @@ def test_the_table_has_a_row_per_system_and_says_when_the_machine_was_busy() -> 
     assert "| llama-server Q8_0 | 50.0 | 30.0 | 1,200 | 100.0 | 700 |" in text
     assert "single-stream decode 1.20x" in text and "all-at-once 4.00x" in text
     assert "commit abc1234" in text and "not a valid comparison" not in text
+    assert "4 conversations x 4 turns" in text and "64 requests, prompts uniform:60:330" in text
     assert "not a valid comparison" in quantized.table(_document(runs, valid=False))
 
 
