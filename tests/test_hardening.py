@@ -267,13 +267,16 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_gives_its_slot_back(
 # --- item 3: clients that never read ------------------------------------------------------------------
 
 
-def never_read(server: RunningServer, request_id: str, max_tokens: int) -> tuple[grpc.Channel, object]:
-    """Start a Generate whose client never reads: 1 KiB ids make each message fill the window fast."""
+def never_read(
+    server: RunningServer, request_id: str, max_tokens: int, logprobs: int = 0
+) -> tuple[grpc.Channel, object]:
+    """Start a Generate whose client never reads: 1 KiB ids make each message fill the window fast
+    (logprobs make each token do so too, however many tokens a busy event loop merges into a message)."""
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READ_OPTIONS)
     request = pb.GenerateRequest(
         request_id=request_id,
         token_ids=[5, 6, 7],
-        sampling=pb.SamplingParams(temperature=0.0),
+        sampling=pb.SamplingParams(temperature=0.0, logprobs=logprobs),
         stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
     )
     call = channel.unary_stream("/tandem.v1.Generation/Generate", pb.GenerateRequest.SerializeToString)(
@@ -306,8 +309,11 @@ def test_finished_but_unread_streams_free_their_slots(model_dir):
 
 
 def test_stalled_calls_end_after_the_stall_timeout_and_free_their_buffers(model_dir):
-    server = start_server(model_dir, max_num_seqs=2, max_queue=0, stream_stall_timeout_s=2.0)
-    stalled = [never_read(server, f"{i}" * 1024, max_tokens=200) for i in range(2)]
+    """Each answer (1,000 tokens with 20 alternatives each) is several times the 64 KiB window."""
+    server = start_server(
+        model_dir, max_num_seqs=2, max_model_len=1024, num_blocks=300, max_queue=0, stream_stall_timeout_s=2.0
+    )
+    stalled = [never_read(server, f"{i}" * 1024, max_tokens=1000, logprobs=20) for i in range(2)]
     try:
         assert wait_until(lambda: server.server.watchdog.num_stalled == 2, timeout=60)
         assert wait_until(lambda: len(server.server.registry) == 0)
