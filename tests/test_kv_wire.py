@@ -395,7 +395,7 @@ def test_block_bytes_counts_k_and_v() -> None:
 @pytest.mark.parametrize(
     "message",
     [
-        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="int8"),
+        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="int16"),
         prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype=""),
         prefill_pb2.KVLayout(num_layers=0, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32"),
         prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=0, dtype="float16"),
