@@ -459,9 +459,11 @@ def encode_blocks(
     *,
     num_tokens: int,
     max_payload_bytes: int = MAX_MESSAGE_BYTES,
+    k_scales: Sequence[torch.Tensor] | None = None,
+    v_scales: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[KVFrame]:
     """``PagedKV.frames`` for a one-off transfer; long-lived senders keep a PagedKV instead."""
-    return PagedKV(k_caches, v_caches, layout).frames(
+    return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).frames(
         block_table, logical_start, num_blocks, num_tokens=num_tokens, max_payload_bytes=max_payload_bytes
     )
 
@@ -473,9 +475,13 @@ def write_chunk(
     num_logical_blocks: int,
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
+    k_scales: Sequence[torch.Tensor] | None = None,
+    v_scales: Sequence[torch.Tensor] | None = None,
 ) -> int:
     """``PagedKV.write`` for a one-off chunk; long-lived receivers keep a PagedKV instead."""
-    return PagedKV(k_caches, v_caches, layout).write(chunk, block_table, num_logical_blocks)
+    return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).write(
+        chunk, block_table, num_logical_blocks
+    )
 
 
 def _validate_chunk(

@@ -424,6 +424,8 @@ def test_compatibility_hash_changes_with_every_input() -> None:
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, block_size=8)),
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.bfloat16)),
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.float16)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.int8)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.float8_e4m3fn)),
     ]
     assert len({base, *variants}) == len(variants) + 1
 
