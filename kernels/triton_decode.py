@@ -69,6 +69,16 @@ def kv_tile_size(head_dim: int, dtype: torch.dtype) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def decode_stages(dtype: torch.dtype, quantized: bool) -> int:
+    """Software-pipeline depth of the K/V loads: 2, but 1 for an fp32 model over a quantized cache.
+
+    Its tiles are loaded as bytes and converted to fp32 in registers for the FMA dots; a pipelined
+    load keeps a third form live, which spilled 350-620 bytes a thread on sm_80 and sm_90
+    (`kernels.aot`), where one stage compiles to about 64 registers, like the fp32 cache's two.
+    """
+    return 1 if quantized and dtype == torch.float32 else 2
+
+
 def dot_rows(group: int) -> int:
     """Query rows of one program's dots: the GQA group, padded to a power of two and the smallest dot."""
     return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
@@ -357,7 +367,8 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
         "QUANTIZED": quantized,
     }
     grid = (batch, num_kv_heads, plan.num_splits)
-    launch(KernelLaunch(_decode_kernel, grid, args, constexprs, num_warps=4, num_stages=2))
+    stages = decode_stages(query.dtype, quantized)
+    launch(KernelLaunch(_decode_kernel, grid, args, constexprs, num_warps=4, num_stages=stages))
 
 
 def paged_decode_attention(

@@ -45,7 +45,7 @@ class PrefillTile:
     num_stages: int
 
 
-def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+def prefill_tile(head_dim: int, dtype: torch.dtype, quantized: bool = False) -> PrefillTile:
     """Tiles sized so Q, K, V and the accumulator of one program fit in registers/shared memory.
 
     The Q tile and accumulator grow with head_dim, so larger heads get fewer rows or more warps.
@@ -53,7 +53,14 @@ def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     in registers, so fp32 gets 64-row tiles of 32 (head_dim 64) or 16 positions over 8 warps, which
     compile to at most 128 registers without spills on sm_80 and sm_90; the half-precision tiles
     spilled 40-90 KB a thread there (`kernels.aot`).
+
+    A quantized cache's K/V tiles are loaded as bytes and converted in registers, so a tile is live in
+    both forms and a pipelined load adds a third: the tiles above spilled 16-2000 bytes a thread with
+    it. Its tiles are therefore pipelined less (fp32: not at all) and, from head_dim 128 (and for fp32
+    from 80), narrower; each choice below is the first that compiled without spills on sm_80 and sm_90.
     """
+    if quantized:
+        return _quantized_prefill_tile(head_dim, dtype)
     if dtype == torch.float32:
         return PrefillTile(block_m=64, block_n=32 if head_dim <= 64 else 16, num_warps=8, num_stages=2)
     if head_dim <= 64:
@@ -61,6 +68,16 @@ def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     if head_dim <= 128:
         return PrefillTile(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def _quantized_prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return PrefillTile(block_m=64, block_n=32, num_warps=8, num_stages=1)
+        return PrefillTile(block_m=32, block_n=16, num_warps=8, num_stages=1)
+    if head_dim <= 128:
+        return PrefillTile(block_m=128, block_n=64 if head_dim <= 64 else 32, num_warps=8, num_stages=2)
+    return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -177,13 +194,13 @@ def paged_prefill_attention(
         raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("query and cache need a contiguous head_dim")
-    tile = tile or prefill_tile(head_dim, query.dtype)
+    scale_args, quantized = quantized_launch_args(k_scales, v_scales, k_cache)
+    tile = tile or prefill_tile(head_dim, query.dtype, quantized)
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     grid = (triton.cdiv(meta.max_query_len, tile.block_m), meta.num_seqs, num_heads)
     dot_type = dot_dtype(_prefill_kernel, query.dtype)
-    scale_args, quantized = quantized_launch_args(k_scales, v_scales, k_cache)
     args = (
         query,
         k_cache,

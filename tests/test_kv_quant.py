@@ -199,7 +199,7 @@ def greedy_replies(engine: Engine, prompts: list[list[int]], max_tokens: int = 1
 def prefill_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     seq = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=1))
     engine.allocate(seq, seq.num_tokens)
-    hidden = engine.runner.execute([ScheduledChunk(seq, seq.num_tokens)])
+    hidden = engine.runner.execute([ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens)])
     engine.free(seq)
     return engine.model.compute_logits(hidden)[0]
 
