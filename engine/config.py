@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -134,12 +135,16 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int = 1 << 30
 
+    def block_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes of one block, all layers' K and V, in a cache of `dtype` (a quantized one's scales too)."""
+        per_token_head = kv_bytes_per_token_head(model.head_dim, dtype)
+        return 2 * model.num_layers * self.block_size * model.num_kv_heads * per_token_head
+
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Blocks of a cache of `dtype` (the KV dtype): the count given, or as many as the budget holds."""
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim
-        per_block *= torch.empty((), dtype=dtype).element_size()
-        return max(1, self.memory_bytes // per_block)
+        return max(1, self.memory_bytes // self.block_bytes(model, dtype))
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # `--kv-cache-dtype`: auto (the model's dtype), int8 or fp8_e4m3 (quantized, with per-token scales).
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -156,3 +163,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.
     grammar_jump_forward: bool = False
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element dtype of the KV cache (raises ConfigError for an unknown `kv_cache_dtype`)."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)

@@ -31,17 +31,22 @@ from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
 from kernels import cpu_decode_stack, cpu_linear, cpu_lm_head
 from kernels.backend import get_backend
+from kernels.kv_quant import check_device_supports
 
 logger = logging.getLogger(__name__)
 
 
-def kv_namespace(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> bytes:
-    """What makes cached KV reusable: the architecture, the KV dtype and the block size.
+def kv_namespace(
+    model_config: ModelConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+) -> bytes:
+    """What makes cached KV reusable: the architecture, the model and KV dtypes and the block size.
 
     It roots every prefix-cache hash chain, so the two tiers (whose compatibility hash already covers
-    model and layout) compute equal chains for equal prompts and salts.
+    model and layout) compute equal chains for equal prompts and salts. A KV dtype other than the
+    model's (a quantized cache) is part of it; the model's own leaves the namespace as it always was.
     """
-    return f"{model_config!r}|{dtype}|{block_size}".encode()
+    stored = "" if kv_dtype in (None, dtype) else f"|kv={kv_dtype}"
+    return f"{model_config!r}|{dtype}|{block_size}{stored}".encode()
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = config.dtype
         self.backend = get_backend(self.device, config.attention_backend)
+        check_device_supports(config.kv_dtype, self.device, self.backend.name)
         with torch.device("meta"):
             model = CausalLM(model_config, self.backend)
         model = model.to_empty(device=self.device).to(config.dtype)
@@ -100,13 +106,16 @@ class Engine:
             model.decode_stack = cpu_decode_stack.build(model.layers)
         self.model = model.eval()
         self.block_size = config.cache.block_size
-        num_blocks = config.cache.resolve_num_blocks(model_config, config.dtype)
-        self.kv_cache = KVCache.allocate(model_config, num_blocks, self.block_size, config.dtype, self.device)
+        self.kv_dtype = config.kv_dtype
+        num_blocks = config.cache.resolve_num_blocks(model_config, self.kv_dtype)
+        self.kv_cache = KVCache.allocate(
+            model_config, num_blocks, self.block_size, self.kv_dtype, self.device
+        )
         self.block_manager = BlockManager(
             num_blocks,
             self.block_size,
             enable_caching=config.enable_prefix_caching,
-            namespace=kv_namespace(model_config, config.dtype, self.block_size),
+            namespace=kv_namespace(model_config, config.dtype, self.block_size, self.kv_dtype),
             order=block_order,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -127,6 +136,7 @@ class Engine:
                 "num_blocks": num_blocks,
                 "block_size": self.block_size,
                 "dtype": str(config.dtype),
+                "kv_dtype": str(self.kv_dtype),
                 "backend": self.backend.name,
             },
         )

@@ -90,8 +90,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.backend.apply_rope(q, k, *cos_sin)
         k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
-        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale)
+        k_scales, v_scales = kv_cache.scales(self.layer_index)
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)
+        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale, k_scales, v_scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -6,9 +6,10 @@ compile for a GPU target without a GPU, with the `ptxas` it ships. So this tool 
 backend launches and compiles exactly that:
 
 - the kernel wrappers run over `meta` tensors (free) laid out as a decoder layer lays them out
-  (q/k/v views of one fused projection), for each model shape and dtype, with their launches
-  recorded instead of run (`triton_common.recorded_launches`); decode attention runs over the
-  batches and contexts the split planner sees, so every split count it can choose appears. Tile
+  (q/k/v views of one fused projection), for each model shape, dtype and KV-cache dtype (auto,
+  int8, fp8_e4m3: a quantized cache adds its scale caches), with their launches recorded instead
+  of run (`triton_common.recorded_launches`); decode attention runs over the batches and contexts
+  the split planner sees, so every split count it can choose appears. Tile
   sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
 - each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
   the signature, constexprs and divisibility attributes, and `triton.compile(ASTSource(...),
@@ -17,7 +18,10 @@ backend launches and compiles exactly that:
   with its flags), shared memory and warps/stages from the compiled metadata. Shared memory is
   checked against the arch's per-block limit, which only the driver would enforce at load time.
 
-    python -m kernels.aot --arch sm_80,sm_90 [--json] [--model llama-3.1-8b] [--dtype bfloat16]
+    python -m kernels.aot --arch sm_80,sm_90 [--json] [--model llama-3.1-8b] [--dtype bfloat16] \
+        [--kv-cache-dtype int8]
+
+fp8_e4m3 caches are compiled only for sm_89 and up, the GPUs the engine accepts them on.
 
 Exits 1 when any kernel fails to compile, spills, or needs more shared memory than the arch has.
 """
@@ -45,6 +49,13 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from kernels import triton_cache, triton_decode, triton_fused, triton_prefill  # noqa: E402
+from kernels.kv_quant import (  # noqa: E402
+    FP8_MIN_CUDA_CAPABILITY,
+    KV_CACHE_DTYPE_CHOICES,
+    SCALE_DTYPE,
+    is_quantized,
+    resolve_kv_cache_dtype,
+)
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.triton_common import KernelLaunch, is_interpreted, recorded_launches  # noqa: E402
 
@@ -134,12 +145,28 @@ def _qkv(model: ModelShape, tokens: int, dtype: torch.dtype) -> tuple[torch.Tens
     )
 
 
-def _caches(model: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    return _meta(num_blocks, block_size, model.kv_heads, model.head_dim, dtype=dtype)
+@dataclass(frozen=True)
+class Precision:
+    """The model's dtype (activations, weights) and its KV cache's element dtype."""
+
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
 
 
-def _layer_ops(model: ModelShape, tokens: int, block_size: int, dtype: torch.dtype) -> None:
+def _caches(
+    model: ModelShape, num_blocks: int, block_size: int, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """K and V caches, and their scale caches when `kv_dtype` is quantized (else None, None)."""
+    shape = (num_blocks, block_size, model.kv_heads, model.head_dim)
+    k, v = _meta(*shape, dtype=kv_dtype), _meta(*shape, dtype=kv_dtype)
+    if not is_quantized(kv_dtype):
+        return k, v, None, None
+    return k, v, _meta(*shape[:3], dtype=SCALE_DTYPE), _meta(*shape[:3], dtype=SCALE_DTYPE)
+
+
+def _layer_ops(model: ModelShape, tokens: int, block_size: int, precision: Precision) -> None:
     """Everything of a decoder layer but attention, on a step of `tokens` rows."""
+    dtype = precision.dtype
     hidden = _meta(tokens, model.hidden, dtype=dtype)
     weight = _meta(model.hidden, dtype=dtype)
     triton_fused.rms_norm(hidden, weight, 1e-5)
@@ -147,24 +174,29 @@ def _layer_ops(model: ModelShape, tokens: int, block_size: int, dtype: torch.dty
     q, k, v = _qkv(model, tokens, dtype)
     cos = _meta(tokens, model.head_dim, dtype=dtype)
     triton_fused.apply_rope(q, k, cos, _meta(tokens, model.head_dim, dtype=dtype))
-    cache = _caches(model, 1024, block_size, dtype)
+    k_cache, v_cache, k_scales, v_scales = _caches(model, 1024, block_size, precision.kv_dtype)
     slots = _meta(tokens, dtype=torch.int64)
-    triton_cache.write_kv_cache(k, v, cache, _caches(model, 1024, block_size, dtype), slots)
+    triton_cache.write_kv_cache(k, v, k_cache, v_cache, slots, k_scales, v_scales)
     triton_fused.silu_and_mul(_meta(tokens, 2 * model.intermediate, dtype=dtype))
 
 
 def _decode_attention(
-    model: ModelShape, batch: int, context: int, block_size: int, dtype: torch.dtype
+    model: ModelShape, batch: int, context: int, block_size: int, precision: Precision
 ) -> None:
     blocks_per_seq = triton.cdiv(context, block_size)
-    q, _, _ = _qkv(model, batch, dtype)
-    cache = _caches(model, batch * blocks_per_seq, block_size, dtype)
+    q, _, _ = _qkv(model, batch, precision.dtype)
+    k_cache, v_cache, k_scales, v_scales = _caches(
+        model, batch * blocks_per_seq, block_size, precision.kv_dtype
+    )
     tables = _meta(batch, blocks_per_seq, dtype=torch.int32)
     seq_lens = _meta(batch, dtype=torch.int32)
-    triton_decode.paged_decode_attention(q, cache, cache, tables, seq_lens, model.head_dim**-0.5)
+    scale = model.head_dim**-0.5
+    triton_decode.paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, None, k_scales, v_scales
+    )
 
 
-def _prefill_attention(model: ModelShape, chunk: int, block_size: int, dtype: torch.dtype) -> None:
+def _prefill_attention(model: ModelShape, chunk: int, block_size: int, precision: Precision) -> None:
     """A mixed step: one prompt chunk of `chunk` tokens and three single-token decodes."""
     query_lens = [chunk, 1, 1, 1]
     seq_lens = [chunk, 300, 1000, 5000]
@@ -180,33 +212,47 @@ def _prefill_attention(model: ModelShape, chunk: int, block_size: int, dtype: to
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
-    q, _, _ = _qkv(model, starts[-1], dtype)
-    cache = _caches(model, 4 * blocks_per_seq, block_size, dtype)
-    triton_prefill.paged_prefill_attention(q, cache, cache, meta, model.head_dim**-0.5)
+    q, _, _ = _qkv(model, starts[-1], precision.dtype)
+    k_cache, v_cache, k_scales, v_scales = _caches(model, 4 * blocks_per_seq, block_size, precision.kv_dtype)
+    scale = model.head_dim**-0.5
+    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, meta, scale, None, k_scales, v_scales)
 
 
-def recorded_configs(model: ModelShape, dtype_name: str) -> Iterator[tuple[str, KernelLaunch]]:
-    """(what step it came from, launch) for every launch the backend makes for `model` in `dtype`.
+def recorded_configs(
+    model: ModelShape, dtype_name: str, kv_cache_dtype: str = "auto"
+) -> Iterator[tuple[str, KernelLaunch]]:
+    """(what step it came from, launch) for every launch the backend makes for `model` in `dtype`
+    over a KV cache of `kv_cache_dtype` (a `--kv-cache-dtype` value).
 
     Block size and step token budget are the engine's defaults, as a server started without
     flags uses them.
     """
     dtype = DTYPES[dtype_name]
+    precision = Precision(dtype, resolve_kv_cache_dtype(kv_cache_dtype, dtype))
     block_size = CacheConfig().block_size
     budget = EngineConfig().max_num_batched_tokens
-    steps = [(f"layer ops, {budget} tokens", lambda: _layer_ops(model, budget, block_size, dtype))]
+    steps = [(f"layer ops, {budget} tokens", lambda: _layer_ops(model, budget, block_size, precision))]
     steps.append(
-        (f"prefill chunk {budget} + 3 decodes", lambda: _prefill_attention(model, budget, block_size, dtype))
+        (
+            f"prefill chunk {budget} + 3 decodes",
+            lambda: _prefill_attention(model, budget, block_size, precision),
+        )
     )
     for batch in DECODE_BATCHES:
         for context in DECODE_CONTEXTS:
-            run = lambda b=batch, c=context: _decode_attention(model, b, c, block_size, dtype)  # noqa: E731
+            run = lambda b=batch, c=context: _decode_attention(model, b, c, block_size, precision)  # noqa: E731
             steps.append((f"decode batch {batch} context {context}", run))
     for label, step in steps:
         with recorded_launches() as launches:
             step()
         for launch in launches:
-            yield f"{model.name} {dtype_name} {label}", launch
+            yield f"{model.name} {dtype_name} kv={kv_cache_dtype} {label}", launch
+
+
+def kv_cache_dtypes_on(arch: int, kv_cache_dtypes: Iterable[str]) -> list[str]:
+    """The `--kv-cache-dtype` values the engine accepts on `arch` (fp8 e4m3 from sm_89 on)."""
+    fp8_ok = divmod(arch, 10) >= FP8_MIN_CUDA_CAPABILITY
+    return [name for name in kv_cache_dtypes if fp8_ok or name != "fp8_e4m3"]
 
 
 def specialise(launch: KernelLaunch, target: GPUTarget) -> Specialisation:
@@ -279,25 +325,34 @@ def compile_one(spec: Specialisation, arch: int, config: str) -> Result:
 
 
 def unique_specialisations(
-    models: Iterable[ModelShape], dtypes: Iterable[str], arch: int
+    models: Iterable[ModelShape],
+    dtypes: Iterable[str],
+    arch: int,
+    kv_cache_dtypes: Iterable[str] = ("auto",),
 ) -> list[tuple[Specialisation, str]]:
     """Each distinct compilation with the first step that launches it, in launch order."""
     target = GPUTarget("cuda", arch, 32)
     seen: dict[str, tuple[Specialisation, str]] = {}
     for model in models:
         for dtype_name in dtypes:
-            for config, launch in recorded_configs(model, dtype_name):
-                spec = specialise(launch, target)
-                seen.setdefault(spec.key(), (spec, config))
+            for kv_cache_dtype in kv_cache_dtypes_on(arch, kv_cache_dtypes):
+                for config, launch in recorded_configs(model, dtype_name, kv_cache_dtype):
+                    spec = specialise(launch, target)
+                    seen.setdefault(spec.key(), (spec, config))
     return list(seen.values())
 
 
-def run(archs: Iterable[int], models: Iterable[ModelShape], dtypes: Iterable[str]) -> list[Result]:
-    models, dtypes = list(models), list(dtypes)
+def run(
+    archs: Iterable[int],
+    models: Iterable[ModelShape],
+    dtypes: Iterable[str],
+    kv_cache_dtypes: Iterable[str] = ("auto",),
+) -> list[Result]:
+    models, dtypes, kv_cache_dtypes = list(models), list(dtypes), list(kv_cache_dtypes)
     return [
         compile_one(spec, arch, config)
         for arch in archs
-        for spec, config in unique_specialisations(models, dtypes, arch)
+        for spec, config in unique_specialisations(models, dtypes, arch, kv_cache_dtypes)
     ]
 
 
@@ -386,11 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         default=list(DTYPES),
         help="comma list (default: all of float16,bfloat16,float32)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        type=_choices(KV_CACHE_DTYPE_CHOICES),
+        default=list(KV_CACHE_DTYPE_CHOICES),
+        help="comma list of KV cache dtypes (default: all of auto,int8,fp8_e4m3; fp8_e4m3 on sm_89+ only)",
+    )
     args = parser.parse_args(argv)
     if is_interpreted(triton_decode._decode_kernel):
         parser.error("the kernels were imported under TRITON_INTERPRET=1; run this as its own process")
     models = [m for m in MODELS if m.name in args.model]
-    results = run(args.arch, models, args.dtype)
+    results = run(args.arch, models, args.dtype, args.kv_cache_dtype)
     if args.json:
         print(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=1))
     else:

@@ -20,6 +20,8 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "TANDEM_ATTENTION_BACKEND"
+# Cache element dtypes the C++ kernels read (the quantized ones with their scales).
+NATIVE_KV = (torch.float32, torch.int8, torch.float8_e4m3fn)
 
 
 class AttentionBackend(ABC):
@@ -35,7 +37,10 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> None: ...
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> None:
+        """Store K/V rows at their slots; with scale caches (a quantized cache) quantize them on the way."""
 
     @abstractmethod
     def attention(
@@ -45,7 +50,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over the paged cache; a quantized cache's rows are dequantized inside the kernel."""
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -76,21 +84,30 @@ class TorchBackend(AttentionBackend):
             t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
         )
 
-    def write_kv_cache(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if self._native(key, value, k_cache, v_cache):
-            self._extension.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-        else:
-            ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    def _native_cache(self, k_cache: torch.Tensor, *activations: torch.Tensor) -> bool:
+        """fp32 activations over a cache the C++ kernels read: fp32, or int8/fp8 with scales."""
+        return self._native(*activations) and k_cache.device.type == "cpu" and k_cache.dtype in NATIVE_KV
 
-    def attention(self, query, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        if self._native(query, k_cache, v_cache):
+    def write_kv_cache(
+        self, key, value, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None
+    ) -> None:
+        if self._native_cache(k_cache, key, value):
+            self._extension.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+        else:
+            ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+
+    def attention(self, query, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None) -> torch.Tensor:
+        if self._native_cache(k_cache, query):
+            tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
             return self._extension.paged_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+                query, k_cache, v_cache, tables, lens, starts, scale, k_scales, v_scales
             )
         if meta.is_decode_only:
             tables, lens = meta.block_tables, meta.seq_lens
-            return ref.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
-        return ref.paged_attention(query, k_cache, v_cache, meta, scale)
+            return ref.paged_decode_attention(
+                query, k_cache, v_cache, tables, lens, scale, k_scales, v_scales
+            )
+        return ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scales, v_scales)
 
     def rms_norm(self, x, weight, eps, residual=None):
         if self._native(x, weight) and (residual is None or self._native(residual)):

@@ -6,9 +6,10 @@ sync in the cache write, allocations) while holding the GIL, which the server's 
 stream the previous token. The stack runs the same C++ kernels in the same order, so it computes
 what the per-op path computes, with the GIL released from the first layer to the last.
 
-It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU, every
-token a decode, at most `GEMV_MAX_ROWS` tokens (beyond that oneDNN's linears win and the per-op path
-takes the step). Prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
+It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
+fp32, int8 or fp8 e4m3 KV cache), every token a decode, at most `GEMV_MAX_ROWS` tokens (beyond that
+oneDNN's linears win and the per-op path takes the step). Prefill chunks, other dtypes and GPUs keep
+the per-op path, which stays the reference.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
@@ -87,6 +88,8 @@ class CpuDecodeStack:
             self._num_heads,
             self._eps,
             self._scale,
+            kv_cache.k_scales,
+            kv_cache.v_scales,
         )
 
 

@@ -8,7 +8,36 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import SCALE_DTYPE, quant_max
 from kernels.metadata import AttentionMetadata
+
+
+def quantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `[..., head_dim]` as `dtype` elements and one fp32 scale per row (`kernels.kv_quant`).
+
+    scale = max|row| / QMAX and stored = row / scale, rounded half to even for int8 (fp8's cast rounds
+    to nearest even itself), clamped to ±QMAX; an all-zero row gets scale 0 and zeros.
+    """
+    qmax = quant_max(dtype)
+    x = rows.float()
+    scale = x.abs().amax(dim=-1) / qmax
+    scaled = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        scaled = scaled.round()
+    return scaled.to(dtype), scale.to(SCALE_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 rows from stored elements `[..., head_dim]` and their scales `[...]`."""
+    return stored.float() * scales.unsqueeze(-1)
+
+
+def _index_copy_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache.view(slots, ...)[slots] = rows, through bytes for dtypes whose index_copy_ torch lacks (fp8)."""
+    flat = cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    if cache.dtype.itemsize == 1:
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
 
 
 def write_kv_cache(
@@ -17,16 +46,24 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store new K/V rows `[T, kv_heads, head_dim]` at their flat slots; slot -1 rows are skipped."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    """Store new K/V rows `[T, kv_heads, head_dim]` at their flat slots; slot -1 rows are skipped.
+
+    With scale caches `[blocks, block_size, kv_heads]` (a quantized cache) each (token, head) row is
+    quantized to the cache's dtype and its scale stored beside it.
+    """
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for rows, cache, scales in ((key, k_cache, k_scales), (value, v_cache, v_scales)):
+        if scales is None:
+            _index_copy_rows(cache, slot_mapping, rows.to(cache.dtype))
+            continue
+        stored, row_scales = quantize_kv(rows, cache.dtype)
+        _index_copy_rows(cache, slot_mapping, stored)
+        _index_copy_rows(scales, slot_mapping, row_scales)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -39,11 +76,24 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, *cache.shape[1:])
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first `seq_len` cached rows of one sequence, `[seq_len, kv_heads, head_dim]`."""
+def gather_dequantized(
+    cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None
+) -> torch.Tensor:
+    """`gather_blocks`, as fp32 values when the cache is quantized (`scales` given), else as stored."""
+    blocks = gather_blocks(cache, block_ids)
+    if scales is None:
+        return blocks
+    return dequantize_kv(blocks, gather_blocks(scales, block_ids))
+
+
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first `seq_len` cached rows of one sequence, `[seq_len, kv_heads, head_dim]` (dequantized
+    to fp32 when `scales` are given)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = gather_blocks(cache, block_table[:num_blocks])
+    blocks = gather_dequantized(cache, block_table[:num_blocks], scales)
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
@@ -76,15 +126,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference attention for a mixed batch, one sequence at a time. query `[T, heads, d]`."""
+    """Reference attention for a mixed batch, one sequence at a time. query `[T, heads, d]`; the scale
+    caches are given for a quantized cache."""
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=False)):
         rows = slice(start, start + q_len)
         start += q_len
-        key = gather_context(k_cache, meta.block_tables[i], seq_len)
-        value = gather_context(v_cache, meta.block_tables[i], seq_len)
+        key = gather_context(k_cache, meta.block_tables[i], seq_len, k_scales)
+        value = gather_context(v_cache, meta.block_tables[i], seq_len, v_scales)
         out[rows] = attend_one_sequence(query[rows], key, value, scale)
     return out
 
@@ -96,6 +149,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched decode attention: one query token per sequence, all sequences in one gather.
 
@@ -111,8 +166,8 @@ def paged_decode_attention(
     num_blocks = (max_len + block_size - 1) // block_size
     span = num_blocks * block_size
     table = block_tables[:, :num_blocks]
-    k = gather_blocks(k_cache, table).view(batch, span, num_kv_heads, head_dim).float()
-    v = gather_blocks(v_cache, table).view(batch, span, num_kv_heads, head_dim).float()
+    k = gather_dequantized(k_cache, table, k_scales).view(batch, span, num_kv_heads, head_dim).float()
+    v = gather_dequantized(v_cache, table, v_scales).view(batch, span, num_kv_heads, head_dim).float()
     q = query.view(batch, num_kv_heads, group, head_dim).float()
     padding = (torch.arange(span) >= seq_lens.to(torch.long).unsqueeze(1)).unsqueeze(1)  # [B, 1, S]
     out = torch.empty(batch, num_kv_heads, group, head_dim, device=query.device)
@@ -132,6 +187,8 @@ def decode_attention_partials(
     scale: float,
     split_size: int,
     num_splits: int,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage of split-KV decode, written plainly: per split of `split_size` context tokens,
     the softmax-normalised output and the natural-log sum-exp of its scores.
@@ -145,8 +202,9 @@ def decode_attention_partials(
     lse = torch.full((batch, num_heads, num_splits), float("-inf"))
     for i in range(batch):
         seq_len = int(seq_lens[i])
-        key = gather_context(k_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        value = gather_context(v_cache, block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        key = gather_context(k_cache, block_tables[i], seq_len, k_scales).float()
+        value = gather_context(v_cache, block_tables[i], seq_len, v_scales).float()
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         for split in range(num_splits):
             span = slice(split * split_size, min((split + 1) * split_size, seq_len))
             if span.start >= seq_len:

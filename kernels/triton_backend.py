@@ -37,8 +37,10 @@ class TritonBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> None:
-        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        triton_cache.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
     def attention(
         self,
@@ -47,12 +49,16 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only:
             return triton_decode.paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, None, k_scales, v_scales
             )
-        return triton_prefill.paged_prefill_attention(query, k_cache, v_cache, meta, scale)
+        return triton_prefill.paged_prefill_attention(
+            query, k_cache, v_cache, meta, scale, None, k_scales, v_scales
+        )
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

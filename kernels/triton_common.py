@@ -125,12 +125,52 @@ def slot_offsets(slots, block_size, stride_block, stride_token):
 
 
 @triton.jit
+def kv_block_ids(table_row_ptr, positions, mask, block_size):
+    """Physical block ids (int64) of context `positions` of one sequence: table[p // block_size].
+
+    `table_row_ptr` points at the sequence's row of the block table. The ids are widened to int64
+    before anyone scales them, which is the whole point of this helper.
+    """
+    return tl.load(table_row_ptr + positions // block_size, mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def block_offsets(block_ids, positions, block_size, stride_block, stride_token):
+    """Element offsets (int64) of `positions` in their blocks `block_ids` of a paged tensor with these
+    strides: the cache itself, or a quantized cache's scales (whose strides differ)."""
+    return block_ids * stride_block + (positions % block_size).to(tl.int64) * stride_token
+
+
+@triton.jit
 def kv_token_offsets(table_row_ptr, positions, mask, block_size, stride_block, stride_token):
     """Element offsets (int64) of context `positions` of one sequence in a paged cache.
 
-    `table_row_ptr` points at the sequence's row of the block table; a position p lives in slot
-    p % block_size of physical block table[p // block_size]. The block id is widened to int64
-    before it is scaled, which is the whole point of this helper.
+    A position p lives in slot p % block_size of physical block table[p // block_size].
     """
-    block_ids = tl.load(table_row_ptr + positions // block_size, mask=mask, other=0).to(tl.int64)
-    return block_ids * stride_block + (positions % block_size).to(tl.int64) * stride_token
+    block_ids = kv_block_ids(table_row_ptr, positions, mask, block_size)
+    return block_offsets(block_ids, positions, block_size, stride_block, stride_token)
+
+
+@triton.jit
+def round_half_even(x):
+    """fp32 `x` (|x| < 2**22) rounded to the nearest integer, ties to even, as torch.round does:
+    adding and taking away 1.5 * 2**23 leaves no fraction bits, and IEEE addition rounds to even."""
+    return (x + 12582912.0) - 12582912.0
+
+
+def quantized_launch_args(
+    k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, fallback: torch.Tensor
+) -> tuple[tuple[Any, ...], bool]:
+    """The scale arguments a kernel over the paged cache takes, and its QUANTIZED constexpr.
+
+    (k_scales, v_scales, block stride, token stride, head stride) of the `[blocks, block_size,
+    kv_heads]` scale caches; for a cache that is not quantized, `fallback` stands in for both
+    pointers (the kernel never reads them) and the strides are 0.
+    """
+    if k_scales is None or v_scales is None:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("a quantized cache needs both K and V scales")
+        return (fallback, fallback, 0, 0, 0), False
+    if k_scales.dtype != torch.float32 or k_scales.stride() != v_scales.stride() or k_scales.dim() != 3:
+        raise ValueError("K and V scales must be fp32 [blocks, block_size, kv_heads] of one layout")
+    return (k_scales, v_scales, *k_scales.stride()), True

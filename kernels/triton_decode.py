@@ -13,7 +13,10 @@ So the kernel is built around reading each KV byte once:
   their log-sum-exp;
 - the grid is a static upper bound (splits of the longest context the block table can hold)
   and programs past a sequence's end exit at once, so the launch depends only on shapes — the
-  property a CUDA graph replay needs — never on this step's sequence lengths.
+  property a CUDA graph replay needs — never on this step's sequence lengths;
+- a quantized cache (int8, fp8 e4m3) is read as stored, 1 byte an element, and converted to the
+  dot dtype in registers (exactly: both fit in bf16/fp16); its per-token scales multiply the score
+  columns (K) and the probabilities (V), a tile of `[group, BLOCK_N]` instead of `[BLOCK_N, head_dim]`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, kv_token_offsets, launch, num_sms
+from kernels.triton_common import (
+    KernelLaunch,
+    block_offsets,
+    dot_dtype,
+    dot_precision,
+    kv_block_ids,
+    launch,
+    num_sms,
+    quantized_launch_args,
+)
 
 # A split shorter than this spends more on its partial write and merge than it saves.
 MIN_SPLIT_TOKENS = 256
@@ -55,6 +67,16 @@ def kv_tile_size(head_dim: int, dtype: torch.dtype) -> int:
     if dtype == torch.float32 and head_dim > 64:
         return 16
     return 64 if head_dim <= 128 else 32
+
+
+def decode_stages(dtype: torch.dtype, quantized: bool) -> int:
+    """Software-pipeline depth of the K/V loads: 2, but 1 for an fp32 model over a quantized cache.
+
+    Its tiles are loaded as bytes and converted to fp32 in registers for the FMA dots; a pipelined
+    load keeps a third form live, which spilled 350-620 bytes a thread on sm_80 and sm_90
+    (`kernels.aot`), where one stage compiles to about 64 registers, like the fp32 cache's two.
+    """
+    return 1 if quantized and dtype == torch.float32 else 2
 
 
 def dot_rows(group: int) -> int:
@@ -104,6 +126,11 @@ def _decode_kernel(
     stride_o_split,
     stride_l_seq,
     stride_l_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_s_block,
+    stride_s_token,
+    stride_s_head,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -112,6 +139,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -144,19 +172,26 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
-        token_offsets = kv_token_offsets(
-            table_row, positions, valid, block_size, stride_c_block, stride_c_token
-        )
+        block_ids = kv_block_ids(table_row, positions, valid, block_size)
+        token_offsets = block_offsets(block_ids, positions, block_size, stride_c_block, stride_c_token)
         kv_offsets = (token_offsets + kv_head_offset)[:, None] + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            scale_offsets = block_offsets(block_ids, positions, block_size, stride_s_block, stride_s_token)
+            scale_offsets += kv_head.to(tl.int64) * stride_s_head
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            scores = scores * k_scale[None, :]
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -242,6 +277,8 @@ def decode_partials(
     seq_lens: torch.Tensor,
     scale: float,
     plan: SplitPlan,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage of split-KV decode: per split, the normalised output and its log-sum-exp.
 
@@ -254,7 +291,8 @@ def decode_partials(
         (batch, num_heads, plan.num_splits, head_dim), dtype=torch.float32, device=query.device
     )
     lse = torch.empty((batch, num_heads, plan.num_splits), dtype=torch.float32, device=query.device)
-    _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, partial, lse)
+    scales = (k_scales, v_scales)
+    _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, partial, lse, scales)
     return partial, lse
 
 
@@ -287,14 +325,15 @@ def merge_partials(
     return out
 
 
-def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, lse) -> None:
+def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, lse, scales) -> None:
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     write_lse = lse is not None
     out_strides = (out.stride(0), out.stride(1), out.stride(2) if write_lse else 0)
     lse_strides = (lse.stride(0), lse.stride(1)) if write_lse else (0, 0)
-    dot_type = dot_dtype(_decode_kernel, k_cache.dtype)
+    scale_args, quantized = quantized_launch_args(*scales, k_cache)
+    dot_type = dot_dtype(_decode_kernel, query.dtype)
     args = (
         query,
         k_cache,
@@ -314,19 +353,22 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
         block_tables.stride(0),
         *out_strides,
         *lse_strides,
+        *scale_args,
     )
     constexprs = {
         "GROUP": group,
         "GROUP_PAD": dot_rows(group),
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
-        "BLOCK_N": kv_tile_size(head_dim, k_cache.dtype),
+        "BLOCK_N": kv_tile_size(head_dim, query.dtype),
         "DOT_DTYPE": dot_type,
         "DOT_PRECISION": dot_precision(dot_type),
         "WRITE_LSE": write_lse,
+        "QUANTIZED": quantized,
     }
     grid = (batch, num_kv_heads, plan.num_splits)
-    launch(KernelLaunch(_decode_kernel, grid, args, constexprs, num_warps=4, num_stages=2))
+    stages = decode_stages(query.dtype, quantized)
+    launch(KernelLaunch(_decode_kernel, grid, args, constexprs, num_warps=4, num_stages=stages))
 
 
 def paged_decode_attention(
@@ -337,21 +379,27 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     plan: SplitPlan | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for `query [B, heads, head_dim]`: one launch, or two when the plan splits.
 
-    Same contract as `torch_reference.paged_decode_attention`. `plan` defaults to
-    `plan_splits` over the block table's capacity; tests pass one to force a split count.
+    Same contract as `torch_reference.paged_decode_attention` (the scale caches given for a
+    quantized cache). `plan` defaults to `plan_splits` over the block table's capacity; tests pass
+    one to force a split count.
     """
     _check_shapes(query, k_cache)
     batch, _, head_dim = query.shape
     if plan is None:
         capacity = block_tables.shape[1] * k_cache.shape[1]
-        tile = kv_tile_size(head_dim, k_cache.dtype)
+        tile = kv_tile_size(head_dim, query.dtype)
         plan = plan_splits(batch, k_cache.shape[2], capacity, num_sms(query.device), tile)
     if plan.num_splits == 1:
         out = torch.empty_like(query)
-        _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, None)
+        scales = (k_scales, v_scales)
+        _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, None, scales)
         return out
-    partial, lse = decode_partials(query, k_cache, v_cache, block_tables, seq_lens, scale, plan)
+    partial, lse = decode_partials(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, plan, k_scales, v_scales
+    )
     return merge_partials(partial, lse, seq_lens, plan.split_size, query.dtype)

@@ -9,7 +9,9 @@ are never visited. A single-token decode is simply a sequence with q_len 1, so p
 decodes share the launch.
 
 The grid is `(query tiles of the longest chunk, sequences, query heads)`; tiles past a shorter
-chunk's end exit at once.
+chunk's end exit at once. A quantized cache (int8, fp8 e4m3) is dequantized as in
+`triton_decode`: elements converted in registers, per-token scales applied to the score columns (K)
+and to the probabilities (V).
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, kv_token_offsets, launch
+from kernels.triton_common import (
+    KernelLaunch,
+    block_offsets,
+    dot_dtype,
+    dot_precision,
+    kv_block_ids,
+    launch,
+    quantized_launch_args,
+)
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,7 @@ class PrefillTile:
     num_stages: int
 
 
-def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+def prefill_tile(head_dim: int, dtype: torch.dtype, quantized: bool = False) -> PrefillTile:
     """Tiles sized so Q, K, V and the accumulator of one program fit in registers/shared memory.
 
     The Q tile and accumulator grow with head_dim, so larger heads get fewer rows or more warps.
@@ -43,7 +53,14 @@ def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     in registers, so fp32 gets 64-row tiles of 32 (head_dim 64) or 16 positions over 8 warps, which
     compile to at most 128 registers without spills on sm_80 and sm_90; the half-precision tiles
     spilled 40-90 KB a thread there (`kernels.aot`).
+
+    A quantized cache's K/V tiles are loaded as bytes and converted in registers, so a tile is live in
+    both forms and a pipelined load adds a third: the tiles above spilled 16-2000 bytes a thread with
+    it. Its tiles are therefore pipelined less (fp32: not at all) and, from head_dim 128 (and for fp32
+    from 80), narrower; each choice below is the first that compiled without spills on sm_80 and sm_90.
     """
+    if quantized:
+        return _quantized_prefill_tile(head_dim, dtype)
     if dtype == torch.float32:
         return PrefillTile(block_m=64, block_n=32 if head_dim <= 64 else 16, num_warps=8, num_stages=2)
     if head_dim <= 64:
@@ -51,6 +68,16 @@ def prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     if head_dim <= 128:
         return PrefillTile(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def _quantized_prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return PrefillTile(block_m=64, block_n=32, num_warps=8, num_stages=1)
+        return PrefillTile(block_m=32, block_n=16, num_warps=8, num_stages=1)
+    if head_dim <= 128:
+        return PrefillTile(block_m=128, block_n=64 if head_dim <= 64 else 32, num_warps=8, num_stages=2)
+    return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -72,6 +99,11 @@ def _prefill_kernel(
     stride_table,
     stride_o_token,
     stride_o_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_s_block,
+    stride_s_token,
+    stride_s_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -79,6 +111,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -109,21 +142,28 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < kv_end
-        token_offsets = kv_token_offsets(
-            table_row, positions, valid, block_size, stride_c_block, stride_c_token
-        )
+        block_ids = kv_block_ids(table_row, positions, valid, block_size)
+        token_offsets = block_offsets(block_ids, positions, block_size, stride_c_block, stride_c_token)
         kv_offsets = (token_offsets + kv_head_offset)[:, None] + dims[None, :]
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            scale_offsets = block_offsets(block_ids, positions, block_size, stride_s_block, stride_s_token)
+            scale_offsets += (head // GROUP).to(tl.int64) * stride_s_head
+            k_scale = tl.load(k_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
+            scores = scores * k_scale[None, :]
         visible = valid[None, :] & (positions[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
         # Every row sees key 0, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if QUANTIZED:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -139,11 +179,14 @@ def paged_prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     tile: PrefillTile | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the flat token batch `query [T, heads, head_dim]` described by `meta`.
 
-    Same contract as `torch_reference.paged_attention`. `tile` defaults to `prefill_tile(head_dim, dtype)`;
-    tests pass smaller ones to cover many tiles with few tokens.
+    Same contract as `torch_reference.paged_attention` (the scale caches given for a quantized
+    cache). `tile` defaults to `prefill_tile(head_dim, query dtype)`; tests pass smaller ones to
+    cover many tiles with few tokens.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -151,12 +194,13 @@ def paged_prefill_attention(
         raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("query and cache need a contiguous head_dim")
-    tile = tile or prefill_tile(head_dim, k_cache.dtype)
+    scale_args, quantized = quantized_launch_args(k_scales, v_scales, k_cache)
+    tile = tile or prefill_tile(head_dim, query.dtype, quantized)
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
     grid = (triton.cdiv(meta.max_query_len, tile.block_m), meta.num_seqs, num_heads)
-    dot_type = dot_dtype(_prefill_kernel, k_cache.dtype)
+    dot_type = dot_dtype(_prefill_kernel, query.dtype)
     args = (
         query,
         k_cache,
@@ -175,6 +219,7 @@ def paged_prefill_attention(
         meta.block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        *scale_args,
     )
     constexprs = {
         "GROUP": num_heads // num_kv_heads,
@@ -184,6 +229,7 @@ def paged_prefill_attention(
         "BLOCK_N": tile.block_n,
         "DOT_DTYPE": dot_type,
         "DOT_PRECISION": dot_precision(dot_type),
+        "QUANTIZED": quantized,
     }
     launch(KernelLaunch(_prefill_kernel, grid, args, constexprs, tile.num_warps, tile.num_stages))
     return out

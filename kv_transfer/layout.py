@@ -1,9 +1,11 @@
 """The KV-cache layout both tiers must agree on before any KV block moves.
 
-Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]``. Two replicas
-can exchange blocks only when they run the same model with the same layout; the compatibility
-hash folds all of that (plus the wire-format version) into one string that the tiers compare
-in a handshake, so a mismatch fails fast instead of filling a cache with garbage.
+Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]``; a quantized
+cache (int8, fp8 e4m3) also has one fp32 scale per token and KV head, ``[num_blocks, block_size,
+num_kv_heads]`` for K and for V. Two replicas can exchange blocks only when they run the same model
+with the same layout; the compatibility hash folds all of that (the KV dtype included, plus the
+wire-format version) into one string that the tiers compare in a handshake, so a mismatch fails fast
+instead of filling a cache with garbage.
 """
 
 from __future__ import annotations
@@ -14,24 +16,28 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import SCALE_DTYPE, is_quantized
 from kv_transfer.errors import KVLayoutMismatchError
 from protos.tandem.internal.v1 import prefill_pb2
 
 # Bump whenever the meaning of KVChunk's bytes or their size limit changes: replicas on different
 # versions then get different compatibility hashes and refuse to talk. 2: KV messages of up to 4 MiB of
-# payload (1 MiB before), which a version-1 receiver refuses as too large.
-WIRE_FORMAT_VERSION = 2
+# payload (1 MiB before), which a version-1 receiver refuses as too large. 3: quantized KV (int8, fp8
+# e4m3), whose payload carries the elements and then their fp32 scales.
+WIRE_FORMAT_VERSION = 3
 
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 _NAMES_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of a supported KV dtype ("float32", "bfloat16", "float16")."""
+    """The wire name of a supported KV dtype ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")."""
     try:
         return _NAMES_BY_DTYPE[dtype]
     except KeyError:
@@ -52,7 +58,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape and element type of one replica's paged KV cache."""
+    """Shape and element type of one replica's paged KV cache (int8 and fp8 e4m3 carry scales)."""
 
     num_layers: int
     num_kv_heads: int
@@ -79,13 +85,33 @@ class KVLayout:
         """Shape of one block of K (or V) in one layer: ``(block_size, num_kv_heads, head_dim)``."""
         return (self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache carries a scale per token and KV head beside its elements."""
+        return is_quantized(self.dtype)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        """Shape of one block of K (or V) scales in one layer: ``(block_size, num_kv_heads)``."""
+        return (self.block_size, self.num_kv_heads)
+
     def element_size(self) -> int:
         """Bytes of one cache element."""
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def data_bytes(self) -> int:
+        """Bytes of the K (or V) elements of one block in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size()
+
+    def scale_bytes(self) -> int:
+        """Bytes of the K (or V) scales of one block in one layer; 0 for a cache that is not quantized."""
+        if not self.quantized:
+            return 0
+        return self.block_size * self.num_kv_heads * torch.empty((), dtype=SCALE_DTYPE).element_size()
+
     def block_bytes(self) -> int:
-        """Bytes of K plus V of one block in one layer: the unit a KV message is built from."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size()
+        """Bytes of K plus V of one block in one layer, scales included: the unit KV messages are made of."""
+        return 2 * (self.data_bytes() + self.scale_bytes())
 
     def to_proto(self) -> prefill_pb2.KVLayout:
         """The layout as the internal API's KVLayout message."""

@@ -2,8 +2,11 @@
 
 A chunk carries a run of logical blocks for a run of layers as one C-contiguous tensor of shape
 ``[2 (K, V), layers, blocks, block_size, num_kv_heads, head_dim]`` in raw little-endian bytes,
-with a CRC32C. Sender and receiver have their own block tables (the same logical block sits in
-different physical blocks on each side), so the wire only ever speaks logical block indices.
+with a CRC32C. A quantized cache's chunk (int8, fp8 e4m3) carries those elements and, right after
+them, their fp32 scales ``[2 (K, V), layers, blocks, block_size, num_kv_heads]``: a quarter of the
+fp32 bytes plus 4 bytes per token and head. Sender and receiver have their own block tables (the same
+logical block sits in different physical blocks on each side), so the wire only ever speaks logical
+block indices.
 
 Nothing here deserializes objects: the receiver reinterprets validated bytes as numbers, so a
 hostile or corrupted peer can at worst be refused, never run code or write outside the blocks
@@ -18,11 +21,13 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
 import torch
 
+from kernels.kv_quant import SCALE_DTYPE
 from kv_transfer.errors import (
     KVChecksumError,
     KVLayoutMismatchError,
@@ -32,6 +37,9 @@ from kv_transfer.errors import (
 from kv_transfer.framing import KVFrame, frame_kv
 from kv_transfer.layout import KVLayout
 from protos.tandem.internal.v1 import prefill_pb2
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -106,24 +114,61 @@ def plan_chunks(
     ]
 
 
-def _check_caches(
-    k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], layout: KVLayout
-) -> int:
-    """Check that the local caches match the local layout; returns the number of physical blocks."""
-    if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
+@dataclass(frozen=True)
+class _Plane:
+    """One kind of per-layer tensor a block spans: the K and V elements, or a quantized cache's K and V
+    scales. The payload holds the planes one after the other, each ``[2, layers, blocks, *block_shape]``."""
+
+    caches: tuple[list[torch.Tensor], list[torch.Tensor]]
+    dtype: torch.dtype
+    block_shape: tuple[int, ...]
+    block_bytes: int  # of K (or V) in one layer
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.block_bytes // self.block_shape[0]
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        """`block_shape` of the tensors' uint8 views (the last dim counts bytes): the device path moves
+        bytes, which every dtype has, where torch's copies lack some dtypes (fp8) on some devices."""
+        return (*self.block_shape[:-1], self.block_bytes // math.prod(self.block_shape[:-1]))
+
+
+def _planes(
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    k_scales: Sequence[torch.Tensor] | None,
+    v_scales: Sequence[torch.Tensor] | None,
+) -> list[_Plane]:
+    """The local tensors as planes, checked against the local layout (scales given iff it is quantized)."""
+    planes = [_Plane((list(k_caches), list(v_caches)), layout.dtype, layout.block_shape, layout.data_bytes())]
+    if layout.quantized != (k_scales is not None and v_scales is not None):
         raise KVLayoutMismatchError(
-            f"expected {layout.num_layers} K and V cache tensors, got {len(k_caches)} and {len(v_caches)}"
+            f"a {layout.dtype_name} KV layout needs {'both' if layout.quantized else 'no'} K and V scales"
         )
-    num_physical_blocks = k_caches[0].shape[0]
-    expected = (num_physical_blocks, *layout.block_shape)
-    for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches, strict=True)):
+    if k_scales is not None and v_scales is not None:
+        scales = (list(k_scales), list(v_scales))
+        planes.append(_Plane(scales, SCALE_DTYPE, layout.scale_shape, layout.scale_bytes()))
+    num_physical_blocks = k_caches[0].shape[0] if len(k_caches) else 0
+    for plane in planes:
+        _check_plane(plane, layout.num_layers, num_physical_blocks)
+    return planes
+
+
+def _check_plane(plane: _Plane, num_layers: int, num_physical_blocks: int) -> None:
+    for name, caches in zip(("K", "V"), plane.caches, strict=True):
+        if len(caches) != num_layers:
+            raise KVLayoutMismatchError(f"expected {num_layers} {name} tensors, got {len(caches)}")
+    expected = (num_physical_blocks, *plane.block_shape)
+    for layer, (k_cache, v_cache) in enumerate(zip(*plane.caches, strict=True)):
         for name, cache in (("K", k_cache), ("V", v_cache)):
-            if tuple(cache.shape) != expected or cache.dtype != layout.dtype or not cache.is_contiguous():
+            if tuple(cache.shape) != expected or cache.dtype != plane.dtype or not cache.is_contiguous():
                 raise KVLayoutMismatchError(
-                    f"layer {layer} {name} cache is {tuple(cache.shape)} {cache.dtype}, "
-                    f"expected {expected} {layout.dtype} and contiguous"
+                    f"layer {layer} {name} tensor is {tuple(cache.shape)} {cache.dtype}, "
+                    f"expected {expected} {plane.dtype} and contiguous"
                 )
-    return num_physical_blocks
 
 
 def _physical_blocks(
@@ -159,7 +204,8 @@ def _byte_rows(cache: torch.Tensor) -> np.ndarray:
 
 
 class PagedKV:
-    """One replica's K/V caches as the wire reads and writes them, checked and viewed once.
+    """One replica's K/V caches (and a quantized cache's scales) as the wire reads and writes them,
+    checked and viewed once.
 
     On the host, blocks move with numpy copies of byte rows (one per layer and run of consecutive
     physical blocks): torch's per-call overhead on a 24 KiB block is larger than the copy itself. On a
@@ -168,19 +214,34 @@ class PagedKV:
     """
 
     def __init__(
-        self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], layout: KVLayout
+        self,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        k_scales: Sequence[torch.Tensor] | None = None,
+        v_scales: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
-        self.num_physical_blocks = _check_caches(k_caches, v_caches, layout)
-        self.caches = (list(k_caches), list(v_caches))
+        self.planes = _planes(k_caches, v_caches, layout, k_scales, v_scales)
+        self.num_physical_blocks = k_caches[0].shape[0]
         self.device = k_caches[0].device
+        # Per plane, K then V: each layer's tensor as byte rows, one row per block.
         self._rows = (
-            tuple([_byte_rows(cache) for cache in caches] for caches in self.caches)
+            [
+                tuple([_byte_rows(cache) for cache in caches] for caches in plane.caches)
+                for plane in self.planes
+            ]
             if self.device.type == "cpu"
             else None
         )
-        self._slot_bytes = layout.block_bytes() // 2 // layout.block_size
-        self._zeros = bytes(layout.block_bytes() // 2)
+        self._zeros = bytes(max(plane.block_bytes for plane in self.planes))
+
+    @classmethod
+    def of(cls, kv_cache: KVCache, layout: KVLayout) -> PagedKV:
+        """The wire's view of an engine's cache (its scales too when it is quantized)."""
+        if not kv_cache.quantized:
+            return cls(kv_cache.k, kv_cache.v, layout)
+        return cls(kv_cache.k, kv_cache.v, layout, kv_cache.k_scales, kv_cache.v_scales)
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -254,20 +315,21 @@ class PagedKV:
     def _host_pieces(
         self, span: ChunkSpan, blocks: list[int], used_slots: int
     ) -> list[np.ndarray | memoryview]:
-        """Views of K then V, layer by layer, of the span's blocks in wire order; the last block's unused
-        slots are read from a zero buffer instead of the cache."""
+        """Views of each plane's K then V, layer by layer, of the span's blocks in wire order; the last
+        block's unused slots are read from a zero buffer instead of the cache."""
         assert self._rows is not None
         runs = _runs(blocks[:-1])
         last = blocks[-1]
-        used_bytes = used_slots * self._slot_bytes
-        tail = memoryview(self._zeros)[used_bytes:]
         pieces: list[np.ndarray | memoryview] = []
-        for rows in self._rows:
-            for layer_rows in rows[span.layer_start : span.layer_start + span.num_layers]:
-                pieces.extend(layer_rows[start : start + count] for start, count in runs)
-                pieces.append(layer_rows[last, :used_bytes])
-                if tail:
-                    pieces.append(tail)
+        for plane, plane_rows in zip(self.planes, self._rows, strict=True):
+            used_bytes = used_slots * plane.slot_bytes
+            tail = memoryview(self._zeros)[used_bytes : plane.block_bytes]
+            for rows in plane_rows:
+                for layer_rows in rows[span.layer_start : span.layer_start + span.num_layers]:
+                    pieces.extend(layer_rows[start : start + count] for start, count in runs)
+                    pieces.append(layer_rows[last, :used_bytes])
+                    if tail:
+                        pieces.append(tail)
         return pieces
 
     # -- receiving -------------------------------------------------------------------------------
@@ -311,59 +373,80 @@ class PagedKV:
         )
         return payload.nbytes
 
+    def _plane_payloads(self, header: prefill_pb2.KVChunk, payload: memoryview) -> Iterator[memoryview]:
+        """The payload cut into its planes' parts, in wire order."""
+        start = 0
+        for plane in self.planes:
+            size = 2 * header.num_layers * header.num_blocks * plane.block_bytes
+            yield payload[start : start + size]
+            start += size
+
     def _scatter_on_host(self, header: prefill_pb2.KVChunk, payload: memoryview, physical: list[int]) -> None:
-        """One numpy copy per layer of K and of V: a slice when the blocks are consecutive, else a fancy
-        index (a copy per block and layer costs more in Python and GIL hand-offs than in bytes moved)."""
+        """One numpy copy per plane and layer of K and of V: a slice when the blocks are consecutive, else
+        a fancy index (a copy per block and layer costs more in Python and GIL hand-offs than the bytes)."""
         assert self._rows is not None
-        source = np.frombuffer(payload, dtype=np.uint8).reshape(2, header.num_layers, header.num_blocks, -1)
         runs = _runs(physical)
         blocks: slice | np.ndarray
         if len(runs) == 1:
             blocks = slice(runs[0][0], runs[0][0] + runs[0][1])
         else:
             blocks = np.asarray(physical, dtype=np.intp)
-        for kv, rows in enumerate(self._rows):
-            for offset in range(header.num_layers):
-                rows[header.layer_start + offset][blocks] = source[kv, offset]
+        for plane_rows, part in zip(self._rows, self._plane_payloads(header, payload), strict=True):
+            source = np.frombuffer(part, dtype=np.uint8).reshape(2, header.num_layers, header.num_blocks, -1)
+            for kv, rows in enumerate(plane_rows):
+                for offset in range(header.num_layers):
+                    rows[header.layer_start + offset][blocks] = source[kv, offset]
 
     def _scatter_on_device(
         self, header: prefill_pb2.KVChunk, payload: memoryview, physical: list[int]
     ) -> None:
-        with warnings.catch_warnings():
-            # The view is only ever a copy source.
-            warnings.filterwarnings(
-                "ignore", message="The given buffer is not writable", category=UserWarning
-            )
-            data = torch.frombuffer(payload, dtype=self.layout.dtype).view(tuple(header.shape))
-        data = data.to(self.device)
         index = torch.tensor(physical, dtype=torch.long).to(self.device)
-        for kv, caches in enumerate(self.caches):
-            for offset in range(header.num_layers):
-                caches[header.layer_start + offset].index_copy_(0, index, data[kv, offset])
+        for plane, part in zip(self.planes, self._plane_payloads(header, payload), strict=True):
+            with warnings.catch_warnings():
+                # The view is only ever a copy source.
+                warnings.filterwarnings(
+                    "ignore", message="The given buffer is not writable", category=UserWarning
+                )
+                raw = torch.frombuffer(part, dtype=torch.uint8)
+            data = raw.view(2, header.num_layers, header.num_blocks, *plane.byte_shape).to(self.device)
+            for kv, caches in enumerate(plane.caches):
+                for offset in range(header.num_layers):
+                    caches[header.layer_start + offset].view(torch.uint8).index_copy_(
+                        0, index, data[kv, offset]
+                    )
 
 
 class _DeviceStaging:
-    """One call's GPU-side gather buffer and pinned host buffer, sized for its largest span."""
+    """One call's GPU-side gather buffers and pinned host buffers (one of each per plane), sized for
+    its largest span."""
 
     def __init__(self, kv: PagedKV, spans: list[ChunkSpan]) -> None:
         self._kv = kv
-        numel = max(2 * s.num_layers * s.num_blocks for s in spans) * math.prod(kv.layout.block_shape)
-        self._device = torch.empty(numel, dtype=kv.layout.dtype, device=kv.device)
-        self._host = torch.empty(numel, dtype=kv.layout.dtype, pin_memory=True)
+        most = max(2 * s.num_layers * s.num_blocks for s in spans)
+        self._buffers = []
+        for plane in kv.planes:
+            size = most * plane.block_bytes
+            device = torch.empty(size, dtype=torch.uint8, device=kv.device)
+            self._buffers.append((device, torch.empty(size, dtype=torch.uint8, pin_memory=True)))
 
     def gather(self, span: ChunkSpan, blocks: list[int], used_slots: int) -> list[np.ndarray]:
-        """The span's payload in wire order, its last block's unused slots zeroed, as one host buffer."""
-        shape = (2, span.num_layers, span.num_blocks, *self._kv.layout.block_shape)
-        numel = math.prod(shape)
-        staging = self._device[:numel].view(shape)
+        """The span's payload in wire order, its last block's unused slots zeroed, as one host buffer
+        per plane."""
         index = torch.tensor(blocks, dtype=torch.long).to(self._kv.device)
-        for kv, caches in enumerate(self._kv.caches):
-            for offset in range(span.num_layers):
-                torch.index_select(caches[span.layer_start + offset], 0, index, out=staging[kv, offset])
-        staging[:, :, -1, used_slots:] = 0
-        host = self._host[:numel]
-        host.copy_(staging.view(-1))
-        return [host.view(torch.uint8).numpy()]
+        pieces = []
+        for plane, (device, pinned) in zip(self._kv.planes, self._buffers, strict=True):
+            shape = (2, span.num_layers, span.num_blocks, *plane.byte_shape)
+            size = math.prod(shape)
+            staging = device[:size].view(shape)
+            for kv, caches in enumerate(plane.caches):
+                for offset in range(span.num_layers):
+                    cache = caches[span.layer_start + offset].view(torch.uint8)
+                    torch.index_select(cache, 0, index, out=staging[kv, offset])
+            staging[:, :, -1, used_slots:] = 0
+            host = pinned[:size]
+            host.copy_(staging.view(-1))
+            pieces.append(host.numpy())
+        return pieces
 
 
 def encode_blocks(
@@ -376,9 +459,11 @@ def encode_blocks(
     *,
     num_tokens: int,
     max_payload_bytes: int = MAX_MESSAGE_BYTES,
+    k_scales: Sequence[torch.Tensor] | None = None,
+    v_scales: Sequence[torch.Tensor] | None = None,
 ) -> Iterator[KVFrame]:
     """``PagedKV.frames`` for a one-off transfer; long-lived senders keep a PagedKV instead."""
-    return PagedKV(k_caches, v_caches, layout).frames(
+    return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).frames(
         block_table, logical_start, num_blocks, num_tokens=num_tokens, max_payload_bytes=max_payload_bytes
     )
 
@@ -390,9 +475,13 @@ def write_chunk(
     num_logical_blocks: int,
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
+    k_scales: Sequence[torch.Tensor] | None = None,
+    v_scales: Sequence[torch.Tensor] | None = None,
 ) -> int:
     """``PagedKV.write`` for a one-off chunk; long-lived receivers keep a PagedKV instead."""
-    return PagedKV(k_caches, v_caches, layout).write(chunk, block_table, num_logical_blocks)
+    return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).write(
+        chunk, block_table, num_logical_blocks
+    )
 
 
 def _validate_chunk(
@@ -421,7 +510,8 @@ def _validate_chunk(
             f"chunk shape {list(chunk.shape)} differs from {list(expected_shape)} expected from the layout "
             f"and the chunk's {chunk.num_layers} layers x {chunk.num_blocks} blocks"
         )
-    expected_bytes = math.prod(expected_shape) * layout.element_size()
+    # The elements, and a quantized layout's scales after them.
+    expected_bytes = chunk.num_layers * chunk.num_blocks * layout.block_bytes()
     if payload.nbytes != expected_bytes:
         raise KVPayloadSizeError(f"chunk payload is {payload.nbytes} bytes, its shape needs {expected_bytes}")
     actual_crc = crc32c.crc32c(payload)

@@ -44,7 +44,7 @@ class KVSender:
         num_threads: int = 2,
         max_payload_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self._blocks = PagedKV(kv_cache.k, kv_cache.v, layout)
+        self._blocks = PagedKV.of(kv_cache, layout)
         self._max_payload_bytes = max_payload_bytes
         self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-encode")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None

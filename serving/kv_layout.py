@@ -15,5 +15,5 @@ def engine_kv_layout(engine: Engine) -> KVLayout:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         block_size=engine.block_size,
-        dtype=engine.dtype,
+        dtype=engine.kv_dtype,
     )

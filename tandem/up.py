@@ -126,6 +126,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pool of each tier, e.g. 512MiB (default: the tiers' own, 2GiB each)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "int8", "fp8_e4m3"],
+        help="KV cache element type of both tiers: auto (the dtype), int8 or fp8_e4m3 (default: the tiers' "
+        "own, auto)",
+    )
+    parser.add_argument(
         "--log-format",
         default="text",
         choices=["text", "json"],
@@ -212,6 +219,7 @@ def _common_flags(
         ("--block-size", args.block_size),
         ("--max-model-len", args.max_model_len),
         ("--kv-cache-memory", args.kv_cache_memory),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
     ):
         if value is not None:
             flags += [flag, str(value)]

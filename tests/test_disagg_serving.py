@@ -99,6 +99,7 @@ class RunningPrefill:
         num_blocks: int = 512,
         tls: TLSConfig | None = None,
         prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
@@ -107,6 +108,7 @@ class RunningPrefill:
             max_num_seqs=16,
             max_num_batched_tokens=token_budget,
             enable_prefix_caching=prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -139,7 +141,12 @@ class RunningDecode:
     """A DecodeServer in this process, with a blocking client to it."""
 
     def __init__(
-        self, model_dir: Path, num_blocks: int = 1024, prefix_caching: bool = True, **config_kwargs
+        self,
+        model_dir: Path,
+        num_blocks: int = 1024,
+        prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        **config_kwargs,
     ) -> None:
         engine_config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
@@ -147,6 +154,7 @@ class RunningDecode:
             max_num_seqs=16,
             max_num_batched_tokens=64,
             enable_prefix_caching=prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -326,6 +334,47 @@ def test_incompatible_prefill_replicas_are_refused(model, caplog):
     finally:
         other_block.close()
         other_dtype.close()
+
+
+def test_int8_kv_disaggregated_equals_aggregated_and_other_kv_dtypes_are_refused(model, caplog):
+    """Both tiers on an int8 KV cache: the prompts' quantized KV and scales cross the wire (about 0.27x
+    of fp32's bytes) and decode continues token for token as an aggregated int8 server does. A tier on
+    another KV dtype is refused at the handshake, naming the dtypes and the flag."""
+    model_dir, _ = model
+    int8_prefill = RunningPrefill(model_dir, kv_cache_dtype="int8")
+    fp32_prefill = RunningPrefill(model_dir)
+    with caplog.at_level(logging.ERROR, logger="decode_service.remote_prefill.pool"):
+        int8_decode = RunningDecode(model_dir, kv_cache_dtype="int8", prefill=int8_prefill.address)
+        mismatched = [
+            RunningDecode(model_dir, prefill=int8_prefill.address),
+            RunningDecode(model_dir, kv_cache_dtype="int8", prefill=fp32_prefill.address),
+        ]
+    aggregated = RunningDecode(model_dir, kv_cache_dtype="int8")
+    prompts = prompts_of([40, 130, 260], seed=4)
+    try:
+        for i, prompt in enumerate(prompts):  # one at a time: both prefill the prompt in the same chunks
+            remote = int8_decode.generate(prompt, 6, f"remote-{i}")
+            assert tokens_of(remote) == tokens_of(aggregated.generate(prompt, 6, f"local-{i}"))
+        assert not int8_decode.locally_prefilled_request_ids()
+        fp32_bytes = sum(kv_bytes_of(int8_decode.engine, len(p)) for p in prompts)
+        assert int8_decode.stats.kv_bytes_received == pytest.approx(fp32_bytes * 68 / 256)
+
+        refusals = [r.getMessage() for r in caplog.records if "refusing prefill replica" in r.getMessage()]
+        assert any("dtype torch.int8 != ours torch.float32" in m for m in refusals)
+        assert any("dtype torch.float32 != ours torch.int8" in m for m in refusals)
+        assert all("--kv-cache-dtype" in m for m in refusals) and len(refusals) == 2
+        for decode in mismatched:
+            assert [r.state for r in decode.pool.replicas] == [ReplicaState.INCOMPATIBLE]
+            with pytest.raises(grpc.RpcError) as failed:
+                decode.generate(prompts[0], 2, "mismatched")
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "--kv-cache-dtype" in failed.value.details()
+        assert not fp32_prefill.prefilled_request_ids()
+        for server in (int8_decode, aggregated, *mismatched, int8_prefill):
+            assert wait_until(server.pool_is_full)
+    finally:
+        for server in (int8_decode, aggregated, *mismatched, int8_prefill, fp32_prefill):
+            server.close()
 
 
 def test_short_prompts_prefill_locally_long_ones_remotely(model, two_prefills):

@@ -81,10 +81,15 @@ def aot_available() -> None:
     [("sm_80", "smollm2-135m", "float16"), ("sm_90", "llama-3.1-8b", "bfloat16")],
 )
 def test_every_kernel_compiles_without_spills(repo_root, aot_available, arch, model, dtype):
-    """Head dim 64 in fp16 on an A100, head dim 128 in bf16 on an H100/H200: every kernel, every split."""
+    """Head dim 64 in fp16 on an A100, head dim 128 in bf16 on an H100/H200: every kernel, every split,
+    over a cache in the model's dtype and a quantized one (int8 on both, fp8 e4m3 where sm_89+ has it)."""
     returncode, rows, stderr = run_aot(repo_root, "--arch", arch, "--model", model, "--dtype", dtype)
     check_report(returncode, rows, stderr, (arch,))
     assert {row["config"].split()[:2] == [model, dtype] for row in rows} == {True}
+    kv_dtypes = {"kv=auto", "kv=int8"} | ({"kv=fp8_e4m3"} if arch == "sm_90" else set())
+    assert {row["config"].split()[2] for row in rows} == kv_dtypes
+    quantized = {row["kernel"] for row in rows if row["config"].split()[2] != "kv=auto"}
+    assert quantized == {"_write_kv_kernel", "_decode_kernel", "_prefill_kernel"}
 
 
 @pytest.mark.slow
@@ -92,6 +97,7 @@ def test_full_matrix_compiles_without_spills(repo_root, aot_available):
     returncode, rows, stderr = run_aot(repo_root, "--arch", "sm_80,sm_90")
     check_report(returncode, rows, stderr, ("sm_80", "sm_90"))
     assert {row["config"].split()[1] for row in rows} == {"float16", "bfloat16", "float32"}
+    assert {row["config"].split()[2] for row in rows} == {"kv=auto", "kv=int8", "kv=fp8_e4m3"}
 
 
 def test_aot_rejects_an_unknown_arch_and_model(repo_root):

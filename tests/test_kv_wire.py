@@ -395,7 +395,7 @@ def test_block_bytes_counts_k_and_v() -> None:
 @pytest.mark.parametrize(
     "message",
     [
-        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="int8"),
+        prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype="int16"),
         prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=1, dtype=""),
         prefill_pb2.KVLayout(num_layers=0, num_kv_heads=1, head_dim=1, block_size=1, dtype="float32"),
         prefill_pb2.KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=0, dtype="float16"),
@@ -424,6 +424,8 @@ def test_compatibility_hash_changes_with_every_input() -> None:
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, block_size=8)),
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.bfloat16)),
         compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.float16)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.int8)),
+        compatibility_hash("smollm2-135m@abc", dataclasses.replace(LAYOUT, dtype=torch.float8_e4m3fn)),
     ]
     assert len({base, *variants}) == len(variants) + 1
 

@@ -388,6 +388,121 @@ def test_write_kv_cache_matches_reference(kv_heads, head_dim, block_size, input_
         torch.testing.assert_close(v_cache, v_expected, **BF16_TOL)
 
 
+# ---------------------------------------------------------------- quantized KV cache (int8, fp8 e4m3)
+
+QUANTIZED = [torch.int8, torch.float8_e4m3fn]
+
+
+def quantized_paged_cache(
+    seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, seed: int, dtype: torch.dtype
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`paged_cache`'s random caches quantized by the reference: (k, v, k_scales, v_scales), table."""
+    k_cache, v_cache, table = paged_cache(seq_lens, block_size, kv_heads, head_dim, seed)
+    k, k_scales = ref.quantize_kv(k_cache * 3, dtype)
+    v, v_scales = ref.quantize_kv(v_cache, dtype)
+    return (k, v, k_scales, v_scales), table
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize(("kv_heads", "head_dim", "block_size"), [(2, 64, 16), (3, 80, 12), (1, 128, 32)])
+def test_write_kv_cache_quantizes_like_the_reference(dtype, kv_heads, head_dim, block_size):
+    """Exactly the reference's elements and scales (fp8: rounded in-kernel, see triton_cache), K and V
+    strided views of a fused qkv, padding slots skipped; also a row of zeros and a row at a tie."""
+    num_tokens, num_blocks = 19, 8
+    gen = torch.Generator(TEST_DEVICE).manual_seed(head_dim + block_size)
+    qkv = torch.randn(num_tokens, (4 + 2 * kv_heads) * head_dim, generator=gen) * 4
+    _, key, value = qkv.split([4 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    key, value = key.view(num_tokens, kv_heads, head_dim), value.view(num_tokens, kv_heads, head_dim)
+    key[1, 0] = 0.0
+    value[2, 0, :3] = torch.tensor([127.0, 0.5, -2.5])  # scale 1: ties land on even integers
+    value[2, 0, 3:] = 0.0
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[0, 7]] = -1
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = [torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)]
+    caches += [torch.zeros(shape[:3]), torch.zeros(shape[:3])]
+    expected = [t.clone() for t in caches]
+    ref.write_kv_cache(key, value, *expected[:2], slots, *expected[2:])
+    triton_cache.write_kv_cache(key, value, *caches[:2], slots, *caches[2:])
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (6, 1, 80, 12), (4, 4, 128, 16)]
+)
+def test_decode_over_a_quantized_cache_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+    """Ragged lengths, split (3 splits) and not, GQA groups of 3, MQA, head dim 80 and block size 12."""
+    seq_lens = [1, block_size, block_size + 1, 3 * 64 + 7]
+    caches, table = quantized_paged_cache(
+        seq_lens, block_size, kv_heads, head_dim, head_dim + block_size, dtype
+    )
+    query = torch.randn(len(seq_lens), heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    k, v, k_scales, v_scales = caches
+    expected = ref.paged_decode_attention(query, k, v, table, lens, scale, k_scales, v_scales)
+    for plan in (triton_decode.SplitPlan(1, table.shape[1] * block_size), triton_decode.SplitPlan(4, 64)):
+        out = triton_decode.paged_decode_attention(query, k, v, table, lens, scale, plan, k_scales, v_scales)
+        torch.testing.assert_close(out, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (6, 1, 80, 12)])
+def test_prefill_over_a_quantized_cache_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+    query_lens, seq_lens = mixed_batch(block_size)
+    caches, table = quantized_paged_cache(
+        seq_lens, block_size, kv_heads, head_dim, head_dim * block_size, dtype
+    )
+    meta = metadata(query_lens, seq_lens, table)
+    query = torch.randn(sum(query_lens), heads, head_dim)
+    k, v, k_scales, v_scales = caches
+    tile = triton_prefill.PrefillTile(16, 16, 4, 1)  # several query and KV tiles per sequence
+    out = triton_prefill.paged_prefill_attention(query, k, v, meta, 0.125, tile, k_scales, v_scales)
+    torch.testing.assert_close(
+        out, ref.paged_attention(query, k, v, meta, 0.125, k_scales, v_scales), **FP32_TOL
+    )
+
+
+def test_decode_over_int8_with_bf16_activations():
+    caches, table = quantized_paged_cache([1, 33, 300], 16, 2, 128, seed=3, dtype=torch.int8)
+    query = torch.randn(3, 8, 128).to(torch.bfloat16)
+    lens = torch.tensor([1, 33, 300], dtype=torch.int32)
+    k, v, k_scales, v_scales = caches
+    out = triton_decode.paged_decode_attention(query, k, v, table, lens, 128**-0.5, None, k_scales, v_scales)
+    expected = ref.paged_decode_attention(query, k, v, table, lens, 128**-0.5, k_scales, v_scales)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, **BF16_TOL)
+
+
+def test_quantized_kernels_refuse_half_a_set_of_scales():
+    caches, table = quantized_paged_cache([5], 16, 2, 64, seed=4, dtype=torch.int8)
+    k, v, k_scales, _ = caches
+    query, lens = torch.randn(1, 4, 64), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="both K and V scales"):
+        triton_decode.paged_decode_attention(query, k, v, table, lens, 0.125, None, k_scales, None)
+    with pytest.raises(ValueError, match="written without scales"):
+        triton_cache.write_kv_cache(query[:, :2], query[:, 2:], k, v, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_engine_over_a_quantized_cache_matches_the_torch_backend(monkeypatch, kv):
+    """Chunked prefill, mixed steps and decode over a quantized cache on both backends: same tokens."""
+    hf = tiny_hf_model(11, num_heads=4, num_kv_heads=2, head_dim=64)
+    prompts = random_prompts(3, 12, min_len=3, max_len=40)
+    greedy = SamplingParams(temperature=0.0)
+    requests = [GenerateRequest(p, greedy, StoppingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    torch_engine = engine_for(hf, num_blocks=64, shuffle_seed=12, kv_cache_dtype=kv)
+    expected = [s.output_token_ids for s in torch_engine.generate(requests, max_num_batched_tokens=48)]
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    triton_engine = engine_for(hf, num_blocks=64, shuffle_seed=12, kv_cache_dtype=kv)
+    assert triton_engine.backend.name == "triton" and triton_engine.kv_cache.quantized
+    got = [s.output_token_ids for s in triton_engine.generate(requests, max_num_batched_tokens=48)]
+    assert got == expected
+
+
 # ---------------------------------------------------------------- fused ops
 
 

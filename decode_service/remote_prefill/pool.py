@@ -101,6 +101,8 @@ def describe_incompatibility(
             theirs, ours = getattr(layout, name), getattr(own_layout, name)
             if theirs != ours:
                 differences.append(f"{name} {theirs} != ours {ours}")
+        if layout.dtype != own_layout.dtype:
+            differences.append("run both tiers with the same --dtype and --kv-cache-dtype")
     if not differences:
         differences.append("KV wire format version differs")
     return "; ".join(differences)

@@ -78,7 +78,7 @@ class RemotePrefillStage(PrefillStage):
         self.engine = engine
         self.layout = engine_kv_layout(engine)
         # The cache as the KV wire writes it, checked and viewed once for every transfer.
-        self._kv = PagedKV(engine.kv_cache.k, engine.kv_cache.v, self.layout)
+        self._kv = PagedKV.of(engine.kv_cache, self.layout)
         self.local_prefill_threshold = local_prefill_threshold
         self.fallback_local = fallback_local
         self.stats = stats

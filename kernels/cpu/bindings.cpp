@@ -8,10 +8,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::arg;
   using pybind11::call_guard;
   using pybind11::gil_scoped_release;
-  m.def("paged_attention", &paged_attention, "paged attention over a mixed batch (fp32)",
-        call_guard<gil_scoped_release>());
-  m.def("write_kv_cache", &write_kv_cache, "store new K/V rows at their cache slots; slot -1 skips (fp32)",
-        call_guard<gil_scoped_release>());
+  m.def("paged_attention", &paged_attention,
+        "paged attention over a mixed batch (fp32 query; fp32 cache, or int8/fp8 e4m3 with scales)", arg("query"),
+        arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start_loc"), arg("scale"),
+        arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none(), call_guard<gil_scoped_release>());
+  m.def("write_kv_cache", &write_kv_cache,
+        "store new K/V rows at their cache slots, quantizing for an int8/fp8 cache; slot -1 skips (fp32 rows)",
+        arg("key"), arg("value"), arg("k_cache"), arg("v_cache"), arg("slot_mapping"),
+        arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none(), call_guard<gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "optional residual add, then RMSNorm (fp32)", call_guard<gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "rotate-half RoPE on q and k (fp32)", call_guard<gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (fp32)", call_guard<gil_scoped_release>());

@@ -6,7 +6,7 @@
 // them, so the server's event loop waits for it to stream the previous token. Here the same kernels run
 // in the same order (so the numbers are the per-op path's, bit for bit) with the GIL released for the
 // whole stack. The per-op torch path stays the reference and serves everything else: prefill chunks,
-// other dtypes, GPUs.
+// other dtypes, GPUs. A quantized KV cache (int8, fp8 e4m3) comes with one scale cache per layer.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -15,9 +15,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
-    double eps, double scale) {
+    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales) {
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "one K and one V cache per layer");
+  const bool quantized = !k_scales.empty();
+  TORCH_CHECK(!quantized || (k_scales.size() == layers.size() && v_scales.size() == layers.size()),
+              "one K and one V scale cache per layer, or none");
   TORCH_CHECK(!layers.empty(), "no layers");
   const int64_t tokens = hidden.size(0), num_kv_heads = k_caches[0].size(2), head_dim = k_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -34,8 +37,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto [q_rot, k_rot] = apply_rope(q, k, cos, sin);
-    write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping);
-    auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale);
+    std::optional<torch::Tensor> k_scale, v_scale;
+    if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
+    write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);
+    auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale);
     auto attn_out = linear_gemv(attended.view({tokens, q_size}), w.o, w.o_bias);
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);
     hidden = linear_gemv(silu_and_mul(linear_gemv(mlp_in, w.gate_up, w.gate_up_bias)), w.down, w.down_bias);

@@ -11,11 +11,14 @@
 #define TANDEM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
 #define TANDEM_AVX2 __attribute__((target("avx2,fma")))
 
+// k_scales/v_scales: the fp32 [blocks, block_size, kv_heads] scales of an int8 or fp8 e4m3 cache; none for fp32.
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale);
+                              double scale, std::optional<torch::Tensor> k_scales,
+                              std::optional<torch::Tensor> v_scales);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping);
+                    torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
+                    std::optional<torch::Tensor> v_scales);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
@@ -36,8 +39,9 @@ struct DecoderLayerWeights {
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
 };
 
+// k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
-    double eps, double scale);
+    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales);

@@ -1,9 +1,15 @@
-// Writing a step's new K and V rows into their slots of the paged cache (fp32). The torch reference
-// does it with a mask, an `all()` that reads the mask back to the host, and two `index_copy_`, per
-// layer per step; here it is one pass of row copies.
+// Writing a step's new K and V rows into their slots of the paged cache. The torch reference does it
+// with a mask, an `all()` that reads the mask back to the host, and two `index_copy_`, per layer per
+// step; here it is one pass of row copies. A quantized cache (int8 or fp8 e4m3, with scale caches)
+// gets each (token, KV head) row quantized on the way, as `torch_reference.quantize_kv` defines it.
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -16,27 +22,79 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& cache, const char* 
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), name, " heads must be contiguous within a token");
 }
 
+// One head's row: scale = max|x| / qmax, stored = x / scale rounded (half to even) and clamped.
+template <typename T>
+float quantize_row(const float* x, T* out, int64_t d, float qmax) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / qmax;
+  const float divisor = scale > 0.f ? scale : 1.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float q = std::min(qmax, std::max(-qmax, x[i] / divisor));
+    if constexpr (std::is_same_v<T, int8_t>) {
+      out[i] = static_cast<int8_t>(std::nearbyint(q));
+    } else {
+      out[i] = static_cast<T>(q);
+    }
+  }
+  return scale;
+}
+
+template <typename T>
+void write_quantized(const torch::Tensor& rows, int64_t t, torch::Tensor& cache, torch::Tensor& scales,
+                     int64_t slot, float qmax) {
+  const int64_t heads = cache.size(2), d = cache.size(3);
+  const float* src = rows.data_ptr<float>() + t * rows.stride(0);
+  T* dst = reinterpret_cast<T*>(cache.data_ptr()) + slot * heads * d;
+  float* scale = scales.data_ptr<float>() + slot * heads;
+  for (int64_t h = 0; h < heads; ++h) scale[h] = quantize_row(src + h * d, dst + h * d, d, qmax);
+}
+
+void check_scales(const std::optional<torch::Tensor>& scales, const torch::Tensor& cache, const char* name) {
+  TORCH_CHECK(scales.has_value(), "a quantized cache needs its ", name, " scale cache");
+  TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
+                  scales->size(2) == cache.size(2),
+              name, " scales must be contiguous fp32 [blocks, block_size, kv_heads]");
+}
+
 }  // namespace
 
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_mapping) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4,
-              "caches must be contiguous fp32 [blocks, block_size, kv_heads, d] of one shape");
+                    torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
+                    std::optional<torch::Tensor> v_scales) {
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
+  TORCH_CHECK((dtype == torch::kFloat32 || quantized) && v_cache.scalar_type() == dtype &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 4,
+              "caches must be contiguous fp32, int8 or fp8 e4m3 [blocks, block_size, kv_heads, d] of one shape");
   check_rows(key, k_cache, "key");
   check_rows(value, v_cache, "value");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0) && value.size(0) == key.size(0),
               "slot_mapping must be int64 [T] for T key and value rows");
+  if (quantized) {
+    check_scales(k_scales, k_cache, "K");
+    check_scales(v_scales, v_cache, "V");
+  }
   auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t row = k_cache.size(2) * k_cache.size(3), num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < key.size(0); ++t) {
     if (slot[t] < 0) continue;  // a padding row
     TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is outside the cache's ", num_slots, " slots");
-    std::memcpy(k_cache.data_ptr<float>() + slot[t] * row, key.data_ptr<float>() + t * key.stride(0),
-                row * sizeof(float));
-    std::memcpy(v_cache.data_ptr<float>() + slot[t] * row, value.data_ptr<float>() + t * value.stride(0),
-                row * sizeof(float));
+    if (dtype == torch::kInt8) {
+      write_quantized<int8_t>(key, t, k_cache, *k_scales, slot[t], 127.f);
+      write_quantized<int8_t>(value, t, v_cache, *v_scales, slot[t], 127.f);
+    } else if (dtype == torch::kFloat8_e4m3fn) {
+      write_quantized<c10::Float8_e4m3fn>(key, t, k_cache, *k_scales, slot[t], 448.f);
+      write_quantized<c10::Float8_e4m3fn>(value, t, v_cache, *v_scales, slot[t], 448.f);
+    } else {
+      std::memcpy(k_cache.data_ptr<float>() + slot[t] * row, key.data_ptr<float>() + t * key.stride(0),
+                  row * sizeof(float));
+      std::memcpy(v_cache.data_ptr<float>() + slot[t] * row, value.data_ptr<float>() + t * value.stride(0),
+                  row * sizeof(float));
+    }
   }
 }

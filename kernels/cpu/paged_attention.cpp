@@ -3,11 +3,20 @@
 // block table. One pass over K and V with an online softmax, so the KV rows are streamed once and
 // never gathered into a copy; the query heads of a GQA group and up to kRowTile query rows share
 // each K/V row while it is in L1. Threads take contiguous task ranges of about equal cost.
+//
+// A quantized cache (int8 or fp8 e4m3 elements, one fp32 scale per token and KV head) is read as it is
+// stored, a quarter of fp32's bytes, and dequantized in registers: a K row's scale multiplies its dot
+// product once instead of every element, and a V row's scale folds into its softmax weight.
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -19,8 +28,10 @@ constexpr float kLowest = -1e30f;
 
 struct Problem {
   const float* q;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scales;  // [blocks, bs, kv_heads], null for an fp32 cache
+  const float* v_scales;
   const int64_t* tables;
   const int64_t* seq_lens;
   const int64_t* starts;
@@ -34,8 +45,34 @@ struct Task {
   int64_t seq, kv_head, row_begin, row_end, cost;
 };
 
-template <int kD>
+// Every fp8 e4m3 bit pattern's value: one table lookup per element instead of the bit arithmetic.
+std::array<float, 256> make_fp8_values() {
+  std::array<float, 256> values{};
+  for (int i = 0; i < 256; ++i) {
+    values[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+  return values;
+}
+const std::array<float, 256> kFp8Values = make_fp8_values();
+
+// A cache element as a float: fp32 as it is, int8 converted, fp8 e4m3 looked up.
+struct Fp32Element {
+  using Stored = float;
+  static float load(const float* row, int64_t d) { return row[d]; }
+};
+struct Int8Element {
+  using Stored = int8_t;
+  static float load(const int8_t* row, int64_t d) { return static_cast<float>(row[d]); }
+};
+struct Fp8Element {
+  using Stored = uint8_t;
+  static float load(const uint8_t* row, int64_t d) { return kFp8Values[row[d]]; }
+};
+
+template <int kD, typename E>
 void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
+  using Stored = typename E::Stored;
+  constexpr bool kQuantized = !std::is_same_v<E, Fp32Element>;
   const int64_t D = kD > 0 ? kD : p.head_dim;
   const int64_t G = p.group, bs = p.block_size;
   const int64_t q_len = p.starts[t.seq + 1] - p.starts[t.seq];
@@ -58,9 +95,14 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   }
   const int64_t* table = p.tables + t.seq * p.table_width;
   for (int64_t block_start = 0; block_start < kv_end; block_start += bs) {
-    const int64_t offset = table[block_start / bs] * p.block_stride + t.kv_head * D;
-    const float* k_block = p.k_cache + offset;
-    const float* v_block = p.v_cache + offset;
+    const int64_t block = table[block_start / bs];
+    const int64_t offset = block * p.block_stride + t.kv_head * D;
+    const Stored* k_block = static_cast<const Stored*>(p.k_cache) + offset;
+    const Stored* v_block = static_cast<const Stored*>(p.v_cache) + offset;
+    // Row j's scale is at [j * num_kv_heads]; unused for an fp32 cache.
+    const int64_t scale_offset = (block * bs) * p.num_kv_heads + t.kv_head;
+    const float* k_scale = kQuantized ? p.k_scales + scale_offset : nullptr;
+    const float* v_scale = kQuantized ? p.v_scales + scale_offset : nullptr;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = first_pos + t.row_begin + i / G + 1 - block_start;  // causal limit
       const int64_t n = std::min(bs, std::min(visible, kv_end - block_start));
@@ -69,9 +111,10 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       float* s = scores + i * bs;
       float block_max = kLowest;
       for (int64_t j = 0; j < n; ++j) {
-        const float* k = k_block + j * p.row_stride;
+        const Stored* k = k_block + j * p.row_stride;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
+        for (int64_t d = 0; d < D; ++d) dot += qi[d] * E::load(k, d);
+        if constexpr (kQuantized) dot *= k_scale[j * p.num_kv_heads];
         s[j] = dot;
         block_max = std::max(block_max, dot);
       }
@@ -90,9 +133,10 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       float local[kMaxHeadDim];
       for (int64_t d = 0; d < D; ++d) local[d] = a[d] * rescale;
       for (int64_t j = 0; j < n; ++j) {
-        const float* __restrict__ v = v_block + j * p.row_stride;
-        const float w = s[j];
-        for (int64_t d = 0; d < D; ++d) local[d] += w * v[d];
+        const Stored* __restrict__ v = v_block + j * p.row_stride;
+        float w = s[j];
+        if constexpr (kQuantized) w *= v_scale[j * p.num_kv_heads];
+        for (int64_t d = 0; d < D; ++d) local[d] += w * E::load(v, d);
       }
       for (int64_t d = 0; d < D; ++d) a[d] = local[d];
     }
@@ -105,38 +149,63 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   }
 }
 
-template <int kD>
+template <int kD, typename E>
 void run_range(const Problem& p, const std::vector<Task>& tasks, int64_t begin, int64_t end) {
   std::vector<float> scratch;
-  for (int64_t i = begin; i < end; ++i) run_task<kD>(p, tasks[i], scratch);
+  for (int64_t i = begin; i < end; ++i) run_task<kD, E>(p, tasks[i], scratch);
 }
 
+template <typename E>
 void run_tasks(const Problem& p, const std::vector<Task>& tasks, int64_t begin, int64_t end) {
   switch (p.head_dim) {
-    case 64: return run_range<64>(p, tasks, begin, end);
-    case 128: return run_range<128>(p, tasks, begin, end);
-    default: return run_range<0>(p, tasks, begin, end);
+    case 64: return run_range<64, E>(p, tasks, begin, end);
+    case 128: return run_range<128, E>(p, tasks, begin, end);
+    default: return run_range<0, E>(p, tasks, begin, end);
   }
+}
+
+void run_tasks(torch::ScalarType dtype, const Problem& p, const std::vector<Task>& tasks, int64_t begin,
+               int64_t end) {
+  switch (dtype) {
+    case torch::kInt8: return run_tasks<Int8Element>(p, tasks, begin, end);
+    case torch::kFloat8_e4m3fn: return run_tasks<Fp8Element>(p, tasks, begin, end);
+    default: return run_tasks<Fp32Element>(p, tasks, begin, end);
+  }
+}
+
+// A quantized cache's scale cache: contiguous fp32 [blocks, bs, kv_heads] beside a cache of that shape.
+const float* scales_of(const std::optional<torch::Tensor>& scales, const torch::Tensor& cache, const char* name) {
+  TORCH_CHECK(scales.has_value(), "a quantized cache needs its ", name, " scale cache");
+  TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == cache.size(0) && scales->size(1) == cache.size(1) &&
+                  scales->size(2) == cache.size(2),
+              name, " scales must be contiguous fp32 [blocks, block_size, kv_heads]");
+  return scales->data_ptr<float>();
 }
 
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                              double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "the CPU paged attention kernel takes fp32");
+                              double scale, std::optional<torch::Tensor> k_scales,
+                              std::optional<torch::Tensor> v_scales) {
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && (dtype == torch::kFloat32 || quantized) &&
+                  v_cache.scalar_type() == dtype,
+              "the CPU paged attention kernel takes an fp32 query over an fp32, int8 or fp8 e4m3 cache");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [T, heads, d] and cache [blocks, bs, kv_heads, d]");
   auto q = query.contiguous();
   auto kc = k_cache.contiguous();
   auto vc = v_cache.contiguous();
+  const float* k_scale_data = quantized ? scales_of(k_scales, kc, "K") : nullptr;
+  const float* v_scale_data = quantized ? scales_of(v_scales, vc, "V") : nullptr;
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto starts = query_start_loc.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(q);
   const int64_t num_seqs = lens.size(0);
-  Problem p{q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), tables.data_ptr<int64_t>(),
+  Problem p{q.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), k_scale_data, v_scale_data, tables.data_ptr<int64_t>(),
             lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(),
             q.size(1), kc.size(2), q.size(1) / kc.size(2), q.size(2), kc.size(1), tables.size(1),
             kc.size(2) * kc.size(3), kc.size(1) * kc.size(2) * kc.size(3), static_cast<float>(scale)};
@@ -167,7 +236,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
     if (running * parts >= total_cost * part) bounds[part++] = i + 1;
   }
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) run_tasks(p, tasks, bounds[i], bounds[i + 1]);
+    for (int64_t i = begin; i < end; ++i) run_tasks(dtype, p, tasks, bounds[i], bounds[i + 1]);
   });
   return out;
 }

@@ -9,6 +9,8 @@
 - $(TANDEM_DTYPE)
 - --block-size
 - $(TANDEM_BLOCK_SIZE)
+- --kv-cache-dtype
+- $(TANDEM_KV_CACHE_DTYPE)
 - --host
 - 0.0.0.0
 - --port

@@ -1,0 +1,82 @@
+"""What a quantized KV cache is: its element dtypes, their ranges, the scales beside them, and where
+each can run.
+
+A quantized cache stores every (token, KV head) row of K and of V as `head_dim` narrow elements plus
+one fp32 scale, symmetric: `scale = max|row| / QMAX`, `stored = round(row / scale)` (int8: round half
+to even, clamped to ±127; fp8 e4m3: the cast's own rounding, clamped to ±448), and `row ≈ stored ·
+scale`. A row is quantized once, when its token is written, and never again: per-token scales need
+no requantization when later tokens of the block arrive, and keep one outlier token from coarsening
+its neighbours (per-block scales would do both; see bench/kv_quant.py for the measured trade).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ConfigError
+
+SCALE_DTYPE = torch.float32
+# The largest stored magnitude of each quantized element dtype.
+QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# `--kv-cache-dtype` values other than `auto` (the model's dtype), and the element dtype they store.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+# Triton converts fp8 e4m3 in hardware from Ada/Hopper on; older GPUs have no such instruction.
+FP8_MIN_CUDA_CAPABILITY = (8, 9)
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of `dtype` carries scales beside its elements."""
+    return dtype in QUANT_MAX
+
+
+def quant_max(dtype: torch.dtype) -> float:
+    """The largest magnitude a quantized element of `dtype` stores."""
+    return QUANT_MAX[dtype]
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache element dtype `--kv-cache-dtype name` means for a model running in `model_dtype`."""
+    if name == "auto":
+        return model_dtype
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        raise ConfigError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, not {name!r}"
+        ) from None
+
+
+def kv_cache_dtype_flag(dtype: torch.dtype) -> str:
+    """The `--kv-cache-dtype` value that stores `dtype` (for messages): `int8`, `fp8_e4m3` or `auto`."""
+    for name, stored in KV_CACHE_DTYPES.items():
+        if stored == dtype:
+            return name
+    return "auto"
+
+
+def check_device_supports(dtype: torch.dtype, device: torch.device, backend: str) -> None:
+    """Refuse, at start, a quantized cache the device's attention kernels cannot run.
+
+    The CPU runs both (C++ kernels, else the torch reference); CUDA runs int8 everywhere and fp8 e4m3
+    under Triton only where the GPU converts it (compute capability 8.9 and up).
+    """
+    if not is_quantized(dtype) or device.type == "cpu":
+        return
+    flag = f"--kv-cache-dtype {kv_cache_dtype_flag(dtype)}"
+    if device.type != "cuda":
+        raise ConfigError(f"{flag} is not supported on device {device}; use cpu or cuda")
+    if dtype == torch.float8_e4m3fn and backend == "triton":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CUDA_CAPABILITY:
+            raise ConfigError(
+                f"{flag} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its fp8 "
+                f"conversions; {device} is {capability[0]}.{capability[1]}: use --kv-cache-dtype int8"
+            )
+
+
+def kv_bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
+    """Cache bytes one token's K (or V) takes in one KV head of one layer, its scale included."""
+    element = torch.empty((), dtype=dtype).element_size()
+    scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if is_quantized(dtype) else 0
+    return head_dim * element + scale
