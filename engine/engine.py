@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine import quantization
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -35,13 +36,20 @@ from kernels.backend import get_backend
 logger = logging.getLogger(__name__)
 
 
-def kv_namespace(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> bytes:
-    """What makes cached KV reusable: the architecture, the KV dtype and the block size.
+def kv_namespace(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    weight_quantization: str = quantization.NONE,
+) -> bytes:
+    """What makes cached KV reusable: the architecture, the KV dtype, the block size and the weights'
+    quantization (other weights compute other KV).
 
     It roots every prefix-cache hash chain, so the two tiers (whose compatibility hash already covers
     model and layout) compute equal chains for equal prompts and salts.
     """
-    return f"{model_config!r}|{dtype}|{block_size}".encode()
+    weights = "" if weight_quantization == quantization.NONE else f"|{weight_quantization}"
+    return f"{model_config!r}|{dtype}|{block_size}{weights}".encode()
 
 
 @dataclass
@@ -94,6 +102,7 @@ class Engine:
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(state_dict)
+        quantization.quantize_decoder_linears(model.layers, config.quantization)
         if self.device.type == "cpu":
             cpu_lm_head.use_cpu_lm_head(model)
             cpu_linear.use_cpu_linears(model)
@@ -106,7 +115,7 @@ class Engine:
             num_blocks,
             self.block_size,
             enable_caching=config.enable_prefix_caching,
-            namespace=kv_namespace(model_config, config.dtype, self.block_size),
+            namespace=kv_namespace(model_config, config.dtype, self.block_size, config.quantization),
             order=block_order,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -127,6 +136,7 @@ class Engine:
                 "num_blocks": num_blocks,
                 "block_size": self.block_size,
                 "dtype": str(config.dtype),
+                "quantization": config.quantization,
                 "backend": self.backend.name,
             },
         )

@@ -99,6 +99,7 @@ class RunningPrefill:
         num_blocks: int = 512,
         tls: TLSConfig | None = None,
         prefix_caching: bool = True,
+        quantization: str = "none",
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
@@ -107,6 +108,7 @@ class RunningPrefill:
             max_num_seqs=16,
             max_num_batched_tokens=token_budget,
             enable_prefix_caching=prefix_caching,
+            quantization=quantization,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -139,7 +141,12 @@ class RunningDecode:
     """A DecodeServer in this process, with a blocking client to it."""
 
     def __init__(
-        self, model_dir: Path, num_blocks: int = 1024, prefix_caching: bool = True, **config_kwargs
+        self,
+        model_dir: Path,
+        num_blocks: int = 1024,
+        prefix_caching: bool = True,
+        quantization: str = "none",
+        **config_kwargs,
     ) -> None:
         engine_config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
@@ -147,6 +154,7 @@ class RunningDecode:
             max_num_seqs=16,
             max_num_batched_tokens=64,
             enable_prefix_caching=prefix_caching,
+            quantization=quantization,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
