@@ -101,8 +101,10 @@ class Engine:
         model = model.to_empty(device=self.device).to(config.dtype)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        # Before loading: the checkpoint is quantized as it is copied in (the empty full-precision
+        # weights this drops were never written, so they never took memory).
+        quantization.use_quantized_linears(model.layers, config.quantization)
         model.load_weights(state_dict)
-        quantization.quantize_decoder_linears(model.layers, config.quantization)
         if self.device.type == "cpu":
             cpu_lm_head.use_cpu_lm_head(model)
             cpu_linear.use_cpu_linears(model)

@@ -52,27 +52,49 @@ def int8_linear_reference(
 
 
 class Int8Linear(nn.Module):
-    """A weight-only int8 stand-in for an `nn.Linear` at inference (2-D input: tokens x features)."""
+    """A weight-only int8 stand-in for an `nn.Linear` at inference (2-D input: tokens x features).
+
+    Built empty (`empty_like`) and filled a block of rows at a time (`load_weight_rows`), so a model
+    loads its checkpoint straight into int8: the full-precision weight is never stored in the layer.
+    """
 
     def __init__(
         self,
-        qweight: torch.Tensor,
-        scale: torch.Tensor,
+        out_features: int,
+        in_features: int,
         bias: torch.Tensor | None,
         extension: ModuleType | None,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().contiguous())
+        self.out_features, self.in_features = out_features, in_features
+        qweight = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", torch.zeros(out_features, dtype=torch.float32, device=device))
+        # A parameter, as in nn.Linear, so the checkpoint's bias loads by the same name.
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._extension = extension
 
     @classmethod
+    def empty_like(cls, linear: nn.Linear, extension: ModuleType | None) -> Int8Linear:
+        """An all-zero int8 layer of `linear`'s shape and device, keeping its bias (the extension serves
+        fp32 CPU inputs); its weight is then loaded with `load_weight_rows`."""
+        return cls(linear.out_features, linear.in_features, linear.bias, extension, linear.weight.device)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, extension: ModuleType | None) -> Int8Linear:
-        """Quantize `linear`'s weight (its bias stays as it is); the extension serves fp32 CPU inputs."""
-        qweight, scale = quantize_per_channel(linear.weight)
-        return cls(qweight, scale, linear.bias, extension)
+        """`linear` quantized (its bias as it is)."""
+        layer = cls.empty_like(linear, extension)
+        layer.load_weight_rows(0, linear.weight)
+        return layer
+
+    @torch.no_grad()
+    def load_weight_rows(self, offset: int, weight: torch.Tensor) -> None:
+        """Quantize `weight` into output rows `offset...`: rows are quantized independently, so a fused
+        layer (q/k/v, gate/up) loads each checkpoint tensor as it comes."""
+        qweight, scale = quantize_per_channel(weight.to(self.qweight.device))
+        self.qweight[offset : offset + qweight.shape[0]] = qweight
+        self.scale[offset : offset + qweight.shape[0]] = scale
 
     def _uses_extension(self, x: torch.Tensor) -> bool:
         return self._extension is not None and x.device.type == "cpu" and x.dtype == torch.float32

@@ -4,6 +4,8 @@ odd shapes; `Int8Linear` picks its path by row count and falls back to the refer
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -166,7 +168,21 @@ def test_layer_without_the_extension_or_in_bf16_runs_the_reference():
     x = torch.randn(3, 24)
     weight = dequantize(layer.qweight, layer.scale)
     torch.testing.assert_close(layer(x), nn.functional.linear(x, weight, linear.bias), rtol=0, atol=0)
-    low = Int8Linear(layer.qweight, layer.scale, linear.bias.detach().bfloat16(), None)
+    low = Int8Linear.from_linear(copy.deepcopy(linear).bfloat16(), None)
     assert low(x.bfloat16()).dtype == torch.bfloat16
     assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == (10, 24)
     assert "in_features=24, out_features=10, bias=True" in repr(layer)
+
+
+def test_rows_load_independently_into_a_fused_layer():
+    """q, k and v (or gate and up) quantized apart into one layer equal the fused matrix quantized whole."""
+    gen = torch.Generator().manual_seed(7)
+    parts = [torch.randn(rows, 40, generator=gen) * scale for rows, scale in ((24, 0.1), (8, 2.0), (8, 0.01))]
+    fused = nn.Linear(40, 40, bias=False)
+    layer = Int8Linear.empty_like(fused, None)
+    offset = 0
+    for part in parts:
+        layer.load_weight_rows(offset, part)
+        offset += part.shape[0]
+    qweight, scale = quantize_per_channel(torch.cat(parts))
+    assert torch.equal(layer.qweight, qweight) and torch.equal(layer.scale, scale)
