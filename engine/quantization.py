@@ -6,7 +6,7 @@ the embedding and the LM head keep the model's dtype. Quantization happens at lo
 the empty model's decoder linears for the method's modules before the checkpoint is copied in, and each
 checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision decoder
 weights never live in the model (SmolLM2-135M, one process with a tiny KV pool: 1.2 GiB peak and
-0.7 GiB after load, against 1.2 GiB after load for quantizing an fp32 model in place and 1.9 / 1.4 GiB
+0.7 GiB after load, against 1.6 / 1.0 GiB for quantizing the loaded fp32 model and 1.9 / 1.4 GiB
 unquantized). A method joins by adding a `QuantizationMethod` to `METHODS` (fp8 on GPUs through
 `torch._scaled_mm` would be the next).
 
