@@ -7,8 +7,15 @@ the empty model's decoder linears for the method's modules before the checkpoint
 checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision decoder
 weights never live in the model (SmolLM2-135M, one process with a tiny KV pool: 1.2 GiB peak and
 0.7 GiB after load, against 1.6 / 1.0 GiB for quantizing the loaded fp32 model and 1.9 / 1.4 GiB
-unquantized). A method joins by adding a `QuantizationMethod` to `METHODS` (fp8 on GPUs through
-`torch._scaled_mm` would be the next).
+unquantized).
+
+The default model's GGUF (what `tandem fetch-model` gets) stores the decoder linears as Q4_1 (blocks
+of 32 weights, each with its own scale and minimum) and the embedding as Q8_0 (blocks of 32, own
+scale): neither maps onto one symmetric scale per row, so int8 is quantized from the checkpoint the
+fetch caches (the GGUF dequantized once, as for fp32).
+
+A method joins by adding a `QuantizationMethod` to `METHODS` (fp8 on GPUs through `torch._scaled_mm`
+would be the next).
 
 Quantized weights are other weights: KV computed with them differs from full precision, so the method
 is part of the model identity both tiers compare before any KV moves (`weights_fingerprint`).

@@ -186,3 +186,15 @@ def test_rows_load_independently_into_a_fused_layer():
         offset += part.shape[0]
     qweight, scale = quantize_per_channel(torch.cat(parts))
     assert torch.equal(layer.qweight, qweight) and torch.equal(layer.scale, scale)
+
+
+def test_linear_kernels_bench_measures_every_kernel(extension):
+    from bench.linear_kernels import KERNELS, measure
+
+    shapes = {"qkv": (48, 32), "o": (32, 32), "gate_up": (96, 32), "down": (32, 48)}
+    results = measure(shapes, rows=[1, 40], copies=2, repeats=1)
+    assert [r["rows"] for r in results] == [1, 40]
+    for result in results:
+        assert set(result["us_per_layer"]) == set(KERNELS)
+        assert all(us > 0 for us in result["us_per_layer"].values())
+        assert result["gemv_weight_gbs"]["int8_gemv"] > 0
