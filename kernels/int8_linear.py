@@ -21,10 +21,10 @@ from torch import nn
 
 QMAX = 127
 # Largest row count the int8 GEMV takes; beyond it the tiled GEMM path does. Measured on SmolLM2-135M's
-# four projections, one core, weights rotating through DRAM: the GEMV (rows past 4 widened once per
-# group of W rows) is 3-4x the fp32 GEMV at 1-4 rows, ahead of the tiled path up to 32 rows and level
-# with it at 64; the tiled path is within 10% of oneDNN's fp32 GEMM from 64 rows on.
-GEMV_MAX_ROWS = 32
+# four projections, one core, weights rotating through DRAM (`tandem bench linear-kernels`): the GEMV is
+# 3.5-4x the fp32 GEMV at 1-4 rows and 1.6x at 16; against the tiled path it takes 0.58x the time at 16
+# rows, 0.83x at 32, 0.93x at 48 and 1.09x at 64. The tiled path is within 10% of oneDNN's fp32 GEMM.
+GEMV_MAX_ROWS = 48
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,9 +8,10 @@
 //
 // Few rows (`linear_int8_gemv`): the fp32 GEMV's shape — each thread streams a contiguous slice of W,
 // a register tile of 4 W rows x up to 4 x rows, the next group's lines prefetched — with each 16
-// (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers; the row's scale is applied
-// once to the finished dot product. Many rows (`linear_int8_tiled`): a prefill chunk is compute-bound,
-// so W is dequantized a tile at a time into an L2-sized fp32 buffer that the BLAS GEMM multiplies.
+// (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
+// once to the finished dot product. Past 4 x rows the widened rows are kept for the later x tiles (see
+// rows_of_w). Many rows (`linear_int8_tiled`): a prefill chunk is compute-bound, so W is dequantized a
+// tile at a time into an L2-sized fp32 buffer that the BLAS GEMM multiplies.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 
@@ -48,23 +50,31 @@ inline void store(const Problem& p, int64_t n, int64_t m, float dot) {
   p.y[m * p.n + n] = dot * p.scale[n] + (p.bias ? p.bias[n] : 0.f);
 }
 
-// 16 (AVX-512) or 8 (AVX2) int8 weights widened to fp32 in registers: int8 -> int32 -> fp32.
+// The tiles read NR weight rows either as int8, widened in registers (int8 -> int32 -> fp32), or as the
+// fp32 copy of them that the first x tile wrote (see rows_of_w); these loads are the only difference.
 TANDEM_AVX512 inline __m512 load16(const int8_t* w) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
+TANDEM_AVX512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 TANDEM_AVX512 inline __m512 load16_tail(const int8_t* w, int64_t count) {
   alignas(16) int8_t tail[16] = {};
   std::memcpy(tail, w, static_cast<size_t>(count));
   return load16(tail);
 }
+TANDEM_AVX512 inline __m512 load16_tail(const float* w, int64_t count) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), w);
+}
 TANDEM_AVX2 inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
+TANDEM_AVX2 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 
 // NR weight rows (`w0`, K apart; output rows n0..) against MR rows of x over the whole K, 16 weights at a
-// time; a tail of fewer than 16 is read zero-padded, with a masked load of x.
-template <int NR, int MR>
-TANDEM_AVX512 void tile_avx512(const Problem& p, const int8_t* w0, int64_t n0, int64_t m0, bool prefetch) {
+// time; a tail of fewer than 16 is read zero-padded, with a masked load of x. With `kWiden` the widened
+// weights are also written to `widened` (NR rows of K floats) for the x tiles that follow.
+template <int NR, int MR, typename T, bool kWiden>
+TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
+                               bool prefetch) {
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -74,7 +84,10 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, const int8_t* w0, int64_t n0, i
   for (; c + 16 <= p.k; c += 16) {
     if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
     __m512 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load16(w0 + i * p.k + c);
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load16(w0 + i * p.k + c);
+      if constexpr (kWiden) _mm512_storeu_ps(widened + i * p.k + c, wv[i]);
+    }
     for (int j = 0; j < MR; ++j) {
       const __m512 xv = _mm512_loadu_ps(x[j] + c);
       for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -84,7 +97,10 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, const int8_t* w0, int64_t n0, i
     const int64_t count = p.k - c;
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
     __m512 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load16_tail(w0 + i * p.k + c, count);
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load16_tail(w0 + i * p.k + c, count);
+      if constexpr (kWiden) _mm512_mask_storeu_ps(widened + i * p.k + c, mask, wv[i]);
+    }
     for (int j = 0; j < MR; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x[j] + c);
       for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -101,8 +117,8 @@ TANDEM_AVX2 inline float reduce_avx2(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int NR, int MR>
-TANDEM_AVX2 void tile_avx2(const Problem& p, const int8_t* w0, int64_t n0, int64_t m0, bool prefetch) {
+template <int NR, int MR, typename T, bool kWiden>
+TANDEM_AVX2 void tile_avx2(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
   __m256 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -112,14 +128,19 @@ TANDEM_AVX2 void tile_avx2(const Problem& p, const int8_t* w0, int64_t n0, int64
   for (; c + 8 <= p.k; c += 8) {
     if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
     __m256 wv[NR];
-    for (int i = 0; i < NR; ++i) wv[i] = load8(w0 + i * p.k + c);
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load8(w0 + i * p.k + c);
+      if constexpr (kWiden) _mm256_storeu_ps(widened + i * p.k + c, wv[i]);
+    }
     for (int j = 0; j < MR; ++j) {
       const __m256 xv = _mm256_loadu_ps(x[j] + c);
       for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
     }
   }
   for (int i = 0; i < NR; ++i) {
-    const int8_t* w = w0 + i * p.k;
+    const T* w = w0 + i * p.k;
+    if constexpr (kWiden)
+      for (int64_t t = c; t < p.k; ++t) widened[i * p.k + t] = static_cast<float>(w[t]);
     for (int j = 0; j < MR; ++j) {
       float sum = reduce_avx2(acc[i][j]);
       for (int64_t t = c; t < p.k; ++t) sum += static_cast<float>(w[t]) * x[j][t];
@@ -128,10 +149,12 @@ TANDEM_AVX2 void tile_avx2(const Problem& p, const int8_t* w0, int64_t n0, int64
   }
 }
 
-template <int NR, int MR>
-void tile_portable(const Problem& p, const int8_t* w0, int64_t n0, int64_t m0, bool) {
+template <int NR, int MR, typename T, bool kWiden>
+void tile_portable(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool) {
   for (int i = 0; i < NR; ++i) {
-    const int8_t* w = w0 + i * p.k;
+    const T* w = w0 + i * p.k;
+    if constexpr (kWiden)
+      for (int64_t t = 0; t < p.k; ++t) widened[i * p.k + t] = static_cast<float>(w[t]);
     for (int j = 0; j < MR; ++j) {
       const float* x = p.x + (m0 + j) * p.ldx;
       float sum = 0.f;
@@ -141,28 +164,42 @@ void tile_portable(const Problem& p, const int8_t* w0, int64_t n0, int64_t m0, b
   }
 }
 
-template <int NR, int MR>
-void tile(const Problem& p, const int8_t* w0, int64_t n0, int64_t m0, bool prefetch) {
+template <int NR, int MR, typename T, bool kWiden = false>
+void tile(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
   switch (current_gemv_isa()) {
-    case GemvIsa::kAvx512: return tile_avx512<NR, MR>(p, w0, n0, m0, prefetch);
-    case GemvIsa::kAvx2: return tile_avx2<NR, MR>(p, w0, n0, m0, prefetch);
-    case GemvIsa::kPortable: return tile_portable<NR, MR>(p, w0, n0, m0, prefetch);
+    case GemvIsa::kAvx512: return tile_avx512<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case GemvIsa::kAvx2: return tile_avx2<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case GemvIsa::kPortable: return tile_portable<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
   }
 }
 
-// All x rows against NR rows of W, in x tiles of up to 4 rows; only the first tile streams W from memory
-// (and prefetches), the others re-read the NR rows from L1. Widening those rows once into an fp32 copy
-// for the later tiles measured no faster (5-16 rows on SmolLM2's projections): the widening pass
-// stalls on memory where the first tile's arithmetic hides it.
+// All x rows against NR rows of W, in x tiles of up to 4 rows. The first tile streams the int8 rows from
+// memory (prefetching the next group); with more than 4 x rows it also writes the rows it widened to an
+// fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is widened once
+// however many rows x has: 0.86-0.89x the time of widening again per tile at 24-48 rows, level at 8-16.
+// (A separate widening pass before the first tile was slower than neither: it stalls on memory where
+// the first tile's arithmetic hides it.)
 template <int NR>
 void rows_of_w(const Problem& p, int64_t n0) {
   const int8_t* w0 = p.w + n0 * p.k;
-  int64_t m0 = 0;
-  for (; m0 + 4 <= p.m; m0 += 4) tile<NR, 4>(p, w0, n0, m0, m0 == 0);
+  switch (p.m) {
+    case 1: return tile<NR, 1>(p, w0, nullptr, n0, 0, true);
+    case 2: return tile<NR, 2>(p, w0, nullptr, n0, 0, true);
+    case 3: return tile<NR, 3>(p, w0, nullptr, n0, 0, true);
+    case 4: return tile<NR, 4>(p, w0, nullptr, n0, 0, true);
+    default: break;
+  }
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(NR * p.k));
+  float* widened = buffer.data();
+  tile<NR, 4, int8_t, true>(p, w0, widened, n0, 0, true);
+  const float* rows = widened;
+  int64_t m0 = 4;
+  for (; m0 + 4 <= p.m; m0 += 4) tile<NR, 4>(p, rows, nullptr, n0, m0, false);
   switch (p.m - m0) {
-    case 3: return tile<NR, 3>(p, w0, n0, m0, m0 == 0);
-    case 2: return tile<NR, 2>(p, w0, n0, m0, m0 == 0);
-    case 1: return tile<NR, 1>(p, w0, n0, m0, m0 == 0);
+    case 3: return tile<NR, 3>(p, rows, nullptr, n0, m0, false);
+    case 2: return tile<NR, 2>(p, rows, nullptr, n0, m0, false);
+    case 1: return tile<NR, 1>(p, rows, nullptr, n0, m0, false);
     default: return;
   }
 }
