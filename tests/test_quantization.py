@@ -187,6 +187,21 @@ def test_a_tier_with_a_bad_combination_exits_before_loading_the_model(tmp_path):
     assert "loaded" not in done.stderr, "the model was loaded before the flags were checked"
 
 
+def test_every_command_offers_the_registry_methods():
+    """The flags list their choices literally (no torch import for `--help`); they must match."""
+    from tandem.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["serve", "decode"], ["serve", "prefill"], ["up"]):
+        command = parser.parse_args(argv)
+        assert command.quantization in (None, "none")
+    subcommands = parser._subparsers._group_actions[0].choices
+    commands = [subcommands["serve"]._subparsers._group_actions[0].choices[t] for t in ("decode", "prefill")]
+    for command in [*commands, subcommands["up"]]:
+        (action,) = [a for a in command._actions if a.dest == "quantization"]
+        assert tuple(action.choices) == quantization.CHOICES
+
+
 def test_tandem_up_passes_the_quantization_to_both_tiers():
     from pathlib import Path
 

@@ -38,14 +38,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              std::optional<torch::Tensor> down_bias, std::optional<torch::Tensor> qkv_scale,
                              std::optional<torch::Tensor> o_scale, std::optional<torch::Tensor> gate_up_scale,
                              std::optional<torch::Tensor> down_scale) {
-             return DecoderLayerWeights{input_norm, qkv,      o,           post_norm,    gate_up,
-                                        down,       qkv_bias, o_bias,      gate_up_bias, down_bias,
-                                        qkv_scale,  o_scale,  gate_up_scale, down_scale};
+             return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
+                                        qkv_bias, o_bias, gate_up_bias, down_bias,
+                                        qkv_scale, o_scale, gate_up_scale, down_scale};
            }),
            arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
-           arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"), arg("qkv_scale") = pybind11::none(),
-           arg("o_scale") = pybind11::none(), arg("gate_up_scale") = pybind11::none(),
-           arg("down_scale") = pybind11::none());
+           arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"),
+           // int8 linears: a scale per output row (fp32 linears have none).
+           arg("qkv_scale") = pybind11::none(), arg("o_scale") = pybind11::none(),
+           arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none());
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());
