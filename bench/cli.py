@@ -28,6 +28,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("probe", "bench.roofline", "memory bandwidth and matmul FLOP/s; the workload's tokens/s upper bound"),
     (
+        "linear-kernels",
+        "bench.linear_kernels",
+        "the CPU linear kernels (fp32 / int8 weights, GEMV / GEMM) on the model's projections: µs and GB/s",
+    ),
+    (
         "serving-path",
         "bench.serving_path",
         "server CPU per generated token with a near-zero-cost model: the serving path's own cost",

@@ -163,6 +163,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.
     grammar_jump_forward: bool = False
+    # Weight quantization of the decoder layers' linears (`engine.quantization`): "none" or a method name.
+    quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        from engine.quantization import check_supported
+
+        check_supported(self.quantization, self.device, self.dtype)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine import quantization
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -37,16 +38,22 @@ logger = logging.getLogger(__name__)
 
 
 def kv_namespace(
-    model_config: ModelConfig, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+    weight_quantization: str = quantization.NONE,
 ) -> bytes:
-    """What makes cached KV reusable: the architecture, the model and KV dtypes and the block size.
+    """What makes cached KV reusable: the architecture, the model and KV dtypes, the block size and the
+    weights' quantization (other weights compute other KV).
 
     It roots every prefix-cache hash chain, so the two tiers (whose compatibility hash already covers
     model and layout) compute equal chains for equal prompts and salts. A KV dtype other than the
     model's (a quantized cache) is part of it; the model's own leaves the namespace as it always was.
     """
     stored = "" if kv_dtype in (None, dtype) else f"|kv={kv_dtype}"
-    return f"{model_config!r}|{dtype}|{block_size}{stored}".encode()
+    weights = "" if weight_quantization == quantization.NONE else f"|{weight_quantization}"
+    return f"{model_config!r}|{dtype}|{block_size}{stored}{weights}".encode()
 
 
 @dataclass
@@ -99,6 +106,9 @@ class Engine:
         model = model.to_empty(device=self.device).to(config.dtype)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        # Before loading: the checkpoint is quantized as it is copied in (the empty full-precision
+        # weights this drops were never written, so they never took memory).
+        quantization.use_quantized_linears(model.layers, config.quantization)
         model.load_weights(state_dict)
         if self.device.type == "cpu":
             cpu_lm_head.use_cpu_lm_head(model)
@@ -115,7 +125,9 @@ class Engine:
             num_blocks,
             self.block_size,
             enable_caching=config.enable_prefix_caching,
-            namespace=kv_namespace(model_config, config.dtype, self.block_size, self.kv_dtype),
+            namespace=kv_namespace(
+                model_config, config.dtype, self.block_size, self.kv_dtype, config.quantization
+            ),
             order=block_order,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
@@ -137,6 +149,7 @@ class Engine:
                 "block_size": self.block_size,
                 "dtype": str(config.dtype),
                 "kv_dtype": str(self.kv_dtype),
+                "quantization": config.quantization,
                 "backend": self.backend.name,
             },
         )

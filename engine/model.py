@@ -9,7 +9,7 @@ fewer, larger matmuls; `load_weights` maps Hugging Face parameter names onto the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -183,8 +183,13 @@ class CausalLM(nn.Module):
         return greedy_argmax(self.compute_logits(hidden))
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face parameters in, concatenating q/k/v and gate/up into our fused layers."""
+        """Copy Hugging Face parameters in, concatenating q/k/v and gate/up into our fused layers.
+
+        A quantized layer (`engine.quantization`) has no full-precision weight to copy into: its
+        `load_weight_rows(offset, tensor)` quantizes each checkpoint tensor into its rows instead.
+        """
         params = dict(self.named_parameters())
+        row_loaders = self._weight_row_loaders()
         fused = {
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
@@ -202,13 +207,15 @@ class CausalLM(nn.Module):
                 if f".{hf_part}." in name:
                     name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
                     break
-            if name not in params:
+            offset = 0 if shard is None else self._shard_offset(name, shard)
+            if name in row_loaders:
+                row_loaders[name](offset, tensor)
+            elif name not in params:
                 raise KeyError(f"checkpoint parameter {hf_name!r} has no place in the model")
-            target = params[name]
-            if shard is None:
-                target.data.copy_(tensor)
+            elif shard is None:
+                params[name].data.copy_(tensor)
             else:
-                target.data.narrow(0, self._shard_offset(name, shard), tensor.shape[0]).copy_(tensor)
+                params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
             loaded.add(f"{name}#{shard}")
         missing = self._expected_shards() - loaded
         if missing:
@@ -221,9 +228,17 @@ class CausalLM(nn.Module):
             return (0, q, q + kv)[shard]
         return shard * cfg.intermediate_size
 
+    def _weight_row_loaders(self) -> dict[str, Callable[[int, torch.Tensor], None]]:
+        """`<module>.weight` -> the loader of each quantized layer's weight."""
+        return {
+            f"{name}.weight": module.load_weight_rows
+            for name, module in self.named_modules()
+            if hasattr(module, "load_weight_rows")
+        }
+
     def _expected_shards(self) -> set[str]:
         expected = set()
-        for name, _ in self.named_parameters():
+        for name in [*(name for name, _ in self.named_parameters()), *self._weight_row_loaders()]:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             shards = (0, 1, 2) if ".qkv_proj." in name else (0, 1) if ".gate_up_proj." in name else (None,)

@@ -1,4 +1,5 @@
-"""Every decoder layer of a decode-only fp32 CPU step as one C++ call (the extension's `decode_layers`).
+"""Every decoder layer of a decode-only fp32 CPU step as one C++ call (the extension's `decode_layers`),
+over fp32 or int8 (`kernels.int8_linear`) linear weights.
 
 At batch 1 a layer of SmolLM2-135M streams ~14 MB of weights in a fraction of a millisecond, and the
 per-op path adds ~10 module calls and ~40 small aten ops per layer on top (views, splits, casts, a host
@@ -7,9 +8,10 @@ stream the previous token. The stack runs the same C++ kernels in the same order
 what the per-op path computes, with the GIL released from the first layer to the last.
 
 It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
-fp32, int8 or fp8 e4m3 KV cache), every token a decode, at most `GEMV_MAX_ROWS` tokens (beyond that
-oneDNN's linears win and the per-op path takes the step). Prefill chunks, other dtypes and GPUs keep
-the per-op path, which stays the reference.
+fp32, int8 or fp8 e4m3 KV cache), every token a decode, at most the GEMV's row limit of tokens
+(`cpu_linear.GEMV_MAX_ROWS` for fp32 weights, beyond which oneDNN's linears win;
+`int8_linear.GEMV_MAX_ROWS` for int8). Bigger steps, prefill chunks, other dtypes and GPUs keep the
+per-op path, which stays the reference.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
@@ -23,8 +25,8 @@ import torch
 from torch import nn
 
 from engine.kv_cache import KVCache
-from kernels import cpu_extension
-from kernels.cpu_linear import GEMV_MAX_ROWS
+from kernels import cpu_extension, cpu_linear, int8_linear
+from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -42,30 +44,28 @@ class CpuDecodeStack:
         self._scale = first.scale
         self._eps = layers[0].input_layernorm.eps
         self._layers = [self._weights_of(layer) for layer in layers]
+        int8 = isinstance(layers[0].self_attn.qkv_proj, Int8Linear)
+        self._max_rows = int8_linear.GEMV_MAX_ROWS if int8 else cpu_linear.GEMV_MAX_ROWS
 
     def _weights_of(self, layer: nn.Module) -> object:
         attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        weights: dict[str, torch.Tensor | None] = {
+            "input_norm": layer.input_layernorm.weight.detach(),
+            "post_norm": layer.post_attention_layernorm.weight.detach(),
+        }
+        for name, linear in linears.items():
+            bias = linear.bias
+            weights[f"{name}_bias"] = None if bias is None else bias.detach()
+            if isinstance(linear, Int8Linear):
+                weights[name], weights[f"{name}_scale"] = linear.qweight, linear.scale
+            else:
+                weights[name] = linear.weight.detach()
+        return self._extension.DecoderLayerWeights(**weights)
 
-        def plain(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.detach()
-
-        return self._extension.DecoderLayerWeights(
-            input_norm=plain(layer.input_layernorm.weight),
-            qkv=plain(attn.qkv_proj.weight),
-            qkv_bias=plain(attn.qkv_proj.bias),
-            o=plain(attn.o_proj.weight),
-            o_bias=plain(attn.o_proj.bias),
-            post_norm=plain(layer.post_attention_layernorm.weight),
-            gate_up=plain(mlp.gate_up_proj.weight),
-            gate_up_bias=plain(mlp.gate_up_proj.bias),
-            down=plain(mlp.down_proj.weight),
-            down_bias=plain(mlp.down_proj.bias),
-        )
-
-    @staticmethod
-    def accepts(hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the stack runs this step: a few decode tokens (dtype and device were checked once)."""
-        return hidden.shape[0] <= GEMV_MAX_ROWS and meta.is_decode_only
+        return hidden.shape[0] <= self._max_rows and meta.is_decode_only
 
     def __call__(
         self,
@@ -97,8 +97,9 @@ def build(layers: nn.ModuleList) -> CpuDecodeStack | None:
     """A stack over `layers` when they are fp32 on the CPU and the extension is built, else None."""
     if os.environ.get(DISABLE_ENV, "1") == "0" or len(layers) == 0:
         return None
-    weight = layers[0].self_attn.qkv_proj.weight
-    if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    # The norms keep the model's dtype and device whether or not the linears are quantized.
+    norm = layers[0].input_layernorm.weight
+    if norm.device.type != "cpu" or norm.dtype != torch.float32:
         return None
     extension = cpu_extension.load()
     if extension is None:

@@ -1,5 +1,6 @@
 """The C++ CPU kernels, compiled on first use and cached: paged attention and the cache write, the fused
-small ops, the few-row GEMV of the linear layers, and the decode-only decoder stack built from them.
+small ops, the linear layers' few-row GEMV (fp32 and int8 weights) and int8 tiled GEMM, and the
+decode-only decoder stack built from them.
 
 Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
 copy, once per layer per step; on a CPU that copy cost more than the attention itself. The C++
@@ -29,6 +30,7 @@ SOURCES = [
     CPU_DIR / "paged_attention.cpp",
     CPU_DIR / "fused_ops.cpp",
     CPU_DIR / "gemv.cpp",
+    CPU_DIR / "gemv_int8.cpp",
     CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",

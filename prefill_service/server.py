@@ -24,7 +24,7 @@ from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.servicer import PrefillServicer
 from protos.tandem.internal.v1 import prefill_pb2
 from serving.event_log import EventLog
-from serving.kv_layout import engine_kv_layout
+from serving.kv_layout import engine_fingerprint, engine_kv_layout
 from serving.server import TierServer, serve_until_signalled, server_version
 
 PREFILL_SERVICE = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
@@ -55,6 +55,7 @@ class PrefillServer(TierServer):
             max_message_bytes=MAX_GRPC_MESSAGE_BYTES,
         )
         self.layout = engine_kv_layout(engine)
+        model_fingerprint = engine_fingerprint(engine, model_fingerprint)
         if self.layout.block_bytes() > MAX_MESSAGE_BYTES:
             raise ConfigError(
                 f"one KV block of one layer is {self.layout.block_bytes()} bytes, more than a KV message may "

@@ -34,6 +34,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="weights of the decoder layers' linears: int8 is weight-only, symmetric per output channel, "
+        "quantized at load (needs --dtype float32 on the CPU); both tiers must agree (default: none)",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument(
         "--no-prefix-caching",
@@ -146,6 +153,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         # A decode flag: the prefill tier never samples under a grammar.
         grammar_jump_forward=getattr(args, "jump_forward", False),
+        quantization=args.quantization,
     )
 
 

@@ -1,9 +1,11 @@
-"""The KV layout of an engine: what a prefill replica computes and sends, and what a decode replica
-must receive. Both sides derive it here, so the compatibility handshake compares like with like."""
+"""The KV layout of an engine and the identity of the weights it computes KV with: what a prefill replica
+sends and what a decode replica must receive. Both sides derive them here, so the compatibility
+handshake compares like with like."""
 
 from __future__ import annotations
 
 from engine.engine import Engine
+from engine.quantization import weights_fingerprint
 from kv_transfer import KVLayout
 
 
@@ -17,3 +19,9 @@ def engine_kv_layout(engine: Engine) -> KVLayout:
         block_size=engine.block_size,
         dtype=engine.kv_dtype,
     )
+
+
+def engine_fingerprint(engine: Engine, model_fingerprint: str) -> str:
+    """The fingerprint this engine announces: the checkpoint's, marked with its weight quantization, so
+    tiers whose weights are quantized differently (and so compute different KV) refuse each other."""
+    return weights_fingerprint(model_fingerprint, engine.config.quantization)

@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights and KV dtype of both tiers (default: the tiers' own, float32)",
     )
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8"],
+        help="weight quantization of both tiers: int8 is weight-only, per output channel, quantized at load "
+        "(default: the tiers' own, none)",
+    )
+    parser.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -216,6 +223,7 @@ def _common_flags(
     ]
     for flag, value in (
         ("--dtype", args.dtype),
+        ("--quantization", args.quantization),
         ("--block-size", args.block_size),
         ("--max-model-len", args.max_model_len),
         ("--kv-cache-memory", args.kv_cache_memory),

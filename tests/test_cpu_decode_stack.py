@@ -14,10 +14,12 @@ from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
 
 
-def engine_with_prompts(kind: str, heads: int, kv_heads: int, head_dim: int, num_prompts: int, seed: int):
+def engine_with_prompts(
+    kind: str, heads: int, kv_heads: int, head_dim: int, num_prompts: int, seed: int, **config_kwargs
+):
     """An fp32 CPU engine whose sequences' prompts are prefilled, each with room for decode tokens."""
     hf = tiny_hf_model(seed, kind=kind, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
-    engine = engine_for(hf, block_size=16, num_blocks=200, shuffle_seed=seed, device="cpu")
+    engine = engine_for(hf, block_size=16, num_blocks=200, shuffle_seed=seed, device="cpu", **config_kwargs)
     seqs = []
     for prompt in random_prompts(num_prompts, seed, min_len=3, max_len=60):
         seq = engine.make_sequence(prompt, SamplingParams(temperature=0.0), StoppingParams(max_tokens=8))
@@ -47,6 +49,23 @@ def forward_both_ways(engine, chunks) -> tuple[torch.Tensor, torch.Tensor]:
 def test_decode_step_equals_the_per_layer_path(extension, kind, heads, kv_heads, head_dim, num_seqs):
     """Same kernels in the same order: equal to the last bit, with and without qkv bias, GQA/MQA/MHA."""
     engine, seqs = engine_with_prompts(kind, heads, kv_heads, head_dim, num_seqs, seed=num_seqs)
+    assert engine.model.decode_stack is not None
+    for _ in range(3):
+        fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
+        assert torch.equal(fused, per_layer)
+        engine.step([ScheduledChunk(seq, 1) for seq in seqs])
+
+
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [("int8", "auto"), ("int8", "int8"), ("int8", "fp8_e4m3")]
+)
+def test_int8_weights_with_each_kv_cache_take_the_stack_and_equal_the_per_layer_path(
+    extension, quantization, kv_cache_dtype
+):
+    """Both halves of quantized serving at once: int8 GEMVs over a quantized KV cache, bit for bit."""
+    engine, seqs = engine_with_prompts(
+        "llama", 4, 2, 64, 3, seed=7, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
     assert engine.model.decode_stack is not None
     for _ in range(3):
         fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])

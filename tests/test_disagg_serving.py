@@ -100,6 +100,7 @@ class RunningPrefill:
         tls: TLSConfig | None = None,
         prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
@@ -109,6 +110,7 @@ class RunningPrefill:
             max_num_batched_tokens=token_budget,
             enable_prefix_caching=prefix_caching,
             kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()
@@ -146,6 +148,7 @@ class RunningDecode:
         num_blocks: int = 1024,
         prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        quantization: str = "none",
         **config_kwargs,
     ) -> None:
         engine_config = EngineConfig(
@@ -155,6 +158,7 @@ class RunningDecode:
             max_num_batched_tokens=64,
             enable_prefix_caching=prefix_caching,
             kv_cache_dtype=kv_cache_dtype,
+            quantization=quantization,
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()

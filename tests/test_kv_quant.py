@@ -165,10 +165,10 @@ def test_the_flag_sets_the_cache_dtype_and_auto_follows_the_model_dtype(capsys):
 
 def test_tandem_up_gives_both_tiers_the_same_kv_cache_dtype():
     args = build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int8"])
-    for spec in tier_specs(args, args.model, disaggregated=True):
+    for spec in tier_specs(args, args.model):
         assert spec.argv[spec.argv.index("--kv-cache-dtype") + 1] == "int8"
     plain = build_parser().parse_args(["up", "--model", "/m"])
-    assert all("--kv-cache-dtype" not in spec.argv for spec in tier_specs(plain, plain.model, True))
+    assert all("--kv-cache-dtype" not in spec.argv for spec in tier_specs(plain, plain.model))
 
 
 def test_a_dtype_the_device_cannot_do_fails_at_start(monkeypatch):

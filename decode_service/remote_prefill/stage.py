@@ -47,7 +47,7 @@ from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
 from kv_transfer import PagedKV
 from kv_transfer.heap import keep_message_buffers_in_heap
-from serving.kv_layout import engine_kv_layout
+from serving.kv_layout import engine_fingerprint, engine_kv_layout
 from tandem.security import channel_credentials
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class RemotePrefill:
         self.stats = PrefillTransferStats()
         self.pool = PrefillPool(
             config.prefill_targets,
-            model_fingerprint,
+            engine_fingerprint(engine, model_fingerprint),
             engine_kv_layout(engine),
             credentials,
             resolve_interval_s=config.prefill_resolve_interval_s,

@@ -21,22 +21,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (fp32)", call_guard<gil_scoped_release>());
   m.def("linear_gemv", &linear_gemv, "x W^T + b for a few rows of x, streaming W (fp32)",
         call_guard<gil_scoped_release>());
-  m.def("gemv_isa", &gemv_isa, "the instruction set linear_gemv runs on: avx512, avx2 or portable");
+  m.def("linear_int8_gemv", &linear_int8_gemv,
+        "(x Wq^T) * scale + b for a few rows of fp32 x over int8 Wq with a scale per row, streaming Wq",
+        call_guard<gil_scoped_release>());
+  m.def("linear_int8_tiled", &linear_int8_tiled,
+        "(x Wq^T) * scale + b for many rows: Wq dequantized a tile at a time into the fp32 GEMM",
+        call_guard<gil_scoped_release>());
+  m.def("gemv_isa", &gemv_isa,
+        "the instruction set linear_gemv and linear_int8_gemv run on: avx512, avx2 or portable");
   m.def("greedy_lm_head", &greedy_lm_head,
         "each row's argmax of hidden W^T, a vocabulary slice at a time (fp32; the GEMV up to gemv_max_rows rows)",
         call_guard<gil_scoped_release>());
-  m.def("set_gemv_isa", &set_gemv_isa, "for tests: run linear_gemv on a narrower instruction set this CPU has");
+  m.def("set_gemv_isa", &set_gemv_isa,
+        "for tests: run linear_gemv and linear_int8_gemv on a narrower instruction set this CPU has");
   // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
   pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())
       .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
                              torch::Tensor o, std::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
                              torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                             std::optional<torch::Tensor> down_bias) {
+                             std::optional<torch::Tensor> down_bias, std::optional<torch::Tensor> qkv_scale,
+                             std::optional<torch::Tensor> o_scale, std::optional<torch::Tensor> gate_up_scale,
+                             std::optional<torch::Tensor> down_scale) {
              return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
-                                        qkv_bias, o_bias, gate_up_bias, down_bias};
+                                        qkv_bias, o_bias, gate_up_bias, down_bias,
+                                        qkv_scale, o_scale, gate_up_scale, down_scale};
            }),
            arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
-           arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"));
+           arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"),
+           // int8 linears: a scale per output row (fp32 linears have none).
+           arg("qkv_scale") = pybind11::none(), arg("o_scale") = pybind11::none(),
+           arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none());
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());

@@ -1,4 +1,4 @@
-// Every decoder layer of a decode-only fp32 step, run in one call.
+// Every decoder layer of a decode-only fp32 step (weights fp32 or int8), run in one call.
 //
 // At batch 1 a layer of SmolLM2-135M reads ~14 MB of weights in well under a millisecond; driven from
 // Python the same layer is ~10 module calls and ~40 small aten ops (views, splits, casts, a host sync in
@@ -10,6 +10,16 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+
+namespace {
+
+// The layer's GEMV for its weight's kind: int8 with a scale per row, or fp32.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
+                     const std::optional<torch::Tensor>& bias) {
+  return scale.has_value() ? linear_int8_gemv(x, weight, *scale, bias) : linear_gemv(x, weight, bias);
+}
+
+}  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
@@ -32,7 +42,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
     auto [normed, sum] = rms_norm(hidden, w.input_norm, eps, residual);
-    auto qkv = linear_gemv(normed, w.qkv, w.qkv_bias);
+    auto qkv = linear(normed, w.qkv, w.qkv_scale, w.qkv_bias);
     auto q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -41,9 +51,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
     write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);
     auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale);
-    auto attn_out = linear_gemv(attended.view({tokens, q_size}), w.o, w.o_bias);
+    auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_scale, w.o_bias);
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);
-    hidden = linear_gemv(silu_and_mul(linear_gemv(mlp_in, w.gate_up, w.gate_up_bias)), w.down, w.down_bias);
+    auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_scale, w.gate_up_bias);
+    hidden = linear(silu_and_mul(gate_up), w.down, w.down_scale, w.down_bias);
     residual = attn_sum;
   }
   return {hidden, *residual};

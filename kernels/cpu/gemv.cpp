@@ -131,7 +131,7 @@ void tile_portable(const Problem& p, int64_t n0, int64_t m0) {
   }
 }
 
-enum class Isa { kAvx512, kAvx2, kPortable };
+using Isa = GemvIsa;
 
 bool supports(Isa isa) {
   __builtin_cpu_init();
@@ -184,6 +184,8 @@ void rows_of_w(const Problem& p, int64_t n0) {
 }
 
 }  // namespace
+
+GemvIsa current_gemv_isa() { return g_isa.load(std::memory_order_relaxed); }
 
 std::string gemv_isa() { return isa_name(g_isa.load()); }
 

@@ -28,15 +28,26 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                int64_t k);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+// The instruction set both GEMVs (fp32 and int8 weights) run on: the widest this CPU has, unless a test
+// narrowed it with set_gemv_isa.
+enum class GemvIsa { kAvx512, kAvx2, kPortable };
+GemvIsa current_gemv_isa();
 std::string gemv_isa();
 void set_gemv_isa(const std::string& name);
+// `y = (x Wq^T) * scale + b` for a few rows of x over int8 weights Wq [N, K] with one fp32 scale per row.
+torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                               std::optional<torch::Tensor> bias);
+// The same for many rows: each tile of Wq is dequantized to fp32 and multiplied by the BLAS GEMM.
+torch::Tensor linear_int8_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                                std::optional<torch::Tensor> bias);
 torch::Tensor greedy_lm_head(torch::Tensor hidden, torch::Tensor weight, torch::Tensor weight_t, int64_t gemv_max_rows);
 
-// One decoder layer's parameters as the decode stack reads them: plain row-major fp32 weights, shared
-// with the model's own modules (nothing is copied).
+// One decoder layer's parameters as the decode stack reads them: plain row-major weights, shared with the
+// model's own modules (nothing is copied). A linear with a scale has int8 weights (a scale per row).
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  std::optional<torch::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
 };
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32.

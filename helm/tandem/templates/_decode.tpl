@@ -7,6 +7,8 @@
 - $(TANDEM_MODEL_PATH)
 - --dtype
 - $(TANDEM_DTYPE)
+- --quantization
+- $(TANDEM_QUANTIZATION)
 - --block-size
 - $(TANDEM_BLOCK_SIZE)
 - --kv-cache-dtype

@@ -184,7 +184,7 @@ spec:
 
 {{/* The model settings both tiers read from the ConfigMap; args refer to them as $(NAME). */}}
 {{- define "tandem.configEnv" -}}
-{{- range $key := list "TANDEM_HOME" "TANDEM_MODEL_PATH" "TANDEM_DTYPE" "TANDEM_BLOCK_SIZE" "TANDEM_KV_CACHE_DTYPE" }}
+{{- range $key := list "TANDEM_HOME" "TANDEM_MODEL_PATH" "TANDEM_DTYPE" "TANDEM_QUANTIZATION" "TANDEM_BLOCK_SIZE" "TANDEM_KV_CACHE_DTYPE" }}
 - name: {{ $key }}
   valueFrom:
     configMapKeyRef:

@@ -1,0 +1,111 @@
+"""Weight quantization methods, by the name `--quantization` takes: how a linear layer is quantized, which
+module (and so which kernel) runs it, and where it can run.
+
+Only the linear layers of the decoder layers are quantized (q/k/v/o and gate/up/down, fused or not);
+the embedding and the LM head keep the model's dtype. Quantization happens at load: the engine swaps
+the empty model's decoder linears for the method's modules before the checkpoint is copied in, and each
+checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision decoder
+weights never live in the model (SmolLM2-135M, one process with a tiny KV pool: 1.2 GiB peak and
+0.7 GiB after load, against 1.6 / 1.0 GiB for quantizing the loaded fp32 model and 1.9 / 1.4 GiB
+unquantized).
+
+The default model's GGUF (what `tandem fetch-model` gets) stores the decoder linears as Q4_1 (blocks
+of 32 weights, each with its own scale and minimum) and the embedding as Q8_0 (blocks of 32, own
+scale): neither maps onto one symmetric scale per row, so int8 is quantized from the checkpoint the
+fetch caches (the GGUF dequantized once, as for fp32).
+
+A method joins by adding a `QuantizationMethod` to `METHODS` (fp8 on GPUs through `torch._scaled_mm`
+would be the next).
+
+Quantized weights are other weights: KV computed with them differs from full precision, so the method
+is part of the model identity both tiers compare before any KV moves (`weights_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.errors import ConfigError
+from kernels import cpu_extension
+from kernels.int8_linear import Int8Linear
+
+logger = logging.getLogger(__name__)
+
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class QuantizationMethod:
+    """One weight quantization method."""
+
+    name: str
+    # The empty quantized module that replaces a linear layer, of its shape, device and bias, with a
+    # `load_weight_rows(offset, weight)` that quantizes checkpoint rows into it; the extension is the C++
+    # CPU kernels (or None). The module's forward picks the kernel.
+    empty_like: Callable[[nn.Linear, ModuleType | None], nn.Module]
+    # Raises ConfigError, naming the flags, when the method cannot run on this device and dtype.
+    check: Callable[[torch.device, torch.dtype], None]
+
+
+def _check_int8(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type == "cpu" and dtype != torch.float32:
+        raise ConfigError(
+            f"--quantization int8 on the CPU runs fp32 activations; use --dtype float32, not "
+            f"{str(dtype).removeprefix('torch.')}"
+        )
+
+
+METHODS: dict[str, QuantizationMethod] = {
+    "int8": QuantizationMethod("int8", Int8Linear.empty_like, _check_int8),
+}
+CHOICES = (NONE, *METHODS)
+
+
+def check_supported(name: str, device: str | torch.device, dtype: torch.dtype) -> None:
+    """Raise ConfigError unless `name` is a known method that runs on `device` with `dtype`."""
+    if name == NONE:
+        return
+    if name not in METHODS:
+        raise ConfigError(f"unknown quantization {name!r}; choose one of {', '.join(CHOICES)}")
+    METHODS[name].check(torch.device(device), dtype)
+
+
+def use_quantized_linears(layers: nn.ModuleList, name: str) -> int:
+    """Replace every `nn.Linear` inside the decoder `layers` by `name`'s empty module; return how many.
+
+    Called before the checkpoint is loaded: `CausalLM.load_weights` then quantizes into them.
+    """
+    if name == NONE:
+        return 0
+    method = METHODS[name]
+    targets = [
+        (layer, module_name, module)
+        for layer in layers
+        for module_name, module in layer.named_modules()
+        if type(module) is nn.Linear
+    ]
+    extension = cpu_extension.load() if targets and targets[0][2].weight.device.type == "cpu" else None
+    for layer, module_name, module in targets:
+        parent_name, _, child = module_name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, child, method.empty_like(module, extension))
+    logger.info(
+        "decoder linear layers load quantized",
+        extra={"method": name, "count": len(targets), "cpu_kernels": extension is not None},
+    )
+    return len(targets)
+
+
+def weights_fingerprint(model_fingerprint: str, name: str) -> str:
+    """The fingerprint a tier announces for its weights: the checkpoint's, marked with the quantization.
+
+    Unquantized weights keep the checkpoint's fingerprint as it was, so replicas of earlier versions
+    still agree with them.
+    """
+    return model_fingerprint if name == NONE else f"{model_fingerprint}+{name}-weights"

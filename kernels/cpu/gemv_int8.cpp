@@ -1,0 +1,280 @@
+// Linear layers over int8 weights (one fp32 scale per output row) with fp32 activations.
+//
+// Weight-only int8 quarters the bytes a decode step streams, and a batch-1 step is bound by exactly
+// those bytes. The activations stay fp32 and every product is an fp32 FMA of x and the int8 weight
+// widened to fp32, so the result is the fp32 product with the dequantized weight (q * scale) up to
+// summation order: quantizing the activations too (VNNI's u8 x s8 dot products) would change the
+// numbers, and greedy output must equal a reference running the dequantized weights.
+//
+// Few rows (`linear_int8_gemv`): the fp32 GEMV's shape — each thread streams a contiguous slice of W,
+// a register tile of 4 W rows x up to 4 x rows, the next group's lines prefetched — with each 16
+// (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
+// once to the finished dot product. Past 4 x rows the widened rows are kept for the later x tiles (see
+// rows_of_w). Many rows (`linear_int8_tiled`): a prefill chunk is compute-bound, so W is dequantized a
+// tile at a time into an L2-sized fp32 buffer that the BLAS GEMM multiplies.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// Output rows each thread takes at least: ~64 KiB of W, as in the fp32 GEMV.
+int64_t row_grain(int64_t k) { return std::max<int64_t>(4, 65536 / std::max<int64_t>(1, k)); }
+
+struct Problem {
+  const float* x;  // [M, K], row stride ldx
+  const int8_t* w;  // [N, K], contiguous
+  const float* scale;  // [N]
+  const float* bias;  // [N] or null
+  float* y;  // [M, N], contiguous
+  int64_t m, n, k, ldx;
+};
+
+// Asks for the cache line at column c of each of the NR W rows after [n0, n0 + NR) into L2.
+template <int NR>
+inline void prefetch_next_group(const Problem& p, int64_t n0, int64_t c) {
+  for (int i = 0; i < NR; ++i) {
+    const int64_t offset = (n0 + NR + i) * p.k + c;
+    if (offset < p.n * p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + offset), _MM_HINT_T1);
+  }
+}
+
+inline void store(const Problem& p, int64_t n, int64_t m, float dot) {
+  p.y[m * p.n + n] = dot * p.scale[n] + (p.bias ? p.bias[n] : 0.f);
+}
+
+// The tiles read NR weight rows either as int8, widened in registers (int8 -> int32 -> fp32), or as the
+// fp32 copy of them that the first x tile wrote (see rows_of_w); these loads are the only difference.
+TANDEM_AVX512 inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+TANDEM_AVX512 inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+TANDEM_AVX512 inline __m512 load16_tail(const int8_t* w, int64_t count) {
+  alignas(16) int8_t tail[16] = {};
+  std::memcpy(tail, w, static_cast<size_t>(count));
+  return load16(tail);
+}
+TANDEM_AVX512 inline __m512 load16_tail(const float* w, int64_t count) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), w);
+}
+TANDEM_AVX2 inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+TANDEM_AVX2 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+
+// NR weight rows (`w0`, K apart; output rows n0..) against MR rows of x over the whole K, 16 weights at a
+// time; a tail of fewer than 16 is read zero-padded, with a masked load of x. With `kWiden` the widened
+// weights are also written to `widened` (NR rows of K floats) for the x tiles that follow.
+template <int NR, int MR, typename T, bool kWiden>
+TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
+                               bool prefetch) {
+  __m512 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* x[MR];
+  for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
+  int64_t c = 0;
+  for (; c + 16 <= p.k; c += 16) {
+    if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load16(w0 + i * p.k + c);
+      if constexpr (kWiden) _mm512_storeu_ps(widened + i * p.k + c, wv[i]);
+    }
+    for (int j = 0; j < MR; ++j) {
+      const __m512 xv = _mm512_loadu_ps(x[j] + c);
+      for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  if (c < p.k) {
+    const int64_t count = p.k - c;
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load16_tail(w0 + i * p.k + c, count);
+      if constexpr (kWiden) _mm512_mask_storeu_ps(widened + i * p.k + c, mask, wv[i]);
+    }
+    for (int j = 0; j < MR; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x[j] + c);
+      for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) store(p, n0 + i, m0 + j, _mm512_reduce_add_ps(acc[i][j]));
+}
+
+TANDEM_AVX2 inline float reduce_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int NR, int MR, typename T, bool kWiden>
+TANDEM_AVX2 void tile_avx2(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
+  __m256 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* x[MR];
+  for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
+  int64_t c = 0;
+  for (; c + 8 <= p.k; c += 8) {
+    if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
+    __m256 wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load8(w0 + i * p.k + c);
+      if constexpr (kWiden) _mm256_storeu_ps(widened + i * p.k + c, wv[i]);
+    }
+    for (int j = 0; j < MR; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x[j] + c);
+      for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    const T* w = w0 + i * p.k;
+    if constexpr (kWiden)
+      for (int64_t t = c; t < p.k; ++t) widened[i * p.k + t] = static_cast<float>(w[t]);
+    for (int j = 0; j < MR; ++j) {
+      float sum = reduce_avx2(acc[i][j]);
+      for (int64_t t = c; t < p.k; ++t) sum += static_cast<float>(w[t]) * x[j][t];
+      store(p, n0 + i, m0 + j, sum);
+    }
+  }
+}
+
+template <int NR, int MR, typename T, bool kWiden>
+void tile_portable(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool) {
+  for (int i = 0; i < NR; ++i) {
+    const T* w = w0 + i * p.k;
+    if constexpr (kWiden)
+      for (int64_t t = 0; t < p.k; ++t) widened[i * p.k + t] = static_cast<float>(w[t]);
+    for (int j = 0; j < MR; ++j) {
+      const float* x = p.x + (m0 + j) * p.ldx;
+      float sum = 0.f;
+      for (int64_t t = 0; t < p.k; ++t) sum += static_cast<float>(w[t]) * x[t];
+      store(p, n0 + i, m0 + j, sum);
+    }
+  }
+}
+
+template <int NR, int MR, typename T, bool kWiden = false>
+void tile(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
+  switch (current_gemv_isa()) {
+    case GemvIsa::kAvx512: return tile_avx512<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case GemvIsa::kAvx2: return tile_avx2<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case GemvIsa::kPortable: return tile_portable<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+  }
+}
+
+// All x rows against NR rows of W, in x tiles of up to 4 rows. The first tile streams the int8 rows from
+// memory (prefetching the next group); with more than 4 x rows it also writes the rows it widened to an
+// fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is widened once
+// however many rows x has: 0.86-0.89x the time of widening again per tile at 24-48 rows, level at 8-16.
+// (A separate widening pass before the first tile was slower than neither: it stalls on memory where
+// the first tile's arithmetic hides it.)
+template <int NR>
+void rows_of_w(const Problem& p, int64_t n0) {
+  const int8_t* w0 = p.w + n0 * p.k;
+  switch (p.m) {
+    case 1: return tile<NR, 1>(p, w0, nullptr, n0, 0, true);
+    case 2: return tile<NR, 2>(p, w0, nullptr, n0, 0, true);
+    case 3: return tile<NR, 3>(p, w0, nullptr, n0, 0, true);
+    case 4: return tile<NR, 4>(p, w0, nullptr, n0, 0, true);
+    default: break;
+  }
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(NR * p.k));
+  float* widened = buffer.data();
+  tile<NR, 4, int8_t, true>(p, w0, widened, n0, 0, true);
+  const float* rows = widened;
+  int64_t m0 = 4;
+  for (; m0 + 4 <= p.m; m0 += 4) tile<NR, 4>(p, rows, nullptr, n0, m0, false);
+  switch (p.m - m0) {
+    case 3: return tile<NR, 3>(p, rows, nullptr, n0, m0, false);
+    case 2: return tile<NR, 2>(p, rows, nullptr, n0, m0, false);
+    case 1: return tile<NR, 1>(p, rows, nullptr, n0, m0, false);
+    default: return;
+  }
+}
+
+// The checks both entry points share; returns the bias pointer (null without one).
+const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
+                               const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "int8 linear takes fp32 activations");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8, "int8 linear needs an int8 weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "weight must be a contiguous [N, K] matrix");
+  TORCH_CHECK(x.size(1) == qweight.size(1), "x has ", x.size(1), " features, weight expects ", qweight.size(1));
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == qweight.size(0),
+              "scale must be a contiguous fp32 vector of ", qweight.size(0));
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == qweight.size(0),
+              "bias must be a contiguous fp32 vector of ", qweight.size(0));
+  return bias->data_ptr<float>();
+}
+
+// Output rows of one dequantized tile: ~256 KiB of fp32, so the tile stays in L2 while the GEMM reads it.
+int64_t tile_rows(int64_t k) { return std::max<int64_t>(16, (262144 / 4) / std::max<int64_t>(1, k) / 16 * 16); }
+
+}  // namespace
+
+torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                               std::optional<torch::Tensor> bias) {
+  const float* bias_ptr = check_int8_linear(x, qweight, scale, bias);
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const Problem p{x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr,
+                  y.data_ptr<float>(), m, n, k, x.stride(0)};
+  const int64_t groups = (n + 3) / 4;
+  at::parallel_for(0, groups, row_grain(k) / 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * 4;
+      if (n0 + 4 <= n) {
+        rows_of_w<4>(p, n0);
+      } else {
+        for (int64_t r = n0; r < n; ++r) rows_of_w<1>(p, r);
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor linear_int8_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                                std::optional<torch::Tensor> bias) {
+  check_int8_linear(x, qweight, scale, bias);
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const int64_t rows = std::min(n, tile_rows(k));
+  auto buffer = torch::empty({rows, k}, x.options());
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  float* dense = buffer.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += rows) {
+    const int64_t count = std::min(rows, n - n0);
+    at::parallel_for(0, count, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int8_t* src = q + (n0 + r) * k;
+        const float row_scale = s[n0 + r];
+        float* dst = dense + r * k;
+        for (int64_t c = 0; c < k; ++c) dst[c] = static_cast<float>(src[c]) * row_scale;
+      }
+    });
+    auto out = y.narrow(1, n0, count);
+    auto tile = buffer.narrow(0, 0, count).t();
+    if (bias.has_value()) {
+      at::addmm_out(out, bias->narrow(0, n0, count), x, tile);
+    } else {
+      at::mm_out(out, x, tile);
+    }
+  }
+  return y;
+}
