@@ -6,9 +6,12 @@ per-block ones, KV blocks per memory budget, KV bytes on the wire, and single-st
 
 Scale granularity is measured with fake quantization: the cache stays fp32 and attention reads it
 quantized and dequantized (per token and head, or per block and head with the block's maximum over the
-tokens it holds so far). Per-block is thereby at its best, as if every write requantized its block from
-fp32; a real per-block cache would also re-round or clip earlier tokens. The agreement of the real int8
-cache is measured through the engine as it serves.
+tokens it holds so far; keys rotated as the real cache stores them, or not). Per-block is thereby at its
+best, as if every write requantized its block from fp32; a real per-block cache would also re-round or
+clip earlier tokens. Besides greedy agreement (a single flipped near-tie changes everything after it),
+each variant gets the teacher-forced next-token KL divergence from full precision over every position of
+the full-precision replies. The agreement of the real int8 and fp8 caches is measured through the engine
+as it serves.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from engine.engine import Engine, GenerateRequest
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import torch_reference as ref
+from kernels.kv_quant import kv_rotation
 from kv_transfer import PagedKV
 from serving.kv_layout import engine_kv_layout
 
@@ -93,50 +97,107 @@ def compare(engine: Engine, expected: list[list[int]], got: list[list[int]]) -> 
     return {"agree": len(expected) - len(divergences), "of": len(expected), "divergences": divergences}
 
 
-def fake_quantize(cache: torch.Tensor, per_block: bool) -> torch.Tensor:
+def fake_quantize(cache: torch.Tensor, per_block: bool, rotation: torch.Tensor | None) -> torch.Tensor:
     """`cache` [blocks, block_size, heads, d] through int8 and back, one scale per (token, head) or per
-    (block, head) over the block's slots (unwritten slots are zero and do not raise the maximum)."""
-    if not per_block:
-        return ref.dequantize_kv(*ref.quantize_kv(cache, torch.int8))
-    scale = cache.abs().amax(dim=(1, 3), keepdim=True) / 127.0
-    return (cache / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127) * scale
+    (block, head) over the block's slots (unwritten slots are zero and do not raise the maximum); rotated
+    by `rotation` before and back after, as a quantized cache stores keys."""
+    rows = cache if rotation is None else cache @ rotation
+    if per_block:
+        scale = rows.abs().amax(dim=(1, 3), keepdim=True) / 127.0
+        rows = (rows / torch.where(scale > 0, scale, 1.0)).round().clamp(-127, 127) * scale
+    else:
+        rows = ref.dequantize_kv(*ref.quantize_kv(rows, torch.int8))
+    return rows if rotation is None else rows @ rotation.T
 
 
-def with_fake_quantized_attention(engine: Engine, per_block: bool) -> Engine:
+def with_fake_quantized_attention(engine: Engine, per_block: bool, rotate_keys: bool) -> Engine:
     """The engine's attention reading its fp32 cache through `fake_quantize` (decode stack off)."""
-    backend = engine.backend
-    attention: Callable[..., torch.Tensor] = backend.attention
+    attention: Callable[..., torch.Tensor] = engine.backend.attention
+    rotation = kv_rotation(engine.model_config.head_dim) if rotate_keys else None
 
     def quantized_attention(query, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None):
-        return attention(
-            query, fake_quantize(k_cache, per_block), fake_quantize(v_cache, per_block), meta, scale
-        )
+        keys = fake_quantize(k_cache, per_block, rotation)
+        return attention(query, keys, fake_quantize(v_cache, per_block, None), meta, scale)
 
-    backend.attention = quantized_attention
+    engine.backend.attention = quantized_attention
     engine.model.decode_stack = None
     return engine
 
 
-def reconstruction_error(model_dir: Path, prompts: list[list[int]]) -> dict:
-    """Relative RMS error of the prompts' K and V (every layer) through int8, per token vs per block."""
-    engine = load_engine(model_dir, "auto")
-    errors: dict[str, list[float]] = {
-        "per_token_k": [],
-        "per_token_v": [],
-        "per_block_k": [],
-        "per_block_v": [],
+def teacher_forced(engine: Engine, prompts: list[list[int]], replies: list[list[int]]) -> list[torch.Tensor]:
+    """Log-probabilities the engine gives each position of the replies, the replies fed in (one forward
+    per prompt): a measure of the cache's error that one early flipped token does not dominate."""
+    out = []
+    for prompt, reply in zip(prompts, replies, strict=True):
+        seq = engine.make_sequence(prompt + reply, GREEDY, StoppingParams(max_tokens=1))
+        engine.allocate(seq, seq.num_tokens)
+        start = seq.num_computed_tokens
+        ids, positions, meta = engine.runner.prepare([ScheduledChunk(seq, seq.num_tokens - start)])
+        hidden = engine.model(ids, positions, engine.kv_cache, meta)
+        rows = hidden[len(prompt) - 1 - start : seq.num_tokens - 1 - start]
+        out.append(engine.model.compute_logits(rows).log_softmax(-1))
+        engine.free(seq)
+    return out
+
+
+def divergence(expected: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
+    """Mean next-token KL(full precision || quantized) and top-1 agreement over every reply position."""
+    positions = sum(len(e) for e in expected)
+    kl = sum(
+        torch.nn.functional.kl_div(g, e, log_target=True, reduction="sum").item()
+        for e, g in zip(expected, got, strict=True)
+    )
+    same = sum((e.argmax(-1) == g.argmax(-1)).sum().item() for e, g in zip(expected, got, strict=True))
+    return {
+        "kl": float(f"{kl / positions:.3g}"),
+        "top1_agreement": round(same / positions, 4),
+        "positions": positions,
     }
+
+
+def scale_granularity(
+    model_dir: Path, prompts: list[list[int]], replies: list[list[int]], tokens: int
+) -> dict:
+    """Fake-quantized int8 caches: per token or per block, keys rotated or not; teacher-forced
+    divergence and greedy agreement, each against the full-precision cache."""
+    expected = teacher_forced(load_engine(model_dir, "auto"), prompts, replies)
+    results = {}
+    for name, per_block, rotate in (
+        ("per_token_rotated_keys", False, True),
+        ("per_block_rotated_keys", True, True),
+        ("per_token_plain_keys", False, False),
+    ):
+        engine = with_fake_quantized_attention(load_engine(model_dir, "auto"), per_block, rotate)
+        results[name] = {
+            **divergence(expected, teacher_forced(engine, prompts, replies)),
+            "greedy": compare(engine, replies, greedy_replies(engine, prompts, tokens)),
+        }
+    return results
+
+
+def reconstruction_error(model_dir: Path, prompts: list[list[int]]) -> dict:
+    """Relative RMS error of the prompts' K and V (every layer) through int8: per token or per block,
+    keys rotated or not."""
+    engine = load_engine(model_dir, "auto")
+    rotation = kv_rotation(engine.model_config.head_dim)
+    variants = {
+        "per_token": (False, None),
+        "per_block": (True, None),
+        "per_token_rotated": (False, rotation),
+        "per_block_rotated": (True, rotation),
+    }
+    errors: dict[str, list[float]] = {f"{name}_{kv}": [] for name in variants for kv in "kv"}
     for prompt in prompts:
         seq = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=1))
         engine.allocate(seq, seq.num_tokens)
         engine.runner.execute([ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens)])
         blocks = torch.tensor(seq.block_table, dtype=torch.long)
-        for name, caches in (("k", engine.kv_cache.k), ("v", engine.kv_cache.v)):
+        for kv, caches in (("k", engine.kv_cache.k), ("v", engine.kv_cache.v)):
             for cache in caches:
                 rows = cache.index_select(0, blocks)
-                for granularity, per_block in (("per_token", False), ("per_block", True)):
-                    error = (fake_quantize(rows, per_block) - rows).norm() / rows.norm()
-                    errors[f"{granularity}_{name}"].append(error.item())
+                for name, (per_block, rotate) in variants.items():
+                    error = (fake_quantize(rows, per_block, rotate) - rows).norm() / rows.norm()
+                    errors[f"{name}_{kv}"].append(error.item())
         engine.free(seq)
     return {name: round(statistics.fmean(values), 5) for name, values in errors.items()}
 
@@ -174,24 +235,35 @@ def wire_bytes(model_dir: Path, prompt: list[int]) -> dict:
     }
 
 
-def decode_speed(model_dir: Path, prompt: list[int], tokens: int, repeats: int) -> dict:
-    """Single-stream decode tokens/s (the prompt prefilled first, not timed): median of `repeats` runs."""
-    speeds = {}
-    for kv in KV_DTYPES:
-        engine = load_engine(model_dir, kv, num_blocks=64)
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
-            seq = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=tokens + 1, ignore_eos=True))
+def decode_speed(
+    model_dir: Path, tokens: list[int], contexts: tuple[int, ...], new_tokens: int, repeats: int
+) -> dict:
+    """Single-stream decode tokens/s after a prompt of each context length (its prefill not timed): the
+    median of `repeats` runs of `new_tokens` tokens per KV dtype. The dtypes take turns run by run, so a
+    change in the machine's load (it is shared) weighs on each alike."""
+    engines = {kv: load_engine(model_dir, kv, num_blocks=max(contexts) // 16 + 64) for kv in KV_DTYPES}
+    speeds: dict[str, dict[int, float]] = {kv: {} for kv in KV_DTYPES}
+    for context in contexts:
+        prompt = (tokens * (context // len(tokens) + 1))[:context]
+        stopping = StoppingParams(max_tokens=(repeats + 1) * new_tokens + 1, ignore_eos=True)
+        seqs = {}
+        for kv, engine in engines.items():
+            seqs[kv] = seq = engine.make_sequence(prompt, GREEDY, stopping)
             engine.allocate(seq, seq.num_tokens)
             engine.step([ScheduledChunk(seq, seq.num_tokens - seq.num_computed_tokens)])
-            started = time.perf_counter()
-            for _ in range(tokens):
-                engine.allocate(seq, seq.num_tokens)
-                engine.step([ScheduledChunk(seq, 1)])
-            runs.append(tokens / (time.perf_counter() - started))
-            engine.free(seq)
-        speeds[kv] = round(statistics.median(runs[1:]), 1)
-    return {"tokens": tokens, "threads": torch.get_num_threads(), "tok_s": speeds}
+        runs: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+        for _ in range(repeats + 1):  # the first run of each warms up
+            for kv, engine in engines.items():
+                seq = seqs[kv]
+                started = time.perf_counter()
+                for _ in range(new_tokens):
+                    engine.allocate(seq, seq.num_tokens)
+                    engine.step([ScheduledChunk(seq, 1)])
+                runs[kv].append(new_tokens / (time.perf_counter() - started))
+        for kv, engine in engines.items():
+            engine.free(seqs[kv])
+            speeds[kv][context] = round(statistics.median(runs[kv][1:]), 1)
+    return {"new_tokens": new_tokens, "threads": torch.get_num_threads(), "tok_s_by_context": speeds}
 
 
 def run_all(model_dir: Path, tokens: int, repeats: int) -> dict:
@@ -202,18 +274,18 @@ def run_all(model_dir: Path, tokens: int, repeats: int) -> dict:
     for kv in KV_DTYPES[1:]:
         engine = load_engine(model_dir, kv)
         agreement[kv] = compare(engine, expected, greedy_replies(engine, prompts, tokens))
-    for name, per_block in (("fake_int8_per_token", False), ("fake_int8_per_block", True)):
-        engine = with_fake_quantized_attention(load_engine(model_dir, "auto"), per_block)
-        agreement[name] = compare(engine, expected, greedy_replies(engine, prompts, tokens))
     long_prompt = [token for prompt in prompts for token in prompt][:1000]
     return {
         "load_average": os.getloadavg(),
         "new_tokens": tokens,
         "agreement_with_full_precision": agreement,
+        "scale_granularity_int8": scale_granularity(model_dir, prompts, expected, tokens),
         "kv_reconstruction_error": reconstruction_error(model_dir, prompts),
         "blocks_in_2GiB": blocks_in_budget(model_dir),
         "wire": wire_bytes(model_dir, long_prompt),
-        "single_stream_decode": decode_speed(model_dir, prompts[0], 128, repeats),
+        "single_stream_decode": decode_speed(
+            model_dir, [t for p in prompts for t in p], (100, 1000, 4000), 32, repeats
+        ),
     }
 
 
@@ -223,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per reply (default: 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed decode runs per KV dtype (default: 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decode runs per KV dtype (default: 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kv_quant.json"))
     args = parser.parse_args(argv)

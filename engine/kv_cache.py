@@ -3,7 +3,8 @@
 A quantized cache (`--kv-cache-dtype int8` or `fp8_e4m3`) also holds, per layer, one fp32 scale per
 (slot, KV head) for K and for V, `[num_blocks, block_size, kv_heads]`, indexed by the same block
 numbers: a block's elements and scales move together (copies, the wire), so a block is never
-half-quantized.
+half-quantized. Its keys are stored rotated by `rotation` (see `kernels.kv_quant`), which the model
+applies to keys and queries alike.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ModelConfig
-from kernels.kv_quant import SCALE_DTYPE, is_quantized
+from kernels.kv_quant import SCALE_DTYPE, is_quantized, kv_rotation
 
 
 @dataclass
@@ -25,6 +26,8 @@ class KVCache:
     v: list[torch.Tensor]
     k_scales: list[torch.Tensor] = field(default_factory=list)
     v_scales: list[torch.Tensor] = field(default_factory=list)
+    # The `[head_dim, head_dim]` rotation of a quantized cache's keys (and of the queries that read them).
+    rotation: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -43,6 +46,7 @@ class KVCache:
             v=tensors(shape, dtype),
             k_scales=tensors(shape[:3], SCALE_DTYPE),
             v_scales=tensors(shape[:3], SCALE_DTYPE),
+            rotation=kv_rotation(model.head_dim).to(device),
         )
 
     @property

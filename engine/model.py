@@ -62,6 +62,12 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
+def rotate(heads: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`heads [T, n, head_dim]` times the fp32 orthonormal `rotation`, in fp32: a half-precision copy of
+    the matrix would be orthonormal only to 2**-9, and that error would land on every score."""
+    return torch.matmul(heads.float(), rotation).to(heads.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -89,6 +95,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.backend.apply_rope(q, k, *cos_sin)
+        if kv_cache.rotation is not None:
+            q, k = rotate(q, kv_cache.rotation), rotate(k, kv_cache.rotation)
         k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
         k_scales, v_scales = kv_cache.scales(self.layer_index)
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scales, v_scales)

@@ -90,6 +90,7 @@ class CpuDecodeStack:
             self._scale,
             kv_cache.k_scales,
             kv_cache.v_scales,
+            kv_cache.rotation,
         )
 
 

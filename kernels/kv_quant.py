@@ -7,6 +7,12 @@ to even, clamped to ±127; fp8 e4m3: the cast's own rounding, clamped to ±448),
 scale`. A row is quantized once, when its token is written, and never again: per-token scales need
 no requantization when later tokens of the block arrive, and keep one outlier token from coarsening
 its neighbours (per-block scales would do both; see bench/kv_quant.py for the measured trade).
+
+Keys are stored rotated: after RoPE, the model multiplies every key and query head by one orthonormal
+(Hadamard) matrix, `kv_rotation`, which leaves each score q·k as it was and spreads the few outlier
+channels of a key over all of them. A row's maximum, and with it the quantization step, then falls
+to a few standard deviations: on SmolLM2-135M the next-token KL divergence from full precision fell
+3.6x, the largest gain per byte measured (bench/kv_quant.py). Values are stored as computed.
 """
 
 from __future__ import annotations
@@ -73,6 +79,20 @@ def check_device_supports(dtype: torch.dtype, device: torch.device, backend: str
                 f"{flag} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its fp8 "
                 f"conversions; {device} is {capability[0]}.{capability[1]}: use --kv-cache-dtype int8"
             )
+
+
+def kv_rotation(head_dim: int) -> torch.Tensor:
+    """The orthonormal `[head_dim, head_dim]` fp32 matrix quantized caches store keys rotated by.
+
+    Sylvester's Hadamard matrix of the largest power of two dividing `head_dim` (entries ±1, scaled to
+    unit rows), repeated along the diagonal: built from integers, so every device and tier builds the
+    same one.
+    """
+    block = head_dim & -head_dim
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < block:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    return torch.block_diag(*[hadamard] * (head_dim // block)) / block**0.5
 
 
 def kv_bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:

@@ -291,3 +291,31 @@ def test_the_torch_and_cpp_paths_serve_int8_alike(extension, hf_model, monkeypat
     reference = engine_for(hf_model, num_blocks=64, kv_cache_dtype="int8")
     assert reference.backend._extension is None and reference.model.decode_stack is None
     assert greedy_replies(reference, prompts) == native
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_the_key_rotation_is_orthonormal_and_keeps_every_score(head_dim):
+    rotation = kv_quant.kv_rotation(head_dim)
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(head_dim), rtol=0, atol=1e-6)
+    assert torch.equal(rotation, kv_quant.kv_rotation(head_dim))
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k = torch.randn(5, head_dim, generator=gen), torch.randn(7, head_dim, generator=gen)
+    torch.testing.assert_close((q @ rotation) @ (k @ rotation).T, q @ k.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_cache_holds_rotated_keys_and_plain_values(hf_model):
+    """What the int8 cache holds, rotated back, is the fp32 cache's K (V as it is) up to half a step, in
+    the first layer (later layers' inputs already differ by the quantized attention before them)."""
+    prompt = random_prompts(1, seed=17, min_len=30, max_len=30)[0]
+    engines = {kv: engine_for(hf_model, num_blocks=16, kv_cache_dtype=kv) for kv in ("auto", "int8")}
+    for engine in engines.values():
+        prefill_logits(engine, prompt)
+    full, int8 = engines["auto"].kv_cache, engines["int8"].kv_cache
+    assert full.rotation is None and torch.equal(int8.rotation, kv_quant.kv_rotation(64))
+    k_scales, v_scales = int8.scales(0)
+    keys = ref.dequantize_kv(int8.k[0], k_scales) @ int8.rotation.T
+    values = ref.dequantize_kv(int8.v[0], v_scales)
+    # A rotated row's error (at most half a step in each of 64 elements) has at most 8 half steps' length.
+    assert ((keys - full.k[0]).norm(dim=-1) <= k_scales * 0.5 * 64**0.5 + 1e-5).all()
+    assert ((values - full.v[0]).abs() <= v_scales.unsqueeze(-1) * 0.5 + 1e-5).all()
+    assert (keys - full.k[0]).abs().max() > 0

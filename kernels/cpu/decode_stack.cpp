@@ -6,7 +6,8 @@
 // them, so the server's event loop waits for it to stream the previous token. Here the same kernels run
 // in the same order (so the numbers are the per-op path's, bit for bit) with the GIL released for the
 // whole stack. The per-op torch path stays the reference and serves everything else: prefill chunks,
-// other dtypes, GPUs. A quantized KV cache (int8, fp8 e4m3) comes with one scale cache per layer.
+// other dtypes, GPUs. A quantized KV cache (int8, fp8 e4m3) comes with one scale cache per layer and the
+// rotation its keys are stored in (applied to keys and queries after RoPE, as the model does).
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -25,7 +26,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
-    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales) {
+    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+    std::optional<torch::Tensor> rotation) {
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "one K and one V cache per layer");
   const bool quantized = !k_scales.empty();
@@ -47,6 +49,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto [q_rot, k_rot] = apply_rope(q, k, cos, sin);
+    if (rotation.has_value()) q_rot = torch::matmul(q_rot, *rotation), k_rot = torch::matmul(k_rot, *rotation);
     std::optional<torch::Tensor> k_scale, v_scale;
     if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
     write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);

@@ -50,9 +50,11 @@ struct DecoderLayerWeights {
   std::optional<torch::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
 };
 
-// k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32.
+// k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
+// [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
-    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales);
+    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+    std::optional<torch::Tensor> rotation);

@@ -5,8 +5,9 @@
 // each K/V row while it is in L1. Threads take contiguous task ranges of about equal cost.
 //
 // A quantized cache (int8 or fp8 e4m3 elements, one fp32 scale per token and KV head) is read as it is
-// stored, a quarter of fp32's bytes, and dequantized in registers: a K row's scale multiplies its dot
-// product once instead of every element, and a V row's scale folds into its softmax weight.
+// stored, a quarter of fp32's bytes, and each block's rows a task needs are dequantized once into an L1
+// scratch that the fp32 loops then read: converting inside those loops instead repeated the conversion
+// for every query of the GQA group and made int8 attention 1.5x slower than fp32's, not faster.
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>
@@ -58,7 +59,6 @@ const std::array<float, 256> kFp8Values = make_fp8_values();
 // A cache element as a float: fp32 as it is, int8 converted, fp8 e4m3 looked up.
 struct Fp32Element {
   using Stored = float;
-  static float load(const float* row, int64_t d) { return row[d]; }
 };
 struct Int8Element {
   using Stored = int8_t;
@@ -68,6 +68,18 @@ struct Fp8Element {
   using Stored = uint8_t;
   static float load(const uint8_t* row, int64_t d) { return kFp8Values[row[d]]; }
 };
+
+// Rows [0, n) of one KV head in one block of a quantized cache, times their scales, into `out` [n][D].
+template <int kD, typename E>
+void dequantize_rows(const Problem& p, const typename E::Stored* rows, const float* scales, int64_t n, float* out) {
+  const int64_t D = kD > 0 ? kD : p.head_dim;
+  for (int64_t j = 0; j < n; ++j) {
+    const typename E::Stored* row = rows + j * p.row_stride;
+    const float scale = scales[j * p.num_kv_heads];
+    float* dst = out + j * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = E::load(row, d) * scale;
+  }
+}
 
 template <int kD, typename E>
 void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
@@ -79,12 +91,14 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   const int64_t first_pos = p.seq_lens[t.seq] - q_len;  // position of the sequence's first new row
   const int64_t nq = (t.row_end - t.row_begin) * G;     // query vectors in this task
   const int64_t kv_end = first_pos + t.row_end;         // the last row sees positions < kv_end
-  scratch.resize(nq * (2 * D + bs + 2));
+  scratch.resize(nq * (2 * D + bs + 2) + (kQuantized ? 2 * bs * D : 0));
   float* qbuf = scratch.data();      // [nq][D], pre-scaled
   float* acc = qbuf + nq * D;        // [nq][D]
   float* scores = acc + nq * D;      // [nq][bs]
   float* row_max = scores + nq * bs; // [nq]
   float* denom = row_max + nq;       // [nq]
+  float* k_rows = denom + nq;        // [bs][D], a quantized cache's current block, dequantized
+  float* v_rows = k_rows + bs * D;   // [bs][D]
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t row = p.starts[t.seq] + t.row_begin + i / G;
     const float* src = p.q + (row * p.num_heads + t.kv_head * G + i % G) * D;
@@ -97,12 +111,23 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   for (int64_t block_start = 0; block_start < kv_end; block_start += bs) {
     const int64_t block = table[block_start / bs];
     const int64_t offset = block * p.block_stride + t.kv_head * D;
-    const Stored* k_block = static_cast<const Stored*>(p.k_cache) + offset;
-    const Stored* v_block = static_cast<const Stored*>(p.v_cache) + offset;
-    // Row j's scale is at [j * num_kv_heads]; unused for an fp32 cache.
-    const int64_t scale_offset = (block * bs) * p.num_kv_heads + t.kv_head;
-    const float* k_scale = kQuantized ? p.k_scales + scale_offset : nullptr;
-    const float* v_scale = kQuantized ? p.v_scales + scale_offset : nullptr;
+    const float* k_block;
+    const float* v_block;
+    int64_t row_stride;
+    if constexpr (kQuantized) {
+      // Row j's scale is at [j * num_kv_heads] from the block's first.
+      const int64_t scale_offset = (block * bs) * p.num_kv_heads + t.kv_head;
+      const int64_t rows = std::min(bs, kv_end - block_start);
+      const Stored* stored = static_cast<const Stored*>(p.k_cache) + offset;
+      dequantize_rows<kD, E>(p, stored, p.k_scales + scale_offset, rows, k_rows);
+      stored = static_cast<const Stored*>(p.v_cache) + offset;
+      dequantize_rows<kD, E>(p, stored, p.v_scales + scale_offset, rows, v_rows);
+      k_block = k_rows, v_block = v_rows, row_stride = D;
+    } else {
+      k_block = static_cast<const float*>(p.k_cache) + offset;
+      v_block = static_cast<const float*>(p.v_cache) + offset;
+      row_stride = p.row_stride;
+    }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = first_pos + t.row_begin + i / G + 1 - block_start;  // causal limit
       const int64_t n = std::min(bs, std::min(visible, kv_end - block_start));
@@ -111,10 +136,9 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       float* s = scores + i * bs;
       float block_max = kLowest;
       for (int64_t j = 0; j < n; ++j) {
-        const Stored* k = k_block + j * p.row_stride;
+        const float* k = k_block + j * row_stride;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qi[d] * E::load(k, d);
-        if constexpr (kQuantized) dot *= k_scale[j * p.num_kv_heads];
+        for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
         s[j] = dot;
         block_max = std::max(block_max, dot);
       }
@@ -133,10 +157,9 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       float local[kMaxHeadDim];
       for (int64_t d = 0; d < D; ++d) local[d] = a[d] * rescale;
       for (int64_t j = 0; j < n; ++j) {
-        const Stored* __restrict__ v = v_block + j * p.row_stride;
-        float w = s[j];
-        if constexpr (kQuantized) w *= v_scale[j * p.num_kv_heads];
-        for (int64_t d = 0; d < D; ++d) local[d] += w * E::load(v, d);
+        const float* __restrict__ v = v_block + j * row_stride;
+        const float w = s[j];
+        for (int64_t d = 0; d < D; ++d) local[d] += w * v[d];
       }
       for (int64_t d = 0; d < D; ++d) a[d] = local[d];
     }
