@@ -23,7 +23,8 @@ from protos.tandem.internal.v1 import prefill_pb2
 # Bump whenever the meaning of KVChunk's bytes or their size limit changes: replicas on different
 # versions then get different compatibility hashes and refuse to talk. 2: KV messages of up to 4 MiB of
 # payload (1 MiB before), which a version-1 receiver refuses as too large. 3: quantized KV (int8, fp8
-# e4m3), whose payload carries the elements and then their fp32 scales.
+# e4m3), whose payload carries the elements and then their fp32 scales, keys Hadamard-rotated
+# (`kernels.kv_quant.kv_rotation`).
 WIRE_FORMAT_VERSION = 3
 
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {

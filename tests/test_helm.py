@@ -217,6 +217,7 @@ SCHEMA_VIOLATIONS = {
     "wrong-type": {"prefill": {"replicaCount": "two"}},
     "bad-dtype": {"model": {"dtype": "float64"}},
     "bad-quantization": {"model": {"quantization": "int4"}},
+    "bad-kv-cache-dtype": {"model": {"kvCacheDtype": "int4"}},
     "bad-policy": {"decode": {"policy": "lifo"}},
     "bad-kv-memory": {"decode": {"kvCacheMemory": "lots"}},
     "mtls-without-secrets": {"tls": {"interTier": {"enabled": True}}},
@@ -496,17 +497,20 @@ def test_model_path_and_dtype_come_from_the_config_map(rendered: dict[str, list[
     assert config["TANDEM_BLOCK_SIZE"] == "16"
     default = named(rendered["default"], "ConfigMap", f"{RELEASE}-config")["data"]
     assert default["TANDEM_QUANTIZATION"] == "none"
+    assert config["TANDEM_KV_CACHE_DTYPE"] == "auto"
     for component in ("prefill", "decode"):
         main = container(manifests, component)
         assert arg_value(main["args"], "--model") == "$(TANDEM_MODEL_PATH)"
         assert arg_value(main["args"], "--dtype") == "$(TANDEM_DTYPE)"
         assert arg_value(main["args"], "--quantization") == "$(TANDEM_QUANTIZATION)"
+        assert arg_value(main["args"], "--kv-cache-dtype") == "$(TANDEM_KV_CACHE_DTYPE)"
         env = {e["name"]: e for e in main["env"]}
         for key in (
             "TANDEM_MODEL_PATH",
             "TANDEM_DTYPE",
             "TANDEM_QUANTIZATION",
             "TANDEM_BLOCK_SIZE",
+            "TANDEM_KV_CACHE_DTYPE",
             "TANDEM_HOME",
         ):
             assert env[key]["valueFrom"]["configMapKeyRef"] == {"name": f"{RELEASE}-config", "key": key}
