@@ -146,7 +146,6 @@ class Hostile:
             self.min_tokens_and_stop,
             self.slowloris,
             self.refused_flood,
-            self.refused_flood,
         ]
 
     def run(self, attack: Callable[[], None]) -> None:
