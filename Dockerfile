@@ -26,6 +26,7 @@ RUN python -c "import torch" 2>/dev/null \
     || pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY base ./base
 COPY tandem ./tandem
 COPY engine ./engine
 COPY kernels ./kernels

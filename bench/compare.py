@@ -36,10 +36,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from base.errors import TandemError
 from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
 from bench.servers import ServerStartError
 from bench.workload import ArrivalProcess, workload_summary
-from engine.errors import TandemError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")

@@ -43,7 +43,7 @@ class NearZeroModelSpec:
 def tokenizer_source(name_or_path: str | None) -> Path:
     """The checkpoint directory whose tokenizer the model borrows: the cached default model when None,
     else a directory with config.json (for the vocabulary size) and tokenizer.json (weights not needed)."""
-    from engine.errors import ModelNotFoundError
+    from base.errors import ModelNotFoundError
     from engine.model_store import resolve_model
 
     if name_or_path is None:

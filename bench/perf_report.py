@@ -40,9 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from base.errors import TandemError
 from bench import perf_targets
 from bench.perf_targets import Figure
-from engine.errors import TandemError
 
 logger = logging.getLogger(__name__)
 

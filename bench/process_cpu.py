@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 CLOCK_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 

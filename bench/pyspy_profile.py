@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 STOP_TIMEOUT_S = 30.0
 _LINE_NUMBER = re.compile(r":\d+\)$")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 # Skip the first ids of the vocabulary when drawing random prompts: BPE vocabularies keep their special
 # and control tokens there, and a prompt full of <|im_end|> is not a prompt any server sees.

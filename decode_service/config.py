@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from base.errors import ConfigError
 from decode_service.remote_prefill.targets import PrefillTarget, PrefillTargetError, parse_prefill_targets
 from decode_service.request_limits import RequestLimits
-from engine.errors import ConfigError
 from serving.config import ServerConfig
 
 BATCHING_MODES = ("continuous", "static")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ConfigError, InvalidRequestError
+from base.errors import ConfigError, InvalidRequestError
 from engine.grammar import GrammarState
 from protos.tandem.v1 import generation_pb2 as pb
 

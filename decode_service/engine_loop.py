@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import time
 
+from base.errors import TandemError
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.scheduler import ContinuousScheduler, StepPlan
 from decode_service.step_record import ChunkRecord, StepRecord
 from engine.engine import Engine
-from engine.errors import TandemError
 from engine.sequence import FinishReason
 from serving.engine_thread import Deliver, EngineThread
 from serving.event_log import EventLog

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
+from base.errors import InvalidRequestError
+from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.config import DecodeServiceConfig
 from decode_service.constraints import Constraints, may_compile
@@ -28,11 +30,9 @@ from decode_service.streams import StreamHub
 from decode_service.validation import build_sequence, check_limits, num_choices, prompt_bytes
 from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.status import status_for
-from tandem.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import ClassVar
 
+from base.errors import ConfigError
 from decode_service.request import ServedRequest
-from engine.errors import ConfigError
 
 Rank = tuple[float, ...]
 

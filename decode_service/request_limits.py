@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import ConfigError, InvalidRequestError
+from base.errors import ConfigError, InvalidRequestError
 
 
 @dataclass(frozen=True)

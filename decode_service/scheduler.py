@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from base.errors import ConfigError, InvalidRequestError
 from decode_service.config import DecodeServiceConfig
 from decode_service.policies import Rank, SchedulingPolicy
 from decode_service.prefill_stage import LocalPrefillStage, PrefillStage
 from decode_service.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
 from decode_service.step_record import ChunkKind
 from engine.engine import Engine, TokenOutput
-from engine.errors import ConfigError, InvalidRequestError
 from engine.model_runner import ScheduledChunk
 from engine.sampler import SEED_MASK
 from engine.sequence import Sequence

@@ -13,6 +13,7 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
+from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
 from decode_service.constraints import Constraints
 from decode_service.engine_loop import EngineLoop
@@ -30,7 +31,6 @@ from decode_service.streams import StreamHub
 from decode_service.validation import use_chat_template
 from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
-from engine.errors import ConfigError
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from serving.event_log import EventLog
 from serving.open_files import open_file_limit

@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from base.logs import log_event
 from decode_service.generation import Generations, tenant_and_priority
 from engine.config import dtype_name
 from protos.tandem.v1 import generation_pb2 as pb
@@ -19,7 +20,6 @@ from protos.tandem.v1 import generation_pb2_grpc
 from serving.errors import StreamStalledError
 from serving.stalls import StallWatchdog
 from serving.status import status_for
-from tandem.logs import log_event
 
 logger = logging.getLogger(__name__)
 

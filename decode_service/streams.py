@@ -16,9 +16,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from base.errors import InvalidRequestError
 from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
-from engine.errors import InvalidRequestError
 from serving.errors import QueueFullError
 from serving.registry import LiveCallRegistry
 

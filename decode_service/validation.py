@@ -15,6 +15,7 @@ from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any
 
+from base.errors import ConfigError, InvalidRequestError
 from decode_service.constraints import (
     ConstraintError,
     Constraints,
@@ -26,7 +27,6 @@ from decode_service.constraints import (
 from decode_service.request_limits import RequestLimits
 from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
-from engine.errors import ConfigError, InvalidRequestError
 from engine.params import StoppingParams
 from engine.sequence import Sequence
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS

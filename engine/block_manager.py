@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
-from engine.errors import OutOfBlocksError
+from base.errors import OutOfBlocksError
 from engine.sequence import Sequence
 
 BlockIdentity = tuple[bytes, tuple[int, ...]]

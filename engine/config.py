@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from base.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")

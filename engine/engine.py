@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
+from base.errors import InvalidRequestError, OutOfBlocksError
 from engine import quantization
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.grammar import GrammarMask, GrammarState
 from engine.kv_cache import KVCache
 from engine.model import CausalLM

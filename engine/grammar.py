@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 
 class GrammarViolationError(TandemError):

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from base.errors import UnsupportedModelError
 from engine.config import ModelConfig
-from engine.errors import UnsupportedModelError
 from engine.kv_cache import KVCache
 from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from engine.errors import ModelNotFoundError
+from base.errors import ModelNotFoundError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

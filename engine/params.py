@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from base.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 

@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.errors import ConfigError
+from base.errors import ConfigError
 from kernels import cpu_extension
 from kernels.int8_linear import Int8Linear
 

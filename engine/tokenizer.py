@@ -16,7 +16,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from base.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 

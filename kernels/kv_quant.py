@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import ConfigError
+from base.errors import ConfigError
 
 SCALE_DTYPE = torch.float32
 # The largest stored magnitude of each quantized element dtype.

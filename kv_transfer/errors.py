@@ -6,7 +6,7 @@ them mean "this transfer is unusable": the receiver writes nothing from the chun
 decode tier's gRPC edge fails the request.
 """
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 
 class KVTransferError(TandemError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from base.errors import ConfigError
 from serving.config import ServerConfig
 
 

@@ -10,8 +10,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
+from base.errors import ConfigError
 from engine.engine import Engine
-from engine.errors import ConfigError
 from kv_transfer import MAX_MESSAGE_BYTES, compatibility_hash
 from kv_transfer.grpc_method import MAX_GRPC_MESSAGE_BYTES, add_prefill_servicer
 from kv_transfer.heap import keep_message_buffers_in_heap

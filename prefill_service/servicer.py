@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from base.logs import bind_request_id, log_event, prompt_fields
 from engine.engine import Engine
 from kv_transfer import KVFrame
 from prefill_service.engine_loop import PrefillEngineLoop
@@ -27,7 +28,6 @@ from protos.tandem.v1 import generation_pb2
 from serving.errors import StreamStalledError
 from serving.stalls import StallWatchdog
 from serving.status import status_for
-from tandem.logs import bind_request_id, log_event, prompt_fields
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import uuid
 
+from base.errors import InvalidRequestError
 from engine.engine import Engine
-from engine.errors import InvalidRequestError
 from engine.params import StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import IncompatibleKVError, PrefixMismatchError

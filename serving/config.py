@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ConfigError
+from base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Service-level refusals: why a server does not take a call now. The engine never raises these;
 `serving.status` maps them to gRPC status codes at each tier's edge."""
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 
 class QueueFullError(TandemError):

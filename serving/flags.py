@@ -130,7 +130,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
 
 def check_positive(args: argparse.Namespace, *names: str) -> None:
     """Refuse a size flag below 1, naming the flag as the user typed it."""
-    from engine.errors import ConfigError
+    from base.errors import ConfigError
 
     for name in names:
         if getattr(args, name) < 1:
@@ -159,7 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
     """The server's TLS settings, or None for plaintext."""
-    from engine.errors import ConfigError
+    from base.errors import ConfigError
     from serving.config import TLSConfig
 
     if args.tls_cert is None and args.tls_key is None:
@@ -173,7 +173,7 @@ def tls_from_args(args: argparse.Namespace) -> TLSConfig | None:
 
 def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The `serving.config.ServerConfig` fields the shared flags set (reads the auth token file, if any)."""
-    from tandem.security import load_auth_token
+    from base.auth import load_auth_token
 
     return {
         "host": args.host,
@@ -201,11 +201,11 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     import torch
     from prometheus_client import CollectorRegistry, start_http_server
 
+    from base.logs import set_log_prompts, use_log_format
     from engine.engine import Engine
     from engine.model_store import resolve_model
     from serving.open_files import raise_open_file_limit
     from serving.parent_watch import stop_with_parent
-    from tandem.logs import set_log_prompts, use_log_format
 
     stop_with_parent()
     use_log_format(args.log_format)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from tandem.logs import log_event
+from base.logs import log_event
 
 logger = logging.getLogger(__name__)
 

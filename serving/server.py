@@ -22,13 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from base.auth import BearerTokenInterceptor, server_credentials
 from engine.engine import Engine
 from serving.config import ServerConfig
 from serving.engine_thread import EngineThread
 from serving.malformed import MalformedRequestInterceptor
 from serving.registry import LiveCallRegistry
 from serving.stalls import StallWatchdog
-from tandem.security import BearerTokenInterceptor, server_credentials
 
 logger = logging.getLogger(__name__)
 

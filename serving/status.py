@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from base.errors import InvalidRequestError, OutOfBlocksError
 from kv_transfer import IncompatibleKVError
 from serving.errors import DrainingError, QueueFullError, StreamStalledError, TierUnavailableError
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.logs import log_event, use_log_format
+from base.logs import log_event, use_log_format
 from tandem.up_status import StatusLine
 from tandem.up_tiers import LogForwarder, Tier, TierSpec, connect_host, start_in_order, stop_tier
 

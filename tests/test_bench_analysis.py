@@ -266,8 +266,8 @@ def test_sse_client_raises_on_http_errors():
 
 
 def test_update_keeps_the_runs_of_systems_not_measured_again(compare_document):
+    from base.errors import TandemError
     from bench.compare import merge_documents
-    from engine.errors import TandemError
 
     current = {
         **compare_document,

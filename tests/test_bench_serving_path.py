@@ -63,7 +63,7 @@ def test_own_cpu_time_grows_with_work_and_threads_are_listed():
 
 
 def test_a_tokenizer_model_without_a_tokenizer_is_refused(tmp_path):
-    from engine.errors import ModelNotFoundError
+    from base.errors import ModelNotFoundError
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from base.errors import OutOfBlocksError
 from engine import block_manager as bm_module
 from engine.block_manager import BlockManager
-from engine.errors import OutOfBlocksError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 

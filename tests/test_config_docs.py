@@ -64,11 +64,11 @@ def test_rows_show_defaults_and_help_as_the_parser_declares_them():
 
 
 def test_documented_environment_variables_are_the_ones_the_code_reads():
+    from base.auth import AUTH_TOKEN_ENV
     from engine import model_store
     from kernels import cpu_decode_stack, cpu_extension, cpu_linear
     from kernels.backend import BACKEND_ENV
     from tandem.client.generate_command import TARGET_ENV
-    from tandem.security import AUTH_TOKEN_ENV
 
     names = {name for name, _, _ in ENV_VARS}
     assert names == {

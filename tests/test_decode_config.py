@@ -10,16 +10,16 @@ import grpc
 import pytest
 import torch
 
+from base.errors import ConfigError, InvalidRequestError
+from base.logs import JsonFormatter
 from decode_service.cli import service_config_from_args
 from decode_service.config import DecodeServiceConfig, parse_tenant_weights
 from decode_service.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
 from engine.config import parse_memory_size
-from engine.errors import ConfigError, InvalidRequestError
 from serving.errors import DrainingError, QueueFullError
 from serving.flags import engine_config_from_args
 from serving.status import status_for
 from tandem.cli import build_parser
-from tandem.logs import JsonFormatter
 
 
 def test_tenant_weights_parse():

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from base.errors import ConfigError
 from decode_service.cli import service_config_from_args
 from decode_service.config import DecodeServiceConfig
 from decode_service.remote_prefill.pool import BackoffPolicy, PrefillPool, PrefillReplica, ReplicaState
@@ -20,7 +21,6 @@ from decode_service.remote_prefill.targets import (
 )
 from decode_service.remote_prefill.transfer import KVTransfer, TransferCancelledError
 from decode_service.request import ServedRequest
-from engine.errors import ConfigError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import KVFrame, KVLayout, KVRangeError, PagedKV, compatibility_hash, encode_blocks

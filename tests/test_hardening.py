@@ -23,6 +23,7 @@ from test_decode_server import RunningServer, start_server
 from test_disagg_serving import LoopThread
 from test_openai_api import MODEL, Server, http_call
 
+from base.logs import TextFormatter, log_event
 from decode_service.request_limits import RequestLimits
 from decode_service.validation_pool import SHORT_PROMPT_BYTES
 from engine.config import CacheConfig, EngineConfig
@@ -32,7 +33,6 @@ from prefill_service.config import PrefillServiceConfig
 from prefill_service.server import PrefillServer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2 as pb
-from tandem.logs import TextFormatter, log_event
 
 # A client that never reads: no BDP probing, so its HTTP/2 window stays at the 64 KiB default.
 NEVER_READ_OPTIONS = [("grpc.http2.bdp_probe", 0)]

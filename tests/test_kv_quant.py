@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import engine_for, random_prompts, tiny_hf_model
 
+from base.errors import ConfigError
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine, GenerateRequest
-from engine.errors import ConfigError
 from engine.kv_cache import KVCache
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams

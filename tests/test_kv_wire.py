@@ -369,7 +369,7 @@ def test_chunk_from_a_peer_with_another_layout_is_rejected(
 
 
 def test_all_wire_errors_are_tandem_errors() -> None:
-    from engine.errors import TandemError
+    from base.errors import TandemError
 
     for error in (KVChecksumError, KVLayoutMismatchError, KVRangeError, KVPayloadSizeError):
         assert issubclass(error, KVTransferError) and issubclass(error, TandemError)

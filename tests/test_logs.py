@@ -1,4 +1,4 @@
-"""Structured logs of both tiers (`tandem.logs`): JSON lines that parse, the request id on every line
+"""Structured logs of both tiers (`base.logs`): JSON lines that parse, the request id on every line
 about a request, and no prompt or completion text unless prompt logging is switched on."""
 
 from __future__ import annotations
@@ -14,6 +14,15 @@ import grpc
 import pytest
 from conftest import save_tiny_model
 
+from base.logs import (
+    JsonFormatter,
+    RequestIdFilter,
+    TextFormatter,
+    bind_request_id,
+    log_event,
+    set_log_prompts,
+    use_log_format,
+)
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
@@ -24,15 +33,6 @@ from prefill_service.server import MAX_GRPC_MESSAGE_BYTES, PrefillServer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
-from tandem.logs import (
-    JsonFormatter,
-    RequestIdFilter,
-    TextFormatter,
-    bind_request_id,
-    log_event,
-    set_log_prompts,
-    use_log_format,
-)
 
 SECRET_PROMPT = "the zebra crossing opens at noon"
 TIER_LOGGERS = ("serving", "decode_service", "prefill_service")

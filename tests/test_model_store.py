@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from tiny_tokenizer import CHATML_TEMPLATE, build_tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from base.errors import ModelNotFoundError
 from engine import model_store
-from engine.errors import ModelNotFoundError
 from engine.model_store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,

@@ -10,9 +10,10 @@ import grpc
 import pytest
 from conftest import engine_for, tiny_hf_model
 
+from base.errors import ConfigError, InvalidRequestError
+from base.logs import JsonFormatter, log_event
 from decode_service.remote_prefill.client import sampling_proto
 from engine.config import parse_memory_size
-from engine.errors import ConfigError, InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
 from kv_transfer import IncompatibleKVError
 from prefill_service.config import PrefillServiceConfig
@@ -25,7 +26,6 @@ from protos.tandem.v1 import generation_pb2
 from serving.errors import DrainingError, QueueFullError
 from serving.event_log import EventLog
 from serving.status import status_for
-from tandem.logs import JsonFormatter, log_event
 
 BLOCK_SIZE = 8
 GREEDY = SamplingParams(temperature=0.0)

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
+from base.auth import channel_credentials
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_runner import ScheduledChunk
@@ -41,7 +42,6 @@ from prefill_service.server import MAX_GRPC_MESSAGE_BYTES, PrefillServer
 from protos.tandem.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from protos.tandem.v1 import generation_pb2
 from serving.config import TLSConfig
-from tandem.security import channel_credentials
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128

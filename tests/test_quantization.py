@@ -14,10 +14,10 @@ import torch
 from conftest import engine_for, hf_greedy, random_prompts, save_tiny_model, tiny_hf_model
 from torch import nn
 
+from base.errors import ConfigError
 from engine import quantization
 from engine.config import EngineConfig
 from engine.engine import GenerateRequest, kv_namespace
-from engine.errors import ConfigError
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import int8_linear

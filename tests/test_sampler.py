@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import InvalidRequestError
+from base.errors import InvalidRequestError
 from engine.params import MAX_LOGPROBS, SamplingParams, StoppingParams
 from engine.sampler import Sampler, TokenHistory, greedy_argmax, penalize, row_seed
 

@@ -1,4 +1,4 @@
-"""TLS, mTLS and bearer-token auth (`tandem.security`) on loopback, with throwaway CAs made per module.
+"""TLS, mTLS and bearer-token auth (`base.auth`) on loopback, with throwaway CAs made per module.
 
 The server runs a small Generation servicer (a unary and a server-streaming method) plus health and
 reflection, so the interceptor is exercised on every call kind the real servers expose.
@@ -23,10 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from protos.tandem.v1 import generation_pb2 as pb
-from protos.tandem.v1 import generation_pb2_grpc
-from tandem.client import TandemClient, Unauthenticated, Unavailable
-from tandem.security import (
+from base.auth import (
     AUTH_TOKEN_ENV,
     BearerTokenInterceptor,
     CredentialsError,
@@ -34,6 +31,9 @@ from tandem.security import (
     load_auth_token,
     server_credentials,
 )
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc
+from tandem.client import TandemClient, Unauthenticated, Unavailable
 
 TOKEN = "correct-horse-battery-staple"
 SAFETY_TIMEOUT = 20.0

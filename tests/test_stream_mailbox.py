@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
+from base.errors import InvalidRequestError
 from decode_service.generation import Generation
 from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.streams import StreamHub
-from engine.errors import InvalidRequestError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 from serving.errors import QueueFullError

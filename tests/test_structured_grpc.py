@@ -346,8 +346,8 @@ def test_tandem_generate_takes_a_json_schema_file(server, tmp_path, capsys):
 def test_a_reasoning_parser_needs_a_single_think_token(tmp_path):
     from tiny_tokenizer import build_tiny_tokenizer
 
+    from base.errors import ConfigError
     from decode_service.constraints import reasoning_end_token_id
-    from engine.errors import ConfigError
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "tok"))
@@ -369,8 +369,8 @@ def test_a_reasoning_parser_needs_a_single_think_token(tmp_path):
 def test_bad_structured_output_flags_are_config_errors(flags, needle):
     import argparse
 
+    from base.errors import ConfigError
     from decode_service.cli import add_arguments, service_config_from_args
-    from engine.errors import ConfigError
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

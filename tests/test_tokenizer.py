@@ -17,8 +17,8 @@ from tiny_tokenizer import (
     build_tiny_tokenizer,
 )
 
+from base.errors import InvalidRequestError, ModelNotFoundError
 from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
-from engine.errors import InvalidRequestError, ModelNotFoundError
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
@@ -529,7 +529,7 @@ def test_tool_fields_on_the_wrong_role_are_refused(tokenizer: Tokenizer, message
 
 
 def test_a_broken_chat_template_is_refused_at_start(tiny_dir: Path) -> None:
-    from engine.errors import ConfigError
+    from base.errors import ConfigError
 
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
     with pytest.raises(ConfigError, match="does not render"):

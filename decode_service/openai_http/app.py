@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from base.auth import BearerTokens
 from decode_service.generation import Generation, Generations, tenant_and_priority
 from decode_service.openai_http.errors import (
     BodyTooLargeError,
@@ -29,7 +30,6 @@ from decode_service.openai_http.errors import (
 from decode_service.openai_http.fields import FieldError
 from decode_service.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.openai_http.responses import ResponseBuilder, sse_event
-from tandem.security import BearerTokens
 
 logger = logging.getLogger(__name__)
 

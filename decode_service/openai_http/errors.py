@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from engine.errors import TandemError
+from base.errors import TandemError
 from serving.status import status_for
 
 logger = logging.getLogger(__name__)

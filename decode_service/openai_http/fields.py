@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from base.errors import InvalidRequestError
 
 
 class FieldError(InvalidRequestError):

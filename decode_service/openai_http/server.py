@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from base.errors import ConfigError
 from decode_service.openai_http.connections import ConnectionLimits, GuardedHttpProtocol
-from engine.errors import ConfigError
 from serving.config import TLSConfig
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from concurrent.futures import Executor
 
 import grpc
 
+from base.errors import InvalidRequestError
 from decode_service.remote_prefill.pool import PrefillPool, PrefillReplica
 from decode_service.remote_prefill.transfer import (
     KVTransfer,
@@ -30,7 +31,6 @@ from decode_service.remote_prefill.transfer import (
     TransferCancelledError,
 )
 from decode_service.remote_prefill.write_pipeline import WritePipeline
-from engine.errors import InvalidRequestError
 from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVFramingError, KVTransferError
 from protos.tandem.internal.v1 import prefill_pb2

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from base.auth import channel_credentials
 from decode_service.config import DecodeServiceConfig
 from decode_service.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
 from decode_service.remote_prefill.client import PrefillClient
@@ -48,7 +49,6 @@ from engine.model_runner import ScheduledChunk
 from kv_transfer import PagedKV
 from kv_transfer.heap import keep_message_buffers_in_heap
 from serving.kv_layout import engine_fingerprint, engine_kv_layout
-from tandem.security import channel_credentials
 
 logger = logging.getLogger(__name__)
 

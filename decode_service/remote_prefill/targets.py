@@ -15,7 +15,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 DNS_SCHEME = "dns:///"
 

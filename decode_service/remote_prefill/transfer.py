@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from base.errors import TandemError
 from decode_service.request import ServedRequest
-from engine.errors import TandemError
 from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVRangeError, PagedKV
 from protos.tandem.internal.v1 import prefill_pb2

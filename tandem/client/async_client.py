@@ -12,13 +12,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from base.auth import PathLike
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
 from tandem.client.connection import ConnectionSettings, Metadata
 from tandem.client.errors import error_from_rpc
 from tandem.client.requests import ChatMessageLike, ToolLike, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
-from tandem.security import PathLike
 
 
 class AsyncTandemClient:

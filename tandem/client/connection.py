@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from tandem.security import PathLike, bearer_metadata, channel_credentials
+from base.auth import PathLike, bearer_metadata, channel_credentials
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from typing import Any, TextIO
 
 from google.protobuf import json_format
 
+from base.auth import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
 from tandem.client.errors import InvalidArgument, TandemError
 from tandem.client.results import FinishReason, GenerationDelta
 from tandem.client.sync_client import TandemClient
-from tandem.security import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
 
 DEFAULT_TARGET = "localhost:50051"
 TARGET_ENV = "TANDEM_TARGET"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from engine.errors import TandemError
+from base.errors import TandemError
 
 logger = logging.getLogger(__name__)
 
