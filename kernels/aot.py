@@ -47,7 +47,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from engine.config import CacheConfig, EngineConfig  # noqa: E402
 from kernels import triton_cache, triton_decode, triton_fused, triton_prefill  # noqa: E402
 from kernels.kv_quant import (  # noqa: E402
     FP8_MIN_CUDA_CAPABILITY,
@@ -65,6 +64,11 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # Decode batches and contexts the split planner is asked about: every split count it can choose.
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+# The engine's defaults, which a server started without flags steps with: KV block size and step token
+# budget (`CacheConfig.block_size`, `EngineConfig.max_num_batched_tokens`). Kernels may not import the
+# engine, so they are repeated here; tests/test_kernels_aot.py checks that the two agree.
+BLOCK_SIZE = 16
+TOKEN_BUDGET = 512
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,7 @@ def recorded_configs(
     """
     dtype = DTYPES[dtype_name]
     precision = Precision(dtype, resolve_kv_cache_dtype(kv_cache_dtype, dtype))
-    block_size = CacheConfig().block_size
-    budget = EngineConfig().max_num_batched_tokens
+    block_size, budget = BLOCK_SIZE, TOKEN_BUDGET
     steps = [(f"layer ops, {budget} tokens", lambda: _layer_ops(model, budget, block_size, precision))]
     steps.append(
         (

@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import os
 from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from engine.kv_cache import KVCache
 from kernels import cpu_extension, cpu_linear, int8_linear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
@@ -32,6 +32,20 @@ from kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TANDEM_CPU_DECODE_STACK"
+
+
+class PagedKVCache(Protocol):
+    """What the stack reads of the engine's paged KV cache (`engine.kv_cache.KVCache` has it): per layer,
+    K and V, their scales when quantized (empty lists otherwise), and the quantized keys' rotation.
+
+    Kernels sit below the engine and may not import it, so the stack names only the tensors it passes on.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    k_scales: list[torch.Tensor]
+    v_scales: list[torch.Tensor]
+    rotation: torch.Tensor | None
 
 
 class CpuDecodeStack:
@@ -71,7 +85,7 @@ class CpuDecodeStack:
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
+        kv_cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and residual, before the final norm (what the layer loop returns)."""

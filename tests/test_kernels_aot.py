@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.roofline import DecodeAttentionStep, decode_kernel_roofline
+from engine.config import CacheConfig, EngineConfig
 
 KERNELS = {
     "_decode_kernel",
@@ -110,6 +111,17 @@ def test_aot_rejects_an_unknown_arch_and_model(repo_root):
             timeout=300,
         )
         assert done.returncode == 2 and message in done.stderr
+
+
+def test_aot_compiles_for_the_engine_defaults(repo_root):
+    """kernels.aot repeats the engine's default block size and step budget (kernels may not import the
+    engine); it is imported in its own process, since importing it turns Triton's interpreter off."""
+    probe = "from kernels import aot; print(aot.BLOCK_SIZE, aot.TOKEN_BUDGET)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=repo_root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(CacheConfig().block_size), str(EngineConfig().max_num_batched_tokens)]
 
 
 # ---------------------------------------------------------------- static roofline of decode
