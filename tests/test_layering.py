@@ -1,0 +1,79 @@
+"""Import layering: no product package imports a package above its own layer.
+
+Why: an upward import drags the upper layer (gRPC servers, the HTTP stack, the CLI) into every user
+of the lower one and opens the way to import cycles; with every arrow pointing down, each layer can be
+loaded, tested and reused without the ones above it. The walk is static (`ast`), so it also sees
+imports inside functions and under `TYPE_CHECKING`, which a runtime check would miss.
+"""
+
+from __future__ import annotations
+
+import ast
+from fnmatch import fnmatch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom to top. A package may import its own modules and packages of lower layers; packages that
+# share a layer are peers and never import each other (the two tiers stay independent).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"protos", "base"}),
+    frozenset({"kernels"}),
+    frozenset({"engine"}),
+    frozenset({"kv_transfer"}),
+    frozenset({"serving"}),
+    frozenset({"prefill_service", "decode_service"}),
+    frozenset({"tandem"}),
+    frozenset({"bench"}),
+)
+RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
+
+# The command line wires every layer together (`tandem bench` runs bench), so it alone may import up.
+CLI_MODULES = ("tandem/cli.py", "tandem/up*.py")
+
+
+def product_packages() -> set[str]:
+    """Top-level directories of the repository that are Python packages, tests aside."""
+    return {entry.parent.name for entry in ROOT.glob("*/__init__.py")} - {"tests"}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every absolute import in the file, at any depth of the syntax tree."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def offending_imports() -> list[str]:
+    """One line per import that points up a layer or across to a peer, as `file:line: module (why)`."""
+    offences = []
+    for package in sorted(RANK):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if any(fnmatch(relative, pattern) for pattern in CLI_MODULES):
+                continue
+            for line, module in imported_modules(path):
+                target = module.partition(".")[0]
+                if target == package or target not in RANK or RANK[target] < RANK[package]:
+                    continue
+                relation = "its peer" if RANK[target] == RANK[package] else "a higher layer"
+                offences.append(f"{relative}:{line}: imports {module} ({package} -> {target}, {relation})")
+    return offences
+
+
+def test_every_package_has_a_layer() -> None:
+    assert product_packages() == set(RANK), "add each new top-level package to LAYERS"
+
+
+def test_the_walk_sees_imports_inside_functions() -> None:
+    # tandem.cli imports bench lazily, inside a function; a walk that missed it would pass vacuously.
+    assert "bench.cli" in {module for _, module in imported_modules(ROOT / "tandem" / "cli.py")}
+
+
+def test_no_package_imports_upward_or_across() -> None:
+    offences = offending_imports()
+    assert not offences, "imports against the layering:\n" + "\n".join(offences)
