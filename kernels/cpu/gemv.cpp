@@ -54,8 +54,8 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, int64_t n0, int64_t m0) {
   for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
   int64_t c = 0;
   // The first x tile streams these W rows from memory; it asks for the next group's lines one group
-  // ahead (9-24 KiB at SmolLM2's widths), which kept 4 x rows as fast as 1 (269 -> 187 us for the
-  // qkv projection on one core) where the hardware prefetchers alone fell behind.
+  // ahead (9-24 KiB at SmolLM2's widths), which keeps 4 x rows as fast as 1 where the hardware
+  // prefetchers alone fell behind.
   const bool prefetch = m0 == 0;
   for (; c + 16 <= p.k; c += 16) {
     if (prefetch) prefetch_next_group<NR>(p, n0, c);

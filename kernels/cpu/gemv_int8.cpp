@@ -176,9 +176,9 @@ void tile(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
 // All x rows against NR rows of W, in x tiles of up to 4 rows. The first tile streams the int8 rows from
 // memory (prefetching the next group); with more than 4 x rows it also writes the rows it widened to an
 // fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is widened once
-// however many rows x has: 0.86-0.89x the time of widening again per tile at 24-48 rows, level at 8-16.
-// (A separate widening pass before the first tile was slower than neither: it stalls on memory where
-// the first tile's arithmetic hides it.)
+// however many rows x has, which beats widening again per tile from 24 rows on. (A separate widening
+// pass before the first tile was slower than neither: it stalls on memory where the first tile's
+// arithmetic hides it.)
 template <int NR>
 void rows_of_w(const Problem& p, int64_t n0) {
   const int8_t* w0 = p.w + n0 * p.k;
