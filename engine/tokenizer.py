@@ -1,8 +1,8 @@
 """The tokenizer both tiers share: a thin wrapper over a local Hugging Face tokenizer.
 
 It exists so that the rest of tandem sees plain lists of ints and our own exceptions, and so that
-the end-of-sequence ids come from one place (the tokenizer's eos plus generation_config.json, which
-is where chat models such as Llama 3 list their extra end-of-turn tokens).
+the tokenizer's end-of-sequence ids include generation_config.json's, which is where chat models such
+as Llama 3 list their extra end-of-turn tokens (the engine adds config.json's `eos_token_id`).
 """
 
 from __future__ import annotations
