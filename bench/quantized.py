@@ -127,29 +127,24 @@ def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloa
             await client.close()
             return summarize(turns, wall_s)
 
+        def all_at_once(workload: str, max_concurrency: int | None = None) -> dict:
+            """One run of `workloads[workload]`, every request sent at once (at most `max_concurrency`
+            in flight)."""
+            return asyncio.run(
+                measure(
+                    make_backend(kind, target, name),
+                    workloads["args"],
+                    ArrivalProcess(math.inf),
+                    False,
+                    extra,
+                    workloads[workload],
+                    max_concurrency=max_concurrency,
+                )
+            )
+
         multi_turn = asyncio.run(chat())
-        backend_args, single, headline = workloads["args"], workloads["single"], workloads["headline"]
-        single_run = asyncio.run(
-            measure(
-                make_backend(kind, target, name),
-                backend_args,
-                ArrivalProcess(math.inf),
-                False,
-                extra,
-                single,
-                max_concurrency=1,
-            )
-        )
-        headline_run = asyncio.run(
-            measure(
-                make_backend(kind, target, name),
-                backend_args,
-                ArrivalProcess(math.inf),
-                False,
-                extra,
-                headline,
-            )
-        )
+        single_run = all_at_once("single", max_concurrency=1)
+        headline_run = all_at_once("headline")
         memory = peak_rss_bytes(_server_pids())
     single_metrics, headline_metrics = single_run["metrics"], headline_run["metrics"]
     result = {

@@ -4,18 +4,10 @@ Handlers talk to it through `submit` and `abort`, a remote prefill stage through
 wait in the stage until the step collects them); each step delivers every request's delta at once.
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
-Why a thread and not a process of its own (as vLLM v1 does), measured with `tandem bench serving-path`
-(128 streams x 128 tokens, near-zero model, 2026-11-30 19:33): the engine thread spends 104-110 µs of
-CPU per token inside the server against 78 µs alone, the event loop 43-45 µs; 6,000 tok/s are served
-where the engine alone runs 12,900. So sharing the GIL does cost the engine: every torch op releases
-and retakes it, and a busy event loop makes the retake wait (in isolation, a thread spinning in Python
-beside the engine loop adds 16-35 µs to its CPU per token and multiplies its wall time by 4-7). A
-process of its own would remove that, for a serialization hop per step and for moving across the
-boundary everything the event loop takes from the engine today: validation and tokenization, the
-remote prefill's KV cache writes, metrics. It is the next lever for the served rate, not taken yet.
-It is not one for the CPU per token: the floors measured in the same run, the LM head at this core's
-GEMM peak (36 µs) and grpc.aio's own cost per stream message (31 µs), already add up to more than the
-60 µs target.
+It is a thread of the server process, not a process of its own as in vLLM v1: sharing the GIL with the
+event loop costs the engine CPU, but a process would add a serialization hop per step and would have to
+take over what the event loop does for the engine today (validation and tokenization, the remote
+prefill's KV cache writes, metrics). The measurements are in `bench/README.md`, "Serving path".
 """
 
 from __future__ import annotations

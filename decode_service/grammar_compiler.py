@@ -5,8 +5,7 @@ alternations) take seconds or more, and a compile cannot be interrupted. So comp
 process (spawned on the first compile, kept for the next ones) that the caller waits on with a timeout:
 a compile past `timeout_s` kills the child, which is restarted for the next compile, and the request
 gets a `ConstraintError` naming its field. The child rebuilds the compiler from the serialized
-`TokenizerInfo` and sends back each grammar serialized (~120 KB and ~6 ms to read back for SmolLM2's
-49k vocabulary).
+`TokenizerInfo` and sends back each grammar serialized.
 
 Compiled grammars are kept in an LRU cache keyed by (kind, spec), so a schema sent again costs a dict
 lookup. `compile` blocks: call it from a validation thread, never the engine thread or the event loop.
@@ -98,8 +97,8 @@ def _child_main(conn: Connection, tokenizer_info_path: str) -> None:
 class GrammarCompiler:
     """Compiled grammars for one model's vocabulary, cached, each compile bounded by `timeout_s`.
 
-    The tokenizer info (0.85 s for SmolLM2) and the worker process (about 2 s to import xgrammar)
-    are made on the first compile, so a server that never sees a constraint pays nothing.
+    The tokenizer info and the worker process (which imports xgrammar) take seconds to make, so they
+    are made on the first compile and a server that never sees a constraint pays nothing.
     `close()` ends the worker; the server calls it when it stops.
     """
 

@@ -24,7 +24,7 @@ class RequestLimits:
     stop-string matcher, which runs on the engine thread for every token. `max_logit_bias` bounds a
     request's logit bias entries, checked before any is converted (each costs Python time on the way in
     and a scatter on every step). `max_chat_messages` bounds a chat's turns before any is converted or
-    rendered: the chat template costs ~20 µs of GIL-held Python per turn, however short. A non-streamed
+    rendered: the chat template costs GIL-held Python per turn, however short. A non-streamed
     HTTP answer is built whole in memory, so `max_unstreamed_tokens` bounds what it may hold: choices
     x max_tokens x (1 + alternatives per token), ~300 bytes each.
     """

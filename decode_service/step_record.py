@@ -13,7 +13,7 @@ class ChunkRecord(NamedTuple):
     """One request's share of a step: how many tokens, and whether it was prefill or decode.
 
     A named tuple, not a frozen dataclass: every step records one per running request (128 at a time
-    in the serving-path benchmark), and a tuple is built several times faster.
+    in the serving-path benchmark), and a tuple is built faster.
     """
 
     request_id: str

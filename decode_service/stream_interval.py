@@ -7,9 +7,8 @@ of them are ready, even when the writer keeps up.
 
 Every stream message costs the event loop, the network and the client some work; with many streams
 or a slow link, holding a request's tokens until `interval` of them are ready divides that by
-`interval`. (On the 2-core benchmark machine the event loop used only ~0.4 s of CPU per headline
-run, so there it changed nothing measurable.) The first token and the last message (finish, abort or
-error) always go out at once, so TTFT and completion times do not change.
+`interval`. The first token and the last message (finish, abort or error) always go out at once, so
+TTFT and completion times do not change.
 """
 
 from __future__ import annotations

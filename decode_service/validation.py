@@ -1,7 +1,9 @@
-"""The one place a public `GenerateRequest` is checked and turned into an engine sequence.
+"""Checks a public `GenerateRequest` (from gRPC, or translated from HTTP) and makes its engine sequence.
 
-Everything a client can get wrong is caught here, before the request reaches the scheduler, as an
-`InvalidRequestError` whose message names the field; the servicer maps it to INVALID_ARGUMENT.
+What the request's fields get wrong is caught here, before the request reaches the scheduler, as an
+`InvalidRequestError` whose message names the field: INVALID_ARGUMENT over gRPC, 400 over HTTP.
+`decode_service.generation` adds what depends on the server rather than the request alone: the
+max_tokens cap, the trusted gateway headers and the answer parsers the request asks for.
 
 Defaults for unset fields follow what vLLM users expect: temperature 1.0, top_p 1.0, top_k off,
 min_p 0, no seed; `max_tokens` unset means "until the context is full", capped by the server's

@@ -37,9 +37,8 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's input tensors and attention metadata, built from plain lists with one tensor each:
-        per-row tensors (block tables) and generator-driven loops cost ~20 µs per decode token at 128
-        sequences, as much as a small model's forward; a decode token (the common chunk) takes no
-        range or generator at all."""
+        per-row tensors (block tables) and generator-driven loops cost as much as a small model's
+        forward; a decode token (the common chunk) takes no range or generator at all."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -5,9 +5,8 @@ Only the linear layers of the decoder layers are quantized (q/k/v/o and gate/up/
 the embedding and the LM head keep the model's dtype. Quantization happens at load: the engine swaps
 the empty model's decoder linears for the method's modules before the checkpoint is copied in, and each
 checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision decoder
-weights never live in the model (SmolLM2-135M, one process with a tiny KV pool: 1.2 GiB peak and
-0.7 GiB after load, against 1.6 / 1.0 GiB for quantizing the loaded fp32 model and 1.9 / 1.4 GiB
-unquantized).
+weights never live in the model, and an int8 load peaks lower than an fp32 one (bench/README.md, "CPU
+kernels", has the figures).
 
 The default model's GGUF (what `tandem fetch-model` gets) stores the decoder linears as Q4_1 (blocks
 of 32 weights, each with its own scale and minimum) and the embedding as Q8_0 (blocks of 32, own

@@ -36,7 +36,7 @@ SOURCES = [
     CPU_DIR / "decode_stack.cpp",
     CPU_DIR / "bindings.cpp",
 ]
-HEADERS = [CPU_DIR / "kernels.h"]
+HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 DISABLE_ENV = "TANDEM_CPU_EXTENSION"

@@ -2,9 +2,9 @@
 
 At one to a few rows (single-stream decode) a linear layer only has to read its weight once, and the
 best kernel is the one that streams it at memory speed: the C++ extension's `linear_gemv` reads the
-plain row-major weight front to back, ~1.3x oneDNN's inner product at 1-8 rows on this 2-core
-AVX-512 machine and level with it at 16. Past that, oneDNN over a weight reordered once into its
-blocked layout wins (1.3-2.5x `F.linear`/MKL at 1-64 rows, no slower for 512-row prefill chunks).
+plain row-major weight front to back, ahead of oneDNN's inner product at a few rows. Past that, oneDNN
+over a weight reordered once into its blocked layout wins: ahead of `F.linear` (MKL) at decode sizes,
+no slower for prefill chunks (bench/README.md, "CPU kernels", has the figures).
 So each layer keeps both copies — the plain one is the GEMV's, the blocked one oneDNN's — and picks
 by row count. Where the extension is missing the blocked oneDNN path serves every row count; where
 oneDNN is missing too, `nn.Linear` stays. `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear` everywhere.
@@ -24,8 +24,8 @@ from kernels import cpu_extension
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TANDEM_ONEDNN_LINEAR"
-# Largest row count the GEMV takes. Measured per projection of SmolLM2-135M on one core (weights
-# rotating through DRAM): GEMV/oneDNN 0.75x time at 8 rows, 0.9-1.04x at 16, 1.0-1.13x at 32.
+# Largest row count the GEMV takes: up to it the GEMV is ahead of oneDNN or level, past it behind
+# (bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 16
 
 
@@ -56,7 +56,7 @@ class CpuLinear(nn.Module):
         self._extension = extension
         # The GEMV reads the plain weight itself (shared with the embedding when tied).
         self.weight = linear.weight.detach().contiguous() if extension is not None else None
-        # Reordered once into oneDNN's blocked layout, so no call repacks it (1.1-1.5x at decode sizes).
+        # Reordered once into oneDNN's blocked layout, so no call repacks it.
         self.blocked_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 

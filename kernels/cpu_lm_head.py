@@ -4,13 +4,12 @@ tokens straight from the hidden states when it does not.
 For an all-greedy step (the common case, and every benchmark's) only each row's argmax matters, and the
 C++ `greedy_lm_head` finds it a vocabulary slice at a time without writing the logits out. What that
 saves is the logits' round trip through memory, which weighs against the GEMM's hidden-size-deep
-work per logit: for 128 rows of a 64-wide model's 49,152-token head 4.7-6.1 ms against 10.6-16.4 for
-oneDNN's linear and the argmax (one core of the 2-core development machine), but for SmolLM2-135M
-(576 wide) it was level with them on one core and up to 15% behind on two. So only heads at most
-`MAX_HIDDEN_SIZE` wide are swapped; wider ones stay `cpu_linear.CpuLinear` (oneDNN, then the sampler's
-argmax). A swapped head's logits, when wanted for more than a few rows, come from GEMM on the same
-transposed copy the greedy path reads (5.1 vs 7.6 ms for oneDNN at 128 x 64), which replaces oneDNN's
-blocked copy: no more memory than a `CpuLinear`.
+work per logit: it is well ahead of oneDNN's linear and the argmax for a narrow model, but level or
+behind for SmolLM2-135M (576 wide). So only heads at most `MAX_HIDDEN_SIZE` wide are swapped; wider
+ones stay `cpu_linear.CpuLinear` (oneDNN, then the sampler's argmax). A swapped head's logits, when
+wanted for more than a few rows, come from GEMM on the same transposed copy the greedy path reads
+(faster than oneDNN's for a narrow head), which replaces oneDNN's blocked copy: no more memory than a
+`CpuLinear`. The measurements are in bench/README.md, "CPU kernels".
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from kernels.cpu_linear import DISABLE_ENV, GEMV_MAX_ROWS, enabled
 
 logger = logging.getLogger(__name__)
 
-# Widest hidden size whose LM head is swapped (see the module docstring): 64 measured 2x ahead, 576 level.
+# Widest hidden size whose LM head is swapped (see the module docstring): 64 wide gains, 576 does not.
 MAX_HIDDEN_SIZE = 256
 
 

@@ -20,10 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 QMAX = 127
-# Largest row count the int8 GEMV takes; beyond it the tiled GEMM path does. Measured on SmolLM2-135M's
-# four projections, one core, weights rotating through DRAM (`tandem bench linear-kernels`): the GEMV is
-# 3.5-4x the fp32 GEMV at 1-4 rows and 1.6x at 16; against the tiled path it takes 0.58x the time at 16
-# rows, 0.83x at 32, 0.93x at 48 and 1.09x at 64. The tiled path is within 10% of oneDNN's fp32 GEMM.
+# Largest row count the int8 GEMV takes; beyond it the tiled GEMM path does, which is the faster of the
+# two from there on (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 48
 
 

@@ -6,13 +6,13 @@ one fp32 scale, symmetric: `scale = max|row| / QMAX`, `stored = round(row / scal
 to even, clamped to ±127; fp8 e4m3: the cast's own rounding, clamped to ±448), and `row ≈ stored ·
 scale`. A row is quantized once, when its token is written, and never again: per-token scales need
 no requantization when later tokens of the block arrive, and keep one outlier token from coarsening
-its neighbours (per-block scales would do both; see bench/kv_quant.py for the measured trade).
+its neighbours (per-block scales would do both; bench/README.md, "Quantized KV cache", has the trade).
 
 Keys are stored rotated: after RoPE, the model multiplies every key and query head by one orthonormal
 (Hadamard) matrix, `kv_rotation`, which leaves each score q·k as it was and spreads the few outlier
 channels of a key over all of them. A row's maximum, and with it the quantization step, then falls
-to a few standard deviations: on SmolLM2-135M the next-token KL divergence from full precision fell
-3.6x, the largest gain per byte measured (bench/kv_quant.py). Values are stored as computed.
+to a few standard deviations: of the int8 variants measured (`python -m bench.kv_quant`), rotated keys
+with per-token scales came closest to full precision. Values are stored as computed.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy whole blocks out of the cache, `[len(block_ids), block_size, kv_heads, head_dim]`.
 
     Selecting rows of a 2-D view copies each block with one memcpy; indexing the 4-D tensor
-    directly goes element by element and was 3-7x slower on the CPU.
+    directly goes element by element, several times slower on the CPU.
     """
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1).long())
     return rows.view(-1, *cache.shape[1:])

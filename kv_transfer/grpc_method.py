@@ -27,8 +27,8 @@ MAX_GRPC_MESSAGE_BYTES = MAX_MESSAGE_BYTES + MESSAGE_HEADROOM_BYTES
 # The receiving end of a KV stream (the decode tier's channel to a prefill replica). No compression: KV
 # is incompressible floats, and gRPC compresses nothing unless asked. HTTP/2 frames are capped at 16 KiB
 # unless the receiver allows more, so a 1 MiB message would cross as 64+ frames, each a header, a
-# flow-control check and a write; allowing 1 MiB frames cut the receiver's CPU per byte by about a
-# quarter on loopback (bench.kv_wire). gRPC's BDP probing (on by default) sizes the flow-control windows.
+# flow-control check and a write; allowing 1 MiB frames cuts the receiver's CPU per byte (bench.kv_wire;
+# bench/README.md, "KV transfer"). gRPC's BDP probing (on by default) sizes the flow-control windows.
 CLIENT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
     ("grpc.http2.max_frame_size", 1 << 20),

@@ -3,10 +3,10 @@
 Every KV message passes through several short-lived buffers of megabytes: gRPC's socket read buffers
 and its copy of the message, the bytes objects on both sides. glibc's malloc serves buffers that large
 from fresh mmaps, or trims them off the heap once freed, so every page of every message is faulted in
-and zeroed by the kernel again. On loopback that was about a third of the receiving process's CPU time
-(perf: page faults under the socket reads and `madvise` trimming after each message). Raising the mmap
-threshold (glibc's maximum, 32 MiB) and the trim threshold keeps freed buffers in the heap for the next
-message. The cost is that up to `TRIM_THRESHOLD_BYTES` of free memory per malloc arena may stay mapped.
+and zeroed by the kernel again, a large share of the receiving process's CPU time (bench/README.md,
+"KV transfer"). Raising the mmap threshold (glibc's maximum, 32 MiB) and the trim threshold keeps freed
+buffers in the heap for the next message. The cost is that up to `TRIM_THRESHOLD_BYTES` of free memory
+per malloc arena may stay mapped.
 """
 
 from __future__ import annotations

@@ -50,11 +50,10 @@ if sys.byteorder != "little":
 MAX_MESSAGE_BYTES = 4 << 20
 """Payload budget of one KVChunk; servers set gRPC's max message size a little above it.
 
-Chosen by measurement (bench.kv_wire, 4k-token prompt of SmolLM2-135M over loopback): every message
-costs both sides a fixed amount of Python and gRPC work, so CPU per byte fell from 1 MiB to 4 MiB
-messages (sender -25%, receiver -20%) and hardly at all above; larger messages only hold more memory per
-stream and start arriving later. Raising it breaks receivers that cap messages lower, hence
-WIRE_FORMAT_VERSION 2."""
+Every message costs both sides a fixed amount of Python and gRPC work, so CPU per byte falls as
+messages grow, up to about this size (bench.kv_wire; bench/README.md, "KV transfer"); larger messages
+only hold more memory per stream and start arriving later. Raising it breaks receivers that cap
+messages lower, hence WIRE_FORMAT_VERSION 2."""
 
 
 @dataclass(frozen=True)

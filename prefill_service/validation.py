@@ -1,4 +1,4 @@
-"""The one place a `PrefillRequest` is checked and turned into a prefill job.
+"""Checks a `PrefillRequest` and turns it into a prefill job.
 
 Order matters to the caller: an incompatible replica is reported first (FAILED_PRECONDITION: no
 retry with the same replica can help), then anything wrong with the request itself

@@ -4,11 +4,10 @@ libgomp keeps one pool of worker threads per thread that starts parallel regions
 the main thread leaves a pool there; once the engine thread starts its own, the process holds more
 OpenMP threads than CPUs (4 on 2 cores) and libgomp "throttles": a worker that finishes a region sleeps
 on a futex after ~100 spins instead of ~300,000. A decode step runs ~200 small regions (the GEMVs and
-the attention of every layer), so the engine thread's worker slept and was woken ~240 times per step.
+the attention of every layer), so the engine thread's worker slept and was woken about once per region.
 Releasing the main thread's idle pool before the engine thread starts keeps the count at the CPUs, and
-the worker spins between regions as it does when the main thread runs the model (~0 futex sleeps per
-step). Served single-stream TPOT on the shared 2-core machine, interleaved A/B: 26.1 -> 23.1 ms (x4),
-30.6 -> 28.7 ms (x6, busier).
+the worker spins between regions as it does when the main thread runs the model, which shortens every
+decode step (`bench/README.md`, "Serving path", has the served single-stream figures).
 """
 
 from __future__ import annotations

@@ -198,9 +198,8 @@ async def serve_until_signalled(server: TierServer) -> int:
     # collector's generations, they are not rescanned by every full collection while serving.
     gc.freeze()
     # One decode step allocates a few tracked objects per stream (its delta, their lists), ~600 at 128
-    # streams: with the default 700 the young generation was collected about once per step. Measured
-    # (tandem bench serving-path, warm-up and 3 rounds): 775 collections, 0.23 s of CPU, ~3 us per token;
-    # with 10,000, 8 collections and 0.02 s.
+    # streams: with the default 700 the young generation was collected about once per step (what that
+    # cost is in bench/README.md, "Serving path").
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()

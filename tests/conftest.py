@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine
+from kernels.metadata import AttentionMetadata
 
 TINY_VOCAB = 384
 # Where engines built by `engine_for` run: `cuda` (with TRITON_INTERPRET=0) runs the engine parity and
@@ -112,6 +113,41 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int)
 def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 80, vocab: int = TINY_VOCAB):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def paged_batch(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_lens: list[int],
+    seq_lens: list[int],
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """`(query, k_cache, v_cache, meta)` for sequences with these new/total lengths: random fp32 caches
+    with a few spare blocks, and block tables that place each sequence's blocks at random."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+    )
+    query = torch.randn(starts[-1], heads, head_dim, generator=gen)
+    return query, k_cache, v_cache, meta
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -89,3 +91,48 @@ def test_llama_server_runs_q8_0_without_repacking() -> None:
     f32, _ = servers.llama_server("f32", Path("llama-server"), Path("m.F32.gguf"), 2, 16, 16384)
     assert "--no-repack" in q8.command and "--no-repack" not in f32.command
     assert q8.command[q8.command.index("-np") + 1] == "16" and "-cb" in q8.command
+
+
+def test_each_server_runs_single_one_at_a_time_and_the_headline_all_at_once(monkeypatch) -> None:
+    """What `measure_system` hands `bench.serve.measure` for the single-stream and headline runs."""
+    calls = []
+
+    @contextlib.contextmanager
+    def serving(name, args, model):
+        yield "tandem", "localhost:1", {"pid": 1}
+
+    class ChatClient:
+        async def complete(self, prompt, max_tokens):
+            yield "token"
+
+        async def close(self):
+            pass
+
+    async def run_conversations(client, workload):
+        return [], 1.0
+
+    async def measure(backend, args, arrivals, show_progress, extra, workload, max_concurrency=None):
+        calls.append((workload, max_concurrency, arrivals.rate))
+        return {
+            "metrics": {
+                "tpot_ms": {"p50": 20.0},
+                "ttft_ms": {"p50": 100.0},
+                "output_throughput": 9.0,
+                "failed": 0,
+            }
+        }
+
+    monkeypatch.setattr(quantized, "serving", serving)
+    monkeypatch.setattr(quantized, "_chat_client", lambda kind, target: ChatClient())
+    monkeypatch.setattr(quantized, "_server_pids", list)
+    monkeypatch.setattr("bench.multi_turn.run_conversations", run_conversations)
+    monkeypatch.setattr(
+        "bench.multi_turn.summarize",
+        lambda turns, wall_s: {"output_throughput": 5.0, "median_ttft_ms_turns_2_plus": 50.0},
+    )
+    monkeypatch.setattr("bench.serve.make_backend", lambda kind, target, label: object())
+    monkeypatch.setattr("bench.serve.measure", measure)
+    workloads = {"chat": "chat", "args": None, "single": "single", "headline": "headline"}
+    result = quantized.measure_system("tandem-aggregated", None, Path("model"), workloads)
+    assert calls == [("single", 1, math.inf), ("headline", None, math.inf)]
+    assert result["single_decode_tok_s"] == 50.0 and result["headline_tok_s"] == 9.0

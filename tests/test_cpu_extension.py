@@ -6,37 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import paged_batch
 
 from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
-from kernels.metadata import AttentionMetadata
-
-
-def mixed_batch(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
-    """Random cache, shuffled block tables and metadata for sequences with these new/total lengths."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 4
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    for row, count in enumerate(blocks_per_seq):
-        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-    )
-    query = torch.randn(starts[-1], heads, head_dim, generator=gen)
-    return query, k_cache, v_cache, meta
 
 
 def run_extension(extension, query, k_cache, v_cache, meta, scale):
@@ -53,7 +27,7 @@ def test_matches_reference_on_mixed_batches(extension, heads, kv_heads, head_dim
     # the kernel's row tile that starts mid-block.
     query_lens = [1, 1, 7, 1, 40, 23]
     seq_lens = [1, block_size, 7, 3 * block_size + 5, 97, block_size + 23]
-    query, k_cache, v_cache, meta = mixed_batch(
+    query, k_cache, v_cache, meta = paged_batch(
         heads, kv_heads, head_dim, block_size, query_lens, seq_lens, heads * 1000 + head_dim + block_size
     )
     scale = head_dim**-0.5
@@ -64,7 +38,7 @@ def test_matches_reference_on_mixed_batches(extension, heads, kv_heads, head_dim
 
 def test_matches_reference_on_a_decode_only_batch(extension):
     query_lens, seq_lens = [1] * 5, [1, 16, 17, 53, 97]
-    query, k_cache, v_cache, meta = mixed_batch(9, 3, 64, 16, query_lens, seq_lens, seed=7)
+    query, k_cache, v_cache, meta = paged_batch(9, 3, 64, 16, query_lens, seq_lens, seed=7)
     expected = ref.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125)
     got = run_extension(extension, query, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -72,7 +46,7 @@ def test_matches_reference_on_a_decode_only_batch(extension):
 
 def test_large_logits_stay_finite(extension):
     """The online softmax rescales with a finite floor (the build assumes no infinities)."""
-    query, k_cache, v_cache, meta = mixed_batch(4, 2, 64, 16, [3, 1], [40, 33], seed=3)
+    query, k_cache, v_cache, meta = paged_batch(4, 2, 64, 16, [3, 1], [40, 33], seed=3)
     query *= 40.0
     expected = ref.paged_attention(query, k_cache, v_cache, meta, 0.125)
     got = run_extension(extension, query, k_cache, v_cache, meta, 0.125)
@@ -91,7 +65,7 @@ def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
             return original.paged_attention(*args)
 
     monkeypatch.setattr(backend, "_extension", Spy())
-    query, k_cache, v_cache, meta = mixed_batch(4, 2, 64, 16, [1, 5, 1], [5, 20, 32], seed=1)
+    query, k_cache, v_cache, meta = paged_batch(4, 2, 64, 16, [1, 5, 1], [5, 20, 32], seed=1)
     backend.attention(query, k_cache, v_cache, meta, 0.125)
     assert calls == [torch.Size([7, 4, 64])]
     backend.attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
@@ -149,7 +123,7 @@ def test_backend_fused_ops_fall_back_for_bf16(extension):
 
 
 def test_refuses_head_dims_beyond_its_accumulator(extension):
-    query, k_cache, v_cache, meta = mixed_batch(2, 1, 272, 16, [1], [5], seed=4)
+    query, k_cache, v_cache, meta = paged_batch(2, 1, 272, 16, [1], [5], seed=4)
     with pytest.raises(RuntimeError, match="head_dim above 256"):
         run_extension(extension, query, k_cache, v_cache, meta, 0.1)
 

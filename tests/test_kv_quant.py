@@ -9,6 +9,7 @@ import argparse
 import pytest
 import torch
 from conftest import engine_for, random_prompts, tiny_hf_model
+from test_cpu_decode_stack import forward_both_ways
 
 from base.errors import ConfigError
 from engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -269,15 +270,8 @@ def test_the_decode_stack_over_int8_equals_the_per_layer_path(extension, hf_mode
         engine.allocate(seq, seq.num_tokens + 4)
         engine.step([ScheduledChunk(seq, seq.num_tokens)])
         seqs.append(seq)
-    model, stack = engine.model, engine.model.decode_stack
     for _ in range(3):
-        inputs = engine.runner.prepare([ScheduledChunk(seq, 1) for seq in seqs])
-        fused = model(*inputs[:2], engine.kv_cache, inputs[2])
-        model.decode_stack = None
-        try:
-            per_layer = model(*inputs[:2], engine.kv_cache, inputs[2])
-        finally:
-            model.decode_stack = stack
+        fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
         assert torch.equal(fused, per_layer)
         engine.step([ScheduledChunk(seq, 1) for seq in seqs])
 

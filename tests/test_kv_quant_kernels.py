@@ -6,38 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import paged_batch
 
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
-from kernels.metadata import AttentionMetadata
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn]
 
 
 def quantized_batch(dtype, heads, kv_heads, head_dim, block_size, query_lens, seq_lens, seed):
-    """Caches quantized from random rows, shuffled block tables and metadata for a mixed batch."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k, k_scales = ref.quantize_kv(torch.randn(shape, generator=gen) * 2, dtype)
-    v, v_scales = ref.quantize_kv(torch.randn(shape, generator=gen), dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    for row, count in enumerate(blocks_per_seq):
-        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
-    )
-    query = torch.randn(starts[-1], heads, head_dim, generator=gen)
+    """`paged_batch`'s mixed batch with its caches quantized to `dtype`, keys twice as large as values
+    (so the two scale caches differ): `(query, (k, v, k_scales, v_scales), meta)`."""
+    query, k, v, meta = paged_batch(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, seed)
+    k, k_scales = ref.quantize_kv(k * 2, dtype)
+    v, v_scales = ref.quantize_kv(v, dtype)
     return query, (k, v, k_scales, v_scales), meta
 
 

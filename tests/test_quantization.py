@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import engine_for, hf_greedy, random_prompts, save_tiny_model, tiny_hf_model
+from test_cpu_decode_stack import forward_both_ways
 from torch import nn
 
 from base.errors import ConfigError
@@ -98,17 +99,11 @@ def test_decoder_stack_equals_the_per_layer_path_with_int8_weights(extension):
         engine.allocate(seq, seq.num_tokens + 8)
         engine.step([ScheduledChunk(seq, seq.num_tokens)])
         seqs.append(seq)
-    model, stack = engine.model, engine.model.decode_stack
     for batch in (seqs[:1], seqs[:5], seqs):
         chunks = [ScheduledChunk(seq, 1) for seq in batch]
-        inputs = engine.runner.prepare(chunks)
-        assert stack.accepts(torch.empty(len(batch), 1), inputs[2])
-        fused = model(*inputs[:2], engine.kv_cache, inputs[2])
-        model.decode_stack = None
-        try:
-            per_layer = model(*inputs[:2], engine.kv_cache, inputs[2])
-        finally:
-            model.decode_stack = stack
+        metadata = engine.runner.prepare(chunks)[2]
+        assert engine.model.decode_stack.accepts(torch.empty(len(batch), 1), metadata)
+        fused, per_layer = forward_both_ways(engine, chunks)
         assert torch.equal(fused, per_layer)
         engine.step(chunks)
 

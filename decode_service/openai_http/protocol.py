@@ -1,8 +1,9 @@
 """OpenAI request bodies → the public `GenerateRequest`, so HTTP and gRPC share one validation path.
 
 This module only checks what JSON can get wrong and protobuf cannot hold (a string where a number
-belongs, a field tandem does not implement); every range and limit is checked later, by the same code
-that checks gRPC requests. Fields set to null count as absent, as the OpenAI API treats them. A field
+belongs, a field tandem does not implement) and, before converting any, that chat turns and logit-bias
+entries stay within `RequestLimits`; every other range and limit is checked later, by the same code that
+checks gRPC requests. Fields set to null count as absent, as the OpenAI API treats them. A field
 whose meaning tandem would change is refused with a 400 that names it, never ignored; fields that only
 shape the answer, or that vLLM accepts as no-ops, are accepted (the README lists every field).
 

@@ -8,22 +8,20 @@
 // independent accumulators, so a W cache line, once loaded, feeds every x row; rows of x beyond 4
 // re-read the 4 W rows from L1. The inner loop is AVX-512 or AVX2+FMA, chosen at run time from the
 // CPU's features, with a plain C++ loop where neither is present.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <atomic>
 #include <optional>
 #include <string>
 
+#include "gemv_common.h"
 #include "kernels.h"
 
 namespace {
 
-// Output rows each thread takes at least: ~64 KiB of W, below which waking a second thread costs
-// more than it saves.
-int64_t row_grain(int64_t k) { return std::max<int64_t>(4, (65536 / 4) / std::max<int64_t>(1, k)); }
+using gemv_common::prefetch_next_group;
+using gemv_common::reduce_avx2;
 
 struct Problem {
   const float* x;  // [M, K], row stride ldx
@@ -32,15 +30,6 @@ struct Problem {
   float* y;  // [M, N], contiguous
   int64_t m, n, k, ldx;
 };
-
-// Asks for column c of the NR W rows after [n0, n0 + NR) into L2, one cache line per row.
-template <int NR>
-inline void prefetch_next_group(const Problem& p, int64_t n0, int64_t c) {
-  for (int i = 0; i < NR; ++i) {
-    const int64_t offset = (n0 + NR + i) * p.k + c;
-    if (offset < p.n * p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + offset), _MM_HINT_T1);
-  }
-}
 
 // NR rows of W against MR rows of x over the whole K, 16 floats at a time; a masked load does the tail.
 template <int NR, int MR>
@@ -54,8 +43,8 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, int64_t n0, int64_t m0) {
   for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
   int64_t c = 0;
   // The first x tile streams these W rows from memory; it asks for the next group's lines one group
-  // ahead (9-24 KiB at SmolLM2's widths), which kept 4 x rows as fast as 1 (269 -> 187 us for the
-  // qkv projection on one core) where the hardware prefetchers alone fell behind.
+  // ahead (9-24 KiB at SmolLM2's widths), which keeps 4 x rows as fast as 1 where the hardware
+  // prefetchers alone fell behind.
   const bool prefetch = m0 == 0;
   for (; c + 16 <= p.k; c += 16) {
     if (prefetch) prefetch_next_group<NR>(p, n0, c);
@@ -79,13 +68,6 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, int64_t n0, int64_t m0) {
     const float b = p.bias ? p.bias[n0 + i] : 0.f;
     for (int j = 0; j < MR; ++j) p.y[(m0 + j) * p.n + n0 + i] = _mm512_reduce_add_ps(acc[i][j]) + b;
   }
-}
-
-TANDEM_AVX2 inline float reduce_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <int NR, int MR>
@@ -203,18 +185,8 @@ void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, f
                int64_t k) {
   if (m == 0 || n == 0) return;
   const Problem p{x, w, bias, y, m, n, k, ldx};
-  // Tasks are groups of 4 W rows, so a thread's slice of W is contiguous and 4-row aligned.
-  const int64_t groups = (n + 3) / 4;
-  at::parallel_for(0, groups, row_grain(k) / 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * 4;
-      if (n0 + 4 <= n) {
-        rows_of_w<4>(p, n0);
-      } else {
-        for (int64_t r = n0; r < n; ++r) rows_of_w<1>(p, r);
-      }
-    }
-  });
+  gemv_common::for_each_row_group<float>(
+      n, k, [&](int64_t n0) { rows_of_w<4>(p, n0); }, [&](int64_t r) { rows_of_w<1>(p, r); });
 }
 
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {

@@ -21,12 +21,13 @@
 #include <optional>
 #include <vector>
 
+#include "gemv_common.h"
 #include "kernels.h"
 
 namespace {
 
-// Output rows each thread takes at least: ~64 KiB of W, as in the fp32 GEMV.
-int64_t row_grain(int64_t k) { return std::max<int64_t>(4, 65536 / std::max<int64_t>(1, k)); }
+using gemv_common::prefetch_next_group;
+using gemv_common::reduce_avx2;
 
 struct Problem {
   const float* x;  // [M, K], row stride ldx
@@ -36,15 +37,6 @@ struct Problem {
   float* y;  // [M, N], contiguous
   int64_t m, n, k, ldx;
 };
-
-// Asks for the cache line at column c of each of the NR W rows after [n0, n0 + NR) into L2.
-template <int NR>
-inline void prefetch_next_group(const Problem& p, int64_t n0, int64_t c) {
-  for (int i = 0; i < NR; ++i) {
-    const int64_t offset = (n0 + NR + i) * p.k + c;
-    if (offset < p.n * p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + offset), _MM_HINT_T1);
-  }
-}
 
 inline void store(const Problem& p, int64_t n, int64_t m, float dot) {
   p.y[m * p.n + n] = dot * p.scale[n] + (p.bias ? p.bias[n] : 0.f);
@@ -110,13 +102,6 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, in
     for (int j = 0; j < MR; ++j) store(p, n0 + i, m0 + j, _mm512_reduce_add_ps(acc[i][j]));
 }
 
-TANDEM_AVX2 inline float reduce_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int NR, int MR, typename T, bool kWiden>
 TANDEM_AVX2 void tile_avx2(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
   __m256 acc[NR][MR];
@@ -176,9 +161,9 @@ void tile(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
 // All x rows against NR rows of W, in x tiles of up to 4 rows. The first tile streams the int8 rows from
 // memory (prefetching the next group); with more than 4 x rows it also writes the rows it widened to an
 // fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is widened once
-// however many rows x has: 0.86-0.89x the time of widening again per tile at 24-48 rows, level at 8-16.
-// (A separate widening pass before the first tile was slower than neither: it stalls on memory where
-// the first tile's arithmetic hides it.)
+// however many rows x has, which beats widening again per tile from 24 rows on. (A separate widening
+// pass before the first tile was slower than neither: it stalls on memory where the first tile's
+// arithmetic hides it.)
 template <int NR>
 void rows_of_w(const Problem& p, int64_t n0) {
   const int8_t* w0 = p.w + n0 * p.k;
@@ -233,17 +218,8 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
   if (m == 0 || n == 0) return y;
   const Problem p{x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr,
                   y.data_ptr<float>(), m, n, k, x.stride(0)};
-  const int64_t groups = (n + 3) / 4;
-  at::parallel_for(0, groups, row_grain(k) / 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * 4;
-      if (n0 + 4 <= n) {
-        rows_of_w<4>(p, n0);
-      } else {
-        for (int64_t r = n0; r < n; ++r) rows_of_w<1>(p, r);
-      }
-    }
-  });
+  gemv_common::for_each_row_group<int8_t>(
+      n, k, [&](int64_t n0) { rows_of_w<4>(p, n0); }, [&](int64_t r) { rows_of_w<1>(p, r); });
   return y;
 }
 

@@ -22,8 +22,8 @@
 
 namespace {
 
-// Vocabulary entries per slice: [128 rows, 2048] is 1 MiB, cache-resident between GEMM and scan.
-// Measured on SmolLM2's head: 1024-4096 are within 5% of each other, all faster than one whole GEMM.
+// Vocabulary entries per slice: [128 rows, 2048] is 1 MiB, cache-resident between GEMM and scan. Slices
+// of 1024 to 4096 measured alike on SmolLM2's head, all faster than one whole GEMM (bench/README.md).
 constexpr int64_t kSlice = 2048;
 
 // The maximum of one row of a slice and the first index holding it; `is_nan` when that is a NaN.
@@ -104,8 +104,7 @@ torch::Tensor greedy_lm_head(torch::Tensor hidden, torch::Tensor weight, torch::
   // Each slice's row maxima, folded in slice order afterwards so ties still go to the lowest index.
   std::vector<RowMax> slice_best(num_slices * m);
   // Threads take whole slices (a GEMM or GEMV inside runs on its caller's thread): splitting every
-  // slice's small GEMM between threads cost more in fork/join than it saved (19.3 vs 16.7 ms for
-  // SmolLM2's head at 64 rows on 2 threads).
+  // slice's small GEMM between threads cost more in fork/join than it saved.
   at::parallel_for(0, num_slices, 1, [&](int64_t begin, int64_t end) {
     auto buffer = torch::empty({m * width_max}, hidden.options());
     for (int64_t s = begin; s < end; ++s) {

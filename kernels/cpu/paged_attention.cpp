@@ -7,7 +7,7 @@
 // A quantized cache (int8 or fp8 e4m3 elements, one fp32 scale per token and KV head) is read as it is
 // stored, a quarter of fp32's bytes, and each block's rows a task needs are dequantized once into an L1
 // scratch that the fp32 loops then read: converting inside those loops instead repeated the conversion
-// for every query of the GQA group and made int8 attention 1.5x slower than fp32's, not faster.
+// for every query of the GQA group and made int8 attention slower than fp32's, not faster.
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/extension.h>
