@@ -356,8 +356,10 @@ class Generation:
         piece = text.feed(delta.token_ids, delta.finish_reason)
         if delta.is_last or piece.stop is not None:
             self._ended.add(index)
-            # A request aborted before its prompt was prefilled never forked its other choices.
-            self._choices_left = self._choices_left - 1 if self.served.forked else 0
+            # An error ends the stream; a request aborted before its prompt was prefilled never forked
+            # its other choices. The same rule as the hub's count of the engine's work (`streams`).
+            forked = self.served.forked and delta.error is None
+            self._choices_left = self._choices_left - 1 if forked else 0
             if not delta.is_last:
                 self._engine_loop.stop_at_string(self.request_id, index, piece.stop)
         self._finished = self._choices_left == 0
