@@ -3,11 +3,11 @@
 Three measurements of the same requests, all in this process with the server's thread count:
 
 1. engine loop only: the decode tier's real scheduler and engine loop (`EngineLoop.step_once`, which
-   schedules, runs the forward, samples, detokenizes, checks stops and records the event log), driven
+   schedules, runs the forward, samples, checks stop tokens and records the event log), driven
    synchronously with no gRPC and no streaming — its throughput is what the server could give if the
    network edge cost nothing;
 2. the same under cProfile: wall time per part of a step (schedule, forward, attention, sampler,
-   detokenizer, bookkeeping) and the functions with the most own time;
+   bookkeeping) and the functions with the most own time;
 3. a torch profiler window over steady-state decode steps: which torch ops the time goes to (matmuls
    vs the many small elementwise ops), how much is outside them (Python, and extensions the profiler
    cannot see), and how much memory each step allocates.
@@ -40,8 +40,7 @@ STEP_PARTS = {
     "  attention (backend.attention)": ("kernels/backend.py", "attention"),
     "  kv cache write": ("kernels/backend.py", "write_kv_cache"),
     "LM head and sampler (engine.sample)": ("engine/engine.py", "sample"),
-    "append token + detokenize + stops": ("engine/sequence.py", "append_token"),
-    "  detokenizer": ("engine/detokenizer.py", "add"),
+    "append token + stop rules": ("engine/sequence.py", "append_token"),
     "complete_step (outputs to deltas)": ("decode_service/scheduler.py", "complete_step"),
     "event log record": ("decode_service/engine_loop.py", "_record"),
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from base.errors import TandemError
 from decode_service.request import ServedRequest, StreamDelta
@@ -27,10 +28,20 @@ from serving.event_log import EventLog
 logger = logging.getLogger(__name__)
 
 
-class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
-    """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort` and `wake`.
+@dataclass(frozen=True)
+class StopAtString:
+    """The front door matched a stop string in a choice's text: the engine ends that choice."""
 
-    The inbox holds submissions (a `ServedRequest`) and aborts (the request id).
+    request_id: str
+    index: int
+    stop: str
+
+
+class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, StepRecord]):
+    """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort`,
+    `stop_at_string` and `wake`.
+
+    The inbox holds submissions (a `ServedRequest`), stops (`StopAtString`) and aborts (the request id).
     """
 
     thread_name = "engine-loop"
@@ -53,6 +64,10 @@ class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
     def abort(self, request_id: str) -> None:
         """Remove a request at the next step and free its blocks; its stream gets a final ABORT delta."""
         self._post(request_id)
+
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
+        """End choice `index` at the next step as stopped by `stop`; its stream gets a final STOP delta."""
+        self._post(StopAtString(request_id, index, stop))
 
     def _idle_timeout(self) -> float | None:
         return self.scheduler.idle_wait_seconds()
@@ -101,6 +116,10 @@ class EngineLoop(EngineThread[ServedRequest | str, StreamDelta, StepRecord]):
                     self.scheduler.add(command)
                 except TandemError as exc:
                     deltas.append(StreamDelta(command, error=exc))
+            elif isinstance(command, StopAtString):
+                stopped = self.scheduler.stop_at_string(command.request_id, command.index, command.stop)
+                if stopped is not None:
+                    deltas.append(StreamDelta(stopped, finish_reason=FinishReason.STOP))
             else:
                 deltas.extend(self._abort_now(command))
         return deltas

@@ -10,6 +10,7 @@ deadline, disconnect) aborts the request and frees its blocks at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ import grpc
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
+from decode_service.choice_text import ChoiceText, TextPiece
 from decode_service.config import DecodeServiceConfig
 from decode_service.constraints import Constraints, may_compile
 from decode_service.engine_loop import EngineLoop
@@ -27,7 +29,13 @@ from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.stream_interval import coalesce
 from decode_service.streams import StreamHub
-from decode_service.validation import build_sequence, check_limits, num_choices, prompt_bytes
+from decode_service.validation import (
+    build_sequence,
+    check_limits,
+    num_choices,
+    prompt_bytes,
+    skips_special_tokens,
+)
 from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
 from engine.sequence import FinishReason
@@ -49,16 +57,19 @@ def _since(start: float | None, end: float | None) -> float:
     return end - start if start is not None and end is not None else 0.0
 
 
-def to_response(delta: StreamDelta) -> pb.GenerateResponse:
-    """The stream message for one delta; the last one carries finish reason, stop, usage and timings."""
+def to_response(delta: StreamDelta, piece: TextPiece, completion_tokens: int) -> pb.GenerateResponse:
+    """The stream message for one delta, whose tokens made `piece` (the client gets its first
+    `piece.num_tokens` of them); the last message (the engine's, or a stop string's) carries finish
+    reason, stop, usage (`completion_tokens`: the choice's tokens so far) and timings."""
     request = delta.request
     # Field by field: a quarter cheaper than keyword arguments, on the path every token takes.
     response = pb.GenerateResponse()
     response.request_id = request.request_id
-    response.token_ids.extend(delta.token_ids)
-    response.text = delta.text
+    cut = piece.num_tokens < len(delta.token_ids)
+    response.token_ids.extend(delta.token_ids[: piece.num_tokens] if cut else delta.token_ids)
+    response.text = piece.text
     response.index = request.index
-    for logprob in delta.logprobs:
+    for logprob in delta.logprobs[: piece.num_tokens] if cut else delta.logprobs:
         response.logprobs.append(
             pb.TokenLogprob(
                 token_id=logprob.token_id,
@@ -66,17 +77,18 @@ def to_response(delta: StreamDelta) -> pb.GenerateResponse:
                 top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
             )
         )
-    if delta.finish_reason is None:
+    finish = FinishReason.STOP if piece.stop is not None else delta.finish_reason
+    if finish is None:
         return response
     seq = request.seq
-    response.finish_reason = _FINISH_REASONS[delta.finish_reason]
-    if delta.finish_reason is FinishReason.STOP:
-        if isinstance(seq.matched_stop, str):
-            response.stop_string = seq.matched_stop
-        elif isinstance(seq.matched_stop, int) and seq.matched_stop in seq.stopping.stop_token_ids:
+    response.finish_reason = _FINISH_REASONS[finish]
+    if piece.stop is not None:
+        response.stop_string = piece.stop
+    elif finish is FinishReason.STOP and isinstance(seq.matched_stop, int):
+        if seq.matched_stop in seq.stopping.stop_token_ids:
             response.stop_token_id = seq.matched_stop
     response.usage.prompt_tokens = seq.num_prompt_tokens
-    response.usage.completion_tokens = seq.num_output_tokens
+    response.usage.completion_tokens = completion_tokens
     response.usage.cached_tokens = seq.num_cached_tokens
     response.timings.queue_seconds = _since(request.arrival_time, request.admitted_time)
     response.timings.prefill_seconds = _since(request.admitted_time, request.prefill_done_time)
@@ -106,11 +118,11 @@ def _prompt_log_fields(request: pb.GenerateRequest, served: ServedRequest) -> di
     )
 
 
-def _finish_log_fields(request: ServedRequest, now: float) -> dict[str, object]:
+def _finish_log_fields(request: ServedRequest, completion_tokens: int, now: float) -> dict[str, object]:
     """Counts and timings of a request that just ended, for its `request finished` line."""
     return {
         "prompt_tokens": request.seq.num_prompt_tokens,
-        "completion_tokens": request.seq.num_output_tokens,
+        "completion_tokens": completion_tokens,
         "preemptions": request.num_preemptions,
         "queue_s": _since(request.arrival_time, request.admitted_time),
         "ttft_s": _since(request.arrival_time, request.first_token_time),
@@ -212,7 +224,6 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
-                keeps_special_tokens(request, self.config.tool_call_parser),
                 constrained=may_compile(request)
                 and not (self._constraints is not None and self._constraints.is_warm(request)),
             )
@@ -237,7 +248,14 @@ class Generations:
             **_prompt_log_fields(request, served),
         )
         self._engine_loop.submit(served)
-        return Generation(served, mailbox, self._hub, self._engine_loop, arrival, parsers)
+        new_text = functools.partial(
+            ChoiceText,
+            self.engine.tokenizer,
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.stopping,
+            skips_special_tokens(request, keeps_special_tokens(request, self.config.tool_call_parser)),
+        )
+        return Generation(served, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request by id (the Abort RPC); False when no such request is live."""
@@ -258,6 +276,7 @@ class Generation:
         hub: StreamHub,
         engine_loop: EngineLoop,
         arrival: float,
+        new_text: Callable[[], ChoiceText],
         new_parser: ParserFactory | None = None,
     ) -> None:
         self.served = served
@@ -271,6 +290,11 @@ class Generation:
         # An engine error met after other messages of the same batch: raised by the next call.
         self._failure: Exception | None = None
         self._completion: list[str] = []  # the text so far, for `--log-prompts` only
+        # Each choice's text, by index; a choice in `_ended` got its last message (the engine may still
+        # send a token or two it made before a stop string reached it: they are dropped).
+        self._new_text = new_text
+        self._texts: dict[int, ChoiceText] = {}
+        self._ended: set[int] = set()
         # Reasoning and tool-call parsing, one parser per choice index; None: text passes through as made.
         self._new_parser = new_parser
         self._parsers: dict[int, AnswerParser] = {}
@@ -296,18 +320,19 @@ class Generation:
         if self._failure is not None:
             raise self._failure
         responses: list[pb.GenerateResponse] = []
-        if self._finished:
-            return responses
-        for delta in coalesce(await self._mailbox.take_all()):
-            try:
-                responses.append(self._respond(delta))
-            except Exception as exc:
-                if not responses:
-                    raise
-                self._failure = exc
-                break
-            if self._finished:
-                break
+        while not self._finished and not responses:
+            for delta in coalesce(await self._mailbox.take_all()):
+                try:
+                    response = self._respond(delta)
+                except Exception as exc:
+                    if not responses:
+                        raise
+                    self._failure = exc
+                    break
+                if response is not None:
+                    responses.append(response)
+                if self._finished:
+                    break
         return responses
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -319,45 +344,59 @@ class Generation:
         finally:
             self.close()
 
-    def _respond(self, delta: StreamDelta) -> pb.GenerateResponse:
-        """Account for one delta (choices left, logs) and build its message; raises the delta's error."""
-        if delta.is_last:
-            # A request aborted before its prompt was prefilled never forked its other choices.
-            self._choices_left = self._choices_left - 1 if self.served.forked else 0
+    def _respond(self, delta: StreamDelta) -> pb.GenerateResponse | None:
+        """Account for one delta (text, choices left, logs) and build its message; None for tokens of a
+        choice that already ended. Raises the delta's error."""
+        index = delta.request.index
+        if index in self._ended:
+            return None
+        text = self._texts.get(index)
+        if text is None:
+            text = self._texts[index] = self._new_text()
+        piece = text.feed(delta.token_ids, delta.finish_reason)
+        if delta.is_last or piece.stop is not None:
+            self._ended.add(index)
+            # An error ends the stream; a request aborted before its prompt was prefilled never forked
+            # its other choices. The same rule as the hub's count of the engine's work (`streams`).
+            forked = self.served.forked and delta.error is None
+            self._choices_left = self._choices_left - 1 if forked else 0
+            if not delta.is_last:
+                self._engine_loop.stop_at_string(self.request_id, index, piece.stop)
         self._finished = self._choices_left == 0
         if delta.error is not None:
             code, _ = status_for(delta.error)
             log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
             raise delta.error
         if log_prompts_enabled():
-            self._completion.append(delta.text)
-        if self._finished and delta.finish_reason is not None:
+            self._completion.append(piece.text)
+        finish = FinishReason.STOP if piece.stop is not None else delta.finish_reason
+        if self._finished and finish is not None:
             log_event(
                 logger,
                 logging.INFO,
                 "request finished",
                 request_id=self.request_id,
-                finish_reason=delta.finish_reason.value,
-                **_finish_log_fields(self.served, time.monotonic()),
+                finish_reason=finish.value,
+                **_finish_log_fields(self.served, text.num_tokens, time.monotonic()),
                 **prompt_fields(completion="".join(self._completion)),
             )
-        response = to_response(delta)
+        response = to_response(delta, piece, text.num_tokens)
         if self._new_parser is not None:
-            self._parse(delta, response)
+            self._parse(piece.text, finish is not None, response)
         return response
 
-    def _parse(self, delta: StreamDelta, response: pb.GenerateResponse) -> None:
+    def _parse(self, text: str, last: bool, response: pb.GenerateResponse) -> None:
         """Split the message's text into answer text, reasoning and tool calls (see `answer_parser`)."""
         parser = self._parsers.get(response.index)
         if parser is None:
             parser = self._parsers[response.index] = self._new_parser()
-        text, reasoning, calls = parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            more_text, more_reasoning, more_calls = parser.finish()
-            text, reasoning, calls = text + more_text, reasoning + more_reasoning, calls + more_calls
+        answer, reasoning, calls = parser.feed(text)
+        if last:
+            more_answer, more_reasoning, more_calls = parser.finish()
+            answer, reasoning, calls = answer + more_answer, reasoning + more_reasoning, calls + more_calls
             if response.finish_reason == pb.STOP and parser.made_calls:
                 response.finish_reason = pb.TOOL_CALLS
-        response.text = text
+        response.text = answer
         response.reasoning_text = reasoning
         response.tool_calls.extend(calls)
 
@@ -374,6 +413,6 @@ class Generation:
                 logging.INFO,
                 "request cancelled",
                 request_id=self.request_id,
-                completion_tokens=self.served.seq.num_output_tokens,
+                completion_tokens=sum(text.num_tokens for text in self._texts.values()),
                 after_s=time.monotonic() - self._arrival,
             )

@@ -82,7 +82,8 @@ class TokenLogprobs:
 
 @dataclass
 class StreamDelta:
-    """What one engine step produced for one request: the message its stream sends next.
+    """What one engine step produced for one request: the tokens its stream sends next (the front door
+    makes their text).
 
     A delta with `finish_reason` set is the last one. `error` is set instead when the engine failed
     on this request; the stream then ends with an error status.
@@ -90,7 +91,6 @@ class StreamDelta:
 
     request: ServedRequest
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: Exception | None = None

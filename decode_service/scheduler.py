@@ -128,6 +128,15 @@ class ContinuousScheduler:
             self._finish(request)
         return choices
 
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> ServedRequest | None:
+        """End choice `index` of a request whose text reached stop string `stop` (the front door matched
+        it) and free its blocks; returns it, or None when it had already ended."""
+        choice = next((r for r in self._live.get(request_id, ()) if r.index == index), None)
+        if choice is not None:
+            choice.seq.stop_at_string(stop)
+            self._finish(choice)
+        return choice
+
     def _choice_of(self, seq: Sequence) -> ServedRequest | None:
         """The live request (choice) that runs `seq`."""
         choices = self._live.get(seq.request_id, ())
@@ -282,7 +291,7 @@ class ContinuousScheduler:
         if request.seq.sampling.logprobs > 0:
             logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
         token_ids = [out.token_id, *out.forced_token_ids] if out.forced_token_ids else [out.token_id]
-        delta = StreamDelta(request, token_ids, out.text, logprobs, out.finish_reason)
+        delta = StreamDelta(request, token_ids, logprobs, out.finish_reason)
         if out.finish_reason is not None:
             self._finish(request)
         return delta

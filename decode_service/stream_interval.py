@@ -22,7 +22,6 @@ def merge(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
     return StreamDelta(
         earlier.request,
         token_ids=earlier.token_ids + later.token_ids,
-        text=earlier.text + later.text,
         logprobs=earlier.logprobs + later.logprobs,
         finish_reason=later.finish_reason,
         error=later.error,

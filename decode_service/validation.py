@@ -192,6 +192,13 @@ def rendered_tools(request: pb.GenerateRequest, tools: list[Tool]) -> list[Tool]
     return [] if mode == pb.TOOL_CHOICE_NONE else tools
 
 
+def skips_special_tokens(request: pb.GenerateRequest, keep_special_tokens: bool) -> bool:
+    """Whether the answer's text leaves out the tokenizer's special tokens: as the request says (default
+    yes), unless `keep_special_tokens` (the answer's parser reads control tokens)."""
+    asked = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return asked and not keep_special_tokens
+
+
 def build_sequence(
     request: pb.GenerateRequest,
     request_id: str,
@@ -199,13 +206,11 @@ def build_sequence(
     max_tokens_cap: int,
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
-    keep_special_tokens: bool = False,
 ) -> Sequence:
     """Validate a public request against the served model and return its engine sequence.
 
     Tokenizes text and chat prompts and compiles constraints (cached; bounded by the compiler's
     timeout), so call it off the event loop. Without `constraints` a constrained request is refused.
-    `keep_special_tokens`: the answer's parser reads control tokens, so the text keeps them.
     """
     sampling = sampling_params(request.sampling, engine.vocab_size)
     tools = parse_tools(request)
@@ -213,15 +218,6 @@ def build_sequence(
     ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
     grammar = (constraints or Constraints(None)).compile(spec, request, ids)
-    skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-    seq = engine.make_sequence(
-        ids,
-        sampling,
-        stopping,
-        request_id,
-        cache_salt(request, salt_tenant),
-        grammar=grammar,
-        skip_special_tokens=skip_special and not keep_special_tokens,
-    )
+    seq = engine.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar)
     check_fits_pool(engine, seq)
     return seq

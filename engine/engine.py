@@ -21,7 +21,6 @@ from base.errors import InvalidRequestError, OutOfBlocksError
 from engine import quantization
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarMask, GrammarState
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
@@ -64,7 +63,6 @@ class TokenOutput:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
-    text: str
     finish_reason: FinishReason | None
     # Tokens the grammar forced after the sampled one (jump-forward): appended, their KV not computed yet.
     forced_token_ids: tuple[int, ...] = ()
@@ -176,10 +174,8 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str = "",
         grammar: GrammarState | None = None,
-        skip_special_tokens: bool = True,
     ) -> Sequence:
-        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`;
-        its text without the tokenizer's special tokens unless `skip_special_tokens` is False)."""
+        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -196,17 +192,11 @@ class Engine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({stopping.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens)
-            if self.tokenizer
-            else None
-        )
         return Sequence(
             request_id or uuid.uuid4().hex,
             prompt_token_ids,
             sampling,
             stopping,
-            detok,
             cache_salt=cache_salt,
             grammar=grammar,
         )
@@ -220,16 +210,11 @@ class Engine:
         child holds no blocks and its prompt is prefilled like a new request's. Raises
         OutOfBlocksError when sharing needs a block the pool does not have.
         """
-        prompt = parent.token_ids[: parent.num_prompt_tokens]
-        detok = None
-        if parent.detokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt, parent.detokenizer.skip_special_tokens)
         child = Sequence(
             parent.request_id,
-            prompt,
+            parent.token_ids[: parent.num_prompt_tokens],
             sampling,
             parent.stopping,
-            detok,
             parent.arrival_time,
             parent.cache_salt,
             parent.grammar.fork() if parent.grammar is not None else None,
@@ -306,7 +291,7 @@ class Engine:
     ) -> TokenOutput:
         """Another replica computed `seq`'s whole history (its KV is already in `seq`'s blocks) and sampled
         the next token: mark the history computed and append that token exactly as `step` would, so stop
-        rules, detokenization and finishing apply (the token may end the request)."""
+        rules and finishing apply (the token may end the request)."""
         seq.num_computed_tokens = seq.num_tokens
         self.block_manager.commit(seq)
         return self._append_sampled(seq, token_id, logprob, list(top_logprobs[: seq.sampling.logprobs]))
@@ -314,16 +299,16 @@ class Engine:
     def _append_sampled(
         self, seq: Sequence, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]]
     ) -> TokenOutput:
-        text = seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
+        seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
         if seq.grammar is None:  # the per-token path of unconstrained requests: nothing more to do
-            return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason)
+            return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason)
         forced: list[int] = []
         for forced_id in self._jump_forward(seq):
-            if seq.is_finished:  # a stop string matched inside the forced text
+            if seq.is_finished:  # a forced token was a stop token
                 break
-            text += seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
+            seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
             forced.append(forced_id)
-        return TokenOutput(seq, token_id, logprob, top_logprobs, text, seq.finish_reason, tuple(forced))
+        return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason, tuple(forced))
 
     def _jump_forward(self, seq: Sequence) -> list[int]:
         """The tokens `seq`'s grammar forces next, up to its length limits (none for requests that want

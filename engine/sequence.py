@@ -1,4 +1,8 @@
-"""One request's state inside the engine: its tokens, its block table, and why it stopped."""
+"""One request's state inside the engine: its tokens, its block table, and why it stopped.
+
+Token ids only: text, and the stop strings matched against it, are the front door's (the decode tier's
+`decode_service.choice_text`), so an engine step never detokenizes.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import time
 from collections.abc import Collection
 from collections.abc import Sequence as SequenceOf
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 
@@ -34,7 +37,6 @@ class Sequence:
         prompt_token_ids: SequenceOf[int],
         sampling: SamplingParams,
         stopping: StoppingParams,
-        detokenizer: IncrementalDetokenizer | None = None,
         arrival_time: float | None = None,
         cache_salt: str = "",
         grammar: GrammarState | None = None,
@@ -44,8 +46,6 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
         self.stopping = stopping
-        self.detokenizer = detokenizer
-        self.stop_matcher = StopStringMatcher(stopping.stop) if stopping.stop else None
         self.grammar = grammar
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -90,48 +90,37 @@ class Sequence:
         eos = () if self.stopping.ignore_eos else eos_token_ids
         return frozenset(eos) | frozenset(self.stopping.stop_token_ids)
 
-    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> str:
-        """Add a sampled token, decide whether the sequence is done, and return the text to emit.
+    def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> None:
+        """Add a sampled token and decide whether the sequence is done.
 
-        Order matters: stop tokens end the sequence without emitting their text; a stop string ends
-        it with the text before the match; the length limits end it with everything held back. A grammar
-        advances first (a token it forbids raises GrammarViolationError); once it has accepted its end
-        (EOS, even with ignore_eos or before min_tokens) the sequence stops.
+        A grammar advances first (a token it forbids raises GrammarViolationError); once it has accepted
+        its end (EOS, even with ignore_eos or before min_tokens) the sequence stops. Then stop tokens and
+        EOS (from min_tokens on), then the length limits. Stop strings are matched by the front door,
+        which ends the sequence through `stop_at_string`.
         """
         self.token_ids.append(token_id)
         stopping = self.stopping
         if self.grammar is not None:
             self.grammar.accept(token_id)
             if self.grammar.is_terminated:
-                return self._finish(
-                    FinishReason.STOP, token_id if token_id in stopping.stop_token_ids else None
-                )
+                self._finish(FinishReason.STOP, token_id if token_id in stopping.stop_token_ids else None)
+                return
         if self.num_output_tokens > stopping.min_tokens or stopping.min_tokens == 0:
             if token_id in stopping.stop_token_ids:
-                return self._finish(FinishReason.STOP, token_id)
+                self._finish(FinishReason.STOP, token_id)
+                return
             if not stopping.ignore_eos and token_id in eos_token_ids:
-                return self._finish(FinishReason.STOP, token_id)
-        text = self.detokenizer.add(token_id) if self.detokenizer is not None else ""
-        if self.stop_matcher is not None:
-            # Before min_tokens a stop string is not a stop: its text goes out and the matcher stays armed.
-            text, matched = self.stop_matcher.feed(
-                text, can_stop=self.num_output_tokens >= stopping.min_tokens
-            )
-            if matched is not None:
-                self.finish_reason, self.matched_stop = FinishReason.STOP, matched
-                return text
+                self._finish(FinishReason.STOP, token_id)
+                return
         if self.num_output_tokens >= stopping.max_tokens or self.num_tokens >= max_model_len:
-            return text + self._finish(FinishReason.LENGTH, None)
-        return text
+            self._finish(FinishReason.LENGTH, None)
 
-    def _finish(self, reason: FinishReason, matched: str | int | None) -> str:
-        """Record why the sequence ended and release any text still held back."""
+    def _finish(self, reason: FinishReason, matched: str | int | None) -> None:
         self.finish_reason, self.matched_stop = reason, matched
-        tail = self.detokenizer.flush() if self.detokenizer is not None else ""
-        if self.stop_matcher is None:
-            return tail
-        text, _ = self.stop_matcher.feed(tail)
-        return text + self.stop_matcher.flush()
+
+    def stop_at_string(self, stop: str) -> None:
+        """The front door found stop string `stop` in the text: the sequence ends as stopped by it."""
+        self._finish(FinishReason.STOP, stop)
 
     def abort(self) -> None:
         self.finish_reason = FinishReason.ABORT

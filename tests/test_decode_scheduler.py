@@ -556,3 +556,22 @@ def test_abort_ends_every_choice_and_frees_shared_blocks(hf_model):
     harness.loop.step_once()
     assert harness.finish == {("doomed", i): FinishReason.ABORT for i in range(3)}
     assert engine.block_manager.num_free_blocks == 64 and not harness.scheduler.has_work
+
+
+def test_a_stop_string_from_the_front_door_ends_one_choice_and_frees_its_blocks(hf_model):
+    engine = engine_for(hf_model, block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = ChoiceHarness(engine)
+    prompt = random_prompts(1, 38, min_len=30, max_len=30)[0]
+    request = harness.submit_choices("req", prompt, 50, GREEDY, n=2)
+    harness.loop.step_once()
+    harness.loop.step_once()
+    harness.loop.stop_at_string("req", 0, "stop here")
+    harness.loop.stop_at_string("req", 5, "no such choice")  # ignored
+    harness.loop.step_once()
+    assert harness.finish == {("req", 0): FinishReason.STOP}
+    assert request.seq.matched_stop == "stop here" and len(harness.scheduler.running) == 1
+    harness.loop.stop_at_string("req", 0, "again")  # already ended: ignored
+    harness.run()
+    assert harness.finish == {("req", 0): FinishReason.STOP, ("req", 1): FinishReason.LENGTH}
+    assert len(harness.tokens[("req", 1)]) == 50 and len(harness.tokens[("req", 0)]) < 50
+    assert engine.block_manager.num_free_blocks == 64 and not harness.scheduler.has_work

@@ -17,7 +17,7 @@ def request(request_id: str) -> ServedRequest:
 def token(req: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
     """The delta of one engine step; like the engine, the sequence holds the token before delivery."""
     req.seq.token_ids.append(token_id)
-    return StreamDelta(req, token_ids=[token_id], text=f"<{token_id}>", **kwargs)
+    return StreamDelta(req, token_ids=[token_id], **kwargs)
 
 
 def test_groups_per_request_and_flushes_endings():
@@ -30,16 +30,16 @@ def test_groups_per_request_and_flushes_endings():
     buffer([token(a, 4)])
     buffer([StreamDelta(a, error=InvalidRequestError("boom"))])
     flat = [
-        (d.request.request_id, d.token_ids, d.text, d.finish_reason, d.error is not None)
+        (d.request.request_id, d.token_ids, d.finish_reason, d.error is not None)
         for step in sent
         for d in step
     ]
     assert flat == [
-        ("a", [1], "<1>", None, False),
-        ("b", [1], "<1>", None, False),
-        ("b", [2, 3], "<2><3>", FinishReason.STOP, False),
-        ("a", [2, 3, 4], "<2><3><4>", None, False),
-        ("a", [], "", None, True),
+        ("a", [1], None, False),
+        ("b", [1], None, False),
+        ("b", [2, 3], FinishReason.STOP, False),
+        ("a", [2, 3, 4], None, False),
+        ("a", [], None, True),
     ]
 
 
@@ -54,7 +54,7 @@ def test_interval_one_passes_every_step_through():
 
 
 def summary(deltas: list[StreamDelta]) -> list[tuple]:
-    return [(d.request.request_id, d.token_ids, d.text, d.finish_reason, d.error is not None) for d in deltas]
+    return [(d.request.request_id, d.token_ids, d.finish_reason, d.error is not None) for d in deltas]
 
 
 def test_coalesce_merges_each_choice_run_in_order():
@@ -67,8 +67,8 @@ def test_coalesce_merges_each_choice_run_in_order():
         token(a, 3),
     ]
     assert summary(coalesce(waiting)) == [
-        ("a", [1, 2, 3], "<1><2><3>", None, False),
-        ("b", [1, 2], "<1><2>", FinishReason.STOP, False),
+        ("a", [1, 2, 3], None, False),
+        ("b", [1, 2], FinishReason.STOP, False),
     ]
 
 
@@ -83,10 +83,10 @@ def test_coalesce_keeps_an_error_apart_and_nothing_joins_an_ended_delta():
         token(b, 8),
     ]
     assert summary(coalesce(waiting)) == [
-        ("a", [1, 2], "<1><2>", None, False),
-        ("a", [], "", None, True),
-        ("b", [7], "<7>", FinishReason.LENGTH, False),
-        ("b", [8], "<8>", None, False),
+        ("a", [1, 2], None, False),
+        ("a", [], None, True),
+        ("b", [7], FinishReason.LENGTH, False),
+        ("b", [8], None, False),
     ]
 
 

@@ -1,6 +1,7 @@
 """A stream's way from the engine step to its writer: the mailbox (order, wake-up, cancelled reader), the
 hub's routing into it (past --max-stream-buffer the request is aborted and its stream fails), and
-`Generation.next_responses` (merged batches; an engine error after the tokens before it)."""
+`Generation.next_responses` (merged batches; an engine error after the tokens before it; a stop string
+ending one choice in the front door)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import pytest
 
 from base.errors import InvalidRequestError
+from decode_service.choice_text import ChoiceText
 from decode_service.generation import Generation
 from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
@@ -59,29 +61,48 @@ def test_a_reader_cancelled_while_waiting_loses_nothing():
     asyncio.run(scenario())
 
 
-def served(request_id: str, n: int = 1) -> ServedRequest:
-    seq = Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=50), None)
+def served(request_id: str, n: int = 1, stop: tuple[str, ...] = ()) -> ServedRequest:
+    seq = Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=50, stop=stop))
     return ServedRequest(seq, n=n)
 
 
 def token(request: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
     request.seq.token_ids.append(token_id)
-    return StreamDelta(request, token_ids=[token_id], text=f"<{token_id}>", **kwargs)
+    return StreamDelta(request, token_ids=[token_id], **kwargs)
+
+
+class _TagTokenizer:
+    """Token i reads "<i>": the text shows which tokens made it."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{token_id}>" for token_id in token_ids)
 
 
 class _EngineLoop:
-    """Records the aborts a stream sends to the engine."""
+    """Records the aborts and stops a stream sends to the engine."""
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.stopped: list[tuple[str, int, str]] = []
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
+        self.stopped.append((request_id, index, stop))
+
 
 def open_stream(hub: StreamHub, request: ServedRequest, engine_loop: _EngineLoop) -> Generation:
     hub.reserve(request.request_id)
-    return Generation(request, hub.open(request), hub, engine_loop, arrival=0.0)  # type: ignore[arg-type]
+    seq = request.seq
+    return Generation(
+        request,
+        hub.open(request),
+        hub,
+        engine_loop,  # type: ignore[arg-type]
+        arrival=0.0,
+        new_text=lambda: ChoiceText(_TagTokenizer(), seq.token_ids[:2], seq.stopping, True),  # type: ignore[arg-type]
+    )
 
 
 def test_a_stream_past_its_buffer_is_aborted_and_fails_after_what_it_holds():
@@ -115,8 +136,8 @@ def test_next_responses_merges_what_waits_and_ends_after_every_choice():
         generation = open_stream(hub, parent, engine_loop)
         parent.forked = True
         child = ServedRequest(parent.seq, n=2, index=1, parent=parent)
-        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6], text="<6>")])
-        hub._dispatch([StreamDelta(parent, token_ids=[7], text="<7>", finish_reason=FinishReason.STOP)])
+        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6])])
+        hub._dispatch([StreamDelta(parent, token_ids=[7], finish_reason=FinishReason.LENGTH)])
         batch = await generation.next_responses()
         merged = [(m.index, list(m.token_ids), m.text) for m in batch]
         assert merged == [(0, [5, 7], "<5><7>"), (1, [6], "<6>")]
@@ -157,5 +178,33 @@ def test_closing_a_waiting_stream_aborts_its_request():
             await reader
         generation.close()
         assert engine_loop.aborted == ["req"] and "req" not in hub and hub.num_working == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_string_ends_its_choice_for_the_client_and_the_engine_drops_it():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        parent = served("req", n=2, stop=("<8>",))
+        generation = open_stream(hub, parent, engine_loop)
+        parent.forked = True
+        child = ServedRequest(parent.seq, n=2, index=1, parent=parent)
+        # Choice 0 reaches the stop string at its second token, inside a merged batch of three.
+        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6])])
+        hub._dispatch([StreamDelta(parent, token_ids=[8, 9])])
+        batch = await generation.next_responses()
+        assert [(m.index, list(m.token_ids), m.text) for m in batch] == [(0, [5, 8], "<5>"), (1, [6], "<6>")]
+        assert batch[0].stop_string == "<8>" and batch[0].usage.completion_tokens == 2
+        assert engine_loop.stopped == [("req", 0, "<8>")]
+        # What the engine made before the stop reached it, and its final STOP delta: dropped.
+        hub._dispatch([StreamDelta(parent, token_ids=[10]), StreamDelta(child, token_ids=[7])])
+        hub._dispatch([StreamDelta(parent, finish_reason=FinishReason.STOP)])
+        assert [(m.index, list(m.token_ids)) for m in await generation.next_responses()] == [(1, [7])]
+        hub._dispatch([StreamDelta(child, token_ids=[11], finish_reason=FinishReason.LENGTH)])
+        assert [m.index for m in await generation.next_responses()] == [1]
+        assert await generation.next_responses() == []
+        generation.close()
+        assert engine_loop.aborted == []
 
     asyncio.run(scenario())

@@ -18,9 +18,10 @@ from tiny_tokenizer import (
 )
 
 from base.errors import InvalidRequestError, ModelNotFoundError
+from decode_service.choice_text import ChoiceText, TextPiece
 from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
-from engine.params import SamplingParams, StoppingParams
-from engine.sequence import FinishReason, Sequence
+from engine.params import StoppingParams
+from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
 
 ENGLISH = "Hello, world! The quick brown fox jumps over the lazy dog; 42 robots count stars."
@@ -408,35 +409,39 @@ def test_a_shared_stop_set_is_compiled_once() -> None:
 # --- min_tokens with a stop string (issue 13, item 5) -----------------------------------------------
 
 
-def generate_text(tokenizer: Tokenizer, text: str, stopping: StoppingParams) -> tuple[str, Sequence]:
-    """Feed `text`'s tokens through a Sequence as if sampled; the streamed text and the sequence."""
-    seq = Sequence("r", [], SamplingParams(), stopping, IncrementalDetokenizer(tokenizer, []))
+def generate_text(tokenizer: Tokenizer, text: str, stopping: StoppingParams) -> tuple[str, TextPiece]:
+    """Feed `text`'s tokens one by one through a choice's text as if the engine made them (ending it at
+    max_tokens); the streamed text and the last piece."""
+    choice = ChoiceText(tokenizer, [], stopping, skip_special_tokens=True)
+    ids = tokenizer.encode(text)[: stopping.max_tokens]
     out = []
-    for token_id in tokenizer.encode(text):
-        out.append(seq.append_token(token_id, eos_token_ids=(), max_model_len=10_000))
-        if seq.is_finished:
+    for position, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if position == len(ids) - 1 else None
+        piece = choice.feed([token_id], finish)
+        out.append(piece.text)
+        if piece.stop is not None:
             break
-    return "".join(out), seq
+    return "".join(out), piece
 
 
 def test_a_stop_string_before_min_tokens_keeps_the_text(tokenizer: Tokenizer) -> None:
     text = "The quick brown fox jumps over the lazy dog"
     num_tokens = len(tokenizer.encode(text))
-    alone, seq = generate_text(tokenizer, text, StoppingParams(max_tokens=num_tokens, stop=("qu",)))
-    assert (alone, seq.finish_reason, seq.matched_stop) == ("The ", FinishReason.STOP, "qu")
-    streamed, seq = generate_text(
+    alone, piece = generate_text(tokenizer, text, StoppingParams(max_tokens=num_tokens, stop=("qu",)))
+    assert (alone, piece.stop) == ("The ", "qu")
+    streamed, piece = generate_text(
         tokenizer, text, StoppingParams(max_tokens=num_tokens, stop=("qu",), min_tokens=num_tokens - 1)
     )
-    assert (streamed, seq.finish_reason) == (text, FinishReason.LENGTH)
+    assert (streamed, piece.stop) == (text, None)
 
 
 def test_a_stop_string_after_min_tokens_still_stops(tokenizer: Tokenizer) -> None:
     text = "one dog, two dog, three dog, four dog"
     first_dog = len(tokenizer.encode("one dog"))
-    streamed, seq = generate_text(
+    streamed, piece = generate_text(
         tokenizer, text, StoppingParams(max_tokens=100, stop=("dog",), min_tokens=first_dog + 1)
     )
-    assert (streamed, seq.finish_reason, seq.matched_stop) == ("one dog, two ", FinishReason.STOP, "dog")
+    assert (streamed, piece.stop) == ("one dog, two ", "dog")
 
 
 @settings(max_examples=60, deadline=None)
