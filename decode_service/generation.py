@@ -1,7 +1,7 @@
 """One request's way through the decode tier, whichever front door it came in by (gRPC or HTTP).
 
-`Generations.start` checks a `GenerateRequest`'s cheap limits on the loop, takes a slot, validates it
-(on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine thread;
+`Generations.start` checks a `GenerateRequest`'s cheap limits on the loop (`admission`), takes a slot,
+validates it (on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine thread;
 `Generation.next_responses` hands out the stream's `GenerateResponse`s as they arrive.
 Both front doors translate their request into a `GenerateRequest` and their answer from these messages,
 so the rules, limits, logs and deltas are the same for both. Leaving a stream early (client gone,
@@ -14,12 +14,13 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
+from decode_service.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
 from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.choice_text import ChoiceText, TextPiece
 from decode_service.config import DecodeServiceConfig
@@ -29,13 +30,7 @@ from decode_service.mailbox import Mailbox
 from decode_service.request import ServedRequest, StreamDelta
 from decode_service.stream_interval import coalesce
 from decode_service.streams import StreamHub
-from decode_service.validation import (
-    build_sequence,
-    check_limits,
-    num_choices,
-    prompt_bytes,
-    skips_special_tokens,
-)
+from decode_service.validation import build_sequence, skips_special_tokens
 from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
 from engine.sequence import FinishReason
@@ -96,19 +91,6 @@ def to_response(delta: StreamDelta, piece: TextPiece, completion_tokens: int) ->
     return response
 
 
-def check_max_tokens_cap(request: pb.GenerateRequest, max_tokens_cap: int) -> None:
-    """Refuse, rather than clip, a max_tokens above the server's cap.
-
-    A silently shortened answer would look like a model that stopped early; an INVALID_ARGUMENT tells
-    the client what to change. An unset max_tokens is filled in (up to the cap) by validation.
-    """
-    if request.stopping.HasField("max_tokens") and request.stopping.max_tokens > max_tokens_cap:
-        raise InvalidRequestError(
-            f"stopping.max_tokens is {request.stopping.max_tokens}, "
-            f"above this server's cap of {max_tokens_cap}"
-        )
-
-
 def _prompt_log_fields(request: pb.GenerateRequest, served: ServedRequest) -> dict[str, object]:
     """The prompt as the client sent it, for `--log-prompts` only (empty otherwise)."""
     return prompt_fields(
@@ -128,37 +110,6 @@ def _finish_log_fields(request: ServedRequest, completion_tokens: int, now: floa
         "ttft_s": _since(request.arrival_time, request.first_token_time),
         "e2e_s": _since(request.arrival_time, now),
     }
-
-
-def _trusted_header(headers: Iterable[tuple[str, object]], name: str) -> str | None:
-    """The one value of the trusted header `name` (lowercase), None when absent.
-
-    A gateway that appends its header rather than replacing the client's (Envoy's default) would let the
-    client choose which copy counts, and the two doors used to pick different ones: a request that carries
-    it more than once is refused."""
-    values = [str(value) for key, value in headers if key.lower() == name]
-    if len(values) > 1:
-        raise InvalidRequestError(
-            f"the {name} header appears {len(values)} times; the gateway must send exactly one"
-        )
-    return values[0] if values else None
-
-
-def tenant_and_priority(
-    request: pb.GenerateRequest, headers: Iterable[tuple[str, object]], config: DecodeServiceConfig
-) -> tuple[str, int]:
-    """Tenant and priority from the trusted gateway's headers (gRPC metadata or HTTP headers, as (name,
-    value) pairs) when configured, else from the request."""
-    tenant, priority = request.tenant, request.priority
-    if config.tenant_header:
-        tenant = _trusted_header(headers, config.tenant_header) or ""
-    if config.priority_header:
-        value = _trusted_header(headers, config.priority_header) or "0"
-        try:
-            priority = int(value)
-        except ValueError:
-            priority = 0
-    return tenant, priority
 
 
 def _log_refused(request_id: str, error: Exception) -> None:

@@ -2,8 +2,8 @@
 
 What the request's fields get wrong is caught here, before the request reaches the scheduler, as an
 `InvalidRequestError` whose message names the field: INVALID_ARGUMENT over gRPC, 400 over HTTP.
-`decode_service.generation` adds what depends on the server rather than the request alone: the
-max_tokens cap, the trusted gateway headers and the answer parsers the request asks for.
+The cheap checks that come first, on the event loop, are `decode_service.admission`'s; the answer
+parsers a request asks for are `decode_service.answer_parser`'s.
 
 Defaults for unset fields follow what vLLM users expect: temperature 1.0, top_p 1.0, top_k off,
 min_p 0, no seed; `max_tokens` unset means "until the context is full", capped by the server's
@@ -26,7 +26,6 @@ from decode_service.constraints import (
     parse_tools,
     tool_choice,
 )
-from decode_service.request_limits import RequestLimits
 from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
 from engine.params import StoppingParams
@@ -34,35 +33,6 @@ from engine.sequence import Sequence
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.sampling import sampling_params
-
-
-def prompt_bytes(request: pb.GenerateRequest) -> int:
-    """UTF-8 size of a text or chat prompt (0 for token ids): what tokenizing it will cost."""
-    size = len(request.prompt.encode())
-    for message in request.messages:
-        size += len(message.role.encode()) + len(message.content.encode())
-        size += sum(len(call.name.encode()) + len(call.arguments.encode()) for call in message.tool_calls)
-    for tool in request.tools:
-        size += len(tool.name.encode()) + len(tool.description.encode()) + len(tool.parameters_json.encode())
-    return size
-
-
-def check_limits(request: pb.GenerateRequest, limits: RequestLimits, max_model_len: int) -> None:
-    """The cheap checks: run them on the event loop before the request takes a slot or is tokenized."""
-    if request.request_id:
-        limits.check_id("request_id", request.request_id)
-    if request.tenant:
-        limits.check_id("tenant", request.tenant)
-    if request.cache_salt:
-        limits.check_id("cache_salt", request.cache_salt)
-    limits.check_chat_messages(len(request.messages))
-    limits.check_prompt_bytes(prompt_bytes(request))
-    if len(request.token_ids) > max_model_len:
-        raise InvalidRequestError(
-            f"token_ids has {len(request.token_ids)} tokens, above the context length of {max_model_len}"
-        )
-    limits.check_stop(request.stopping.stop)
-    limits.check_logit_bias(len(request.sampling.logit_bias))
 
 
 def chat_message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
@@ -156,14 +126,6 @@ def stopping_params(
     )
     params.validate(engine.vocab_size)
     return params
-
-
-def num_choices(request: pb.GenerateRequest, engine: Engine) -> int:
-    """How many completions the request asks for: n, with 0 (unset) meaning 1, at most max_num_seqs."""
-    limit = engine.config.max_num_seqs
-    if request.n < 0 or request.n > limit:
-        raise InvalidRequestError(f"n must be in [1, {limit}] (this server's max_num_seqs), got {request.n}")
-    return request.n or 1
 
 
 def cache_salt(request: pb.GenerateRequest, salt_tenant: str | None) -> str:

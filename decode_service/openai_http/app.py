@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
-from decode_service.generation import Generation, Generations, tenant_and_priority
+from decode_service.admission import tenant_and_priority
+from decode_service.generation import Generation, Generations
 from decode_service.openai_http.errors import (
     BodyTooLargeError,
     ModelNotServedError,
