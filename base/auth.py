@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 
 from base.errors import TandemError
+from base.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
-AUTH_TOKEN_ENV = "TANDEM_AUTH_TOKEN"
 AUTHORIZATION_HEADER = "authorization"
 BEARER_SCHEME = "bearer"
 
@@ -90,7 +90,7 @@ def load_auth_token(token_file: PathLike | None = None) -> str | None:
         if not token:
             raise CredentialsError(f"the auth token file {str(token_file)!r} is empty")
         return token
-    return os.environ.get(AUTH_TOKEN_ENV, "").strip() or None
+    return get_settings().auth_token
 
 
 def bearer_metadata(token: str) -> tuple[str, str]:

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from base.errors import ModelNotFoundError
+from base.settings import get_settings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -74,10 +75,7 @@ class ModelDownloadError(ModelNotFoundError):
 
 def tandem_home() -> Path:
     """Root of tandem's on-disk state: `$TANDEM_HOME`, else `~/.cache/tandem`."""
-    configured = os.environ.get("TANDEM_HOME")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "tandem"
+    return get_settings().home
 
 
 def default_model_dir(home: Path | None = None) -> Path:

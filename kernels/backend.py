@@ -2,24 +2,24 @@
 
 Two real implementations exist — torch (CPU, and the reference) and Triton (CUDA) — so the
 engine talks to an `AttentionBackend` and never to either directly. `TANDEM_ATTENTION_BACKEND`
-(`auto`, `torch`, `triton`) forces a choice; `auto` picks Triton on CUDA and torch elsewhere.
+(`auto`, `torch`, `triton`; `base.settings`) forces a choice; `auto` picks Triton on CUDA and torch
+elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 
 import torch
 
+from base.settings import ATTENTION_BACKENDS, get_settings
 from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-BACKEND_ENV = "TANDEM_ATTENTION_BACKEND"
 # Cache element dtypes the C++ kernels read (the quantized ones with their scales).
 NATIVE_KV = (torch.float32, torch.int8, torch.float8_e4m3fn)
 
@@ -133,9 +133,9 @@ def _make_triton_backend() -> AttentionBackend:
 
 def get_backend(device: torch.device, requested: str | None = None) -> AttentionBackend:
     """Pick the backend for `device`, honouring `requested` or the environment override."""
-    choice = (requested or os.environ.get(BACKEND_ENV, "auto")).lower()
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{BACKEND_ENV} must be auto, torch or triton, not {choice!r}")
+    choice = (requested or get_settings().attention_backend).lower()
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"the attention backend must be auto, torch or triton, not {choice!r}")
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "torch"
     if choice == "triton":

@@ -18,20 +18,18 @@ per-op path, which stays the reference.
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from base.settings import get_settings
 from kernels import cpu_extension, cpu_linear, int8_linear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-DISABLE_ENV = "TANDEM_CPU_DECODE_STACK"
 
 
 class PagedKVCache(Protocol):
@@ -110,7 +108,7 @@ class CpuDecodeStack:
 
 def build(layers: nn.ModuleList) -> CpuDecodeStack | None:
     """A stack over `layers` when they are fp32 on the CPU and the extension is built, else None."""
-    if os.environ.get(DISABLE_ENV, "1") == "0" or len(layers) == 0:
+    if not get_settings().cpu_decode_stack or len(layers) == 0:
         return None
     # The norms keep the model's dtype and device whether or not the linears are quantized.
     norm = layers[0].input_layernorm.weight

@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
+
+from base.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ SOURCES = [
 HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-DISABLE_ENV = "TANDEM_CPU_EXTENSION"
 COMPILE_SECONDS = 60  # measured on the 2-core development machine; told to the user before a build
 
 
@@ -55,7 +55,7 @@ def build_name() -> str:
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module, or None when it is disabled or cannot be built here."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not get_settings().cpu_extension:
         return None
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build

@@ -13,17 +13,16 @@ oneDNN is missing too, `nn.Linear` stays. `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Lin
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from base.settings import get_settings
 from kernels import cpu_extension
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "TANDEM_ONEDNN_LINEAR"
 # Largest row count the GEMV takes: up to it the GEMV is ahead of oneDNN or level, past it behind
 # (bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 16
@@ -31,7 +30,7 @@ GEMV_MAX_ROWS = 16
 
 def enabled() -> bool:
     """False when `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear` (the LM head included) everywhere."""
-    return os.environ.get(DISABLE_ENV, "1") != "0"
+    return get_settings().onednn_linear
 
 
 def available() -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_extension
-from kernels.cpu_linear import DISABLE_ENV, GEMV_MAX_ROWS, enabled
+from kernels.cpu_linear import GEMV_MAX_ROWS, enabled
 
 logger = logging.getLogger(__name__)
 
@@ -66,5 +66,5 @@ def use_cpu_lm_head(model: nn.Module) -> bool:
     if extension is None:
         return False
     model.lm_head = CpuLmHead(head, extension)
-    logger.info("LM head on the CPU kernels", extra={"greedy_without_logits": True, "disable": DISABLE_ENV})
+    logger.info("LM head on the CPU kernels", extra={"greedy_without_logits": True})
     return True

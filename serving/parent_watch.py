@@ -13,9 +13,10 @@ import logging
 import os
 import signal
 
+from base.settings import get_settings
+
 logger = logging.getLogger(__name__)
 
-PARENT_PID_ENV = "TANDEM_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 
 
@@ -25,8 +26,8 @@ def stop_with_parent() -> None:
     The parent may already be gone by the time we run: then our parent pid is no longer it, and we stop
     at once rather than serve with nobody to stop us.
     """
-    expected = os.environ.get(PARENT_PID_ENV)
-    if not expected:
+    expected = get_settings().parent_pid
+    if expected is None:
         return
     try:
         import ctypes
@@ -35,5 +36,5 @@ def stop_with_parent() -> None:
     except (OSError, AttributeError):
         logger.warning("no parent-death signal on this platform; the launcher must stop this server")
         return
-    if str(os.getppid()) != expected:
+    if os.getppid() != expected:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from base.logs import log_event
-from serving.parent_watch import PARENT_PID_ENV
+from base.settings import PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 

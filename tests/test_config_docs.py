@@ -4,15 +4,14 @@ README.md kept in step with it."""
 from __future__ import annotations
 
 import argparse
-import inspect
 
 import pytest
 
+from base.settings import Settings
 from tandem.cli import build_parser
 from tandem.config_docs import (
     COMMANDS,
     END_MARKER,
-    ENV_VARS,
     EXIT_NO_MARKERS,
     EXIT_STALE,
     START_MARKER,
@@ -63,24 +62,11 @@ def test_rows_show_defaults_and_help_as_the_parser_declares_them():
     assert "| `--mode` | `a` | a \\| b (one of `a`, `b`) |" in rows
 
 
-def test_documented_environment_variables_are_the_ones_the_code_reads():
-    from base.auth import AUTH_TOKEN_ENV
-    from engine import model_store
-    from kernels import cpu_decode_stack, cpu_extension, cpu_linear
-    from kernels.backend import BACKEND_ENV
-    from tandem.client.generate_command import TARGET_ENV
-
-    names = {name for name, _, _ in ENV_VARS}
-    assert names == {
-        "TANDEM_HOME",
-        AUTH_TOKEN_ENV,
-        BACKEND_ENV,
-        cpu_extension.DISABLE_ENV,
-        cpu_linear.DISABLE_ENV,
-        cpu_decode_stack.DISABLE_ENV,
-        TARGET_ENV,
-    }
-    assert '"TANDEM_HOME"' in inspect.getsource(model_store.tandem_home)
+def test_every_environment_variable_the_settings_read_is_documented():
+    """The code reads the environment only through `base.settings` (tests/test_settings.py checks it)."""
+    block = render()
+    for variable in Settings.variables():
+        assert f"| `{variable.name}` | {variable.default} | {variable.meaning} |" in block
 
 
 def test_check_and_write_rewrite_only_the_block(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import engine_for, random_prompts, tiny_hf_model
 
+from base.settings import CPU_DECODE_STACK_ENV
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import cpu_decode_stack, cpu_linear
@@ -100,9 +101,9 @@ def test_only_few_row_decode_only_steps_take_the_stack(extension):
 def test_not_built_for_bf16_or_when_disabled(extension, monkeypatch):
     engine, _ = engine_with_prompts("llama", 4, 2, 64, 1, seed=1)
     assert cpu_decode_stack.build(engine.model.layers) is not None
-    monkeypatch.setenv(cpu_decode_stack.DISABLE_ENV, "0")
+    monkeypatch.setenv(CPU_DECODE_STACK_ENV, "0")
     assert cpu_decode_stack.build(engine.model.layers) is None
-    monkeypatch.delenv(cpu_decode_stack.DISABLE_ENV)
+    monkeypatch.delenv(CPU_DECODE_STACK_ENV)
     bf16 = engine_for(tiny_hf_model(1), dtype=torch.bfloat16, device="cpu")
     assert bf16.model.decode_stack is None
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import paged_batch
 
+from base.settings import CPU_EXTENSION_ENV
 from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
@@ -73,7 +74,7 @@ def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
 
 
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_extension.DISABLE_ENV, "0")
+    monkeypatch.setenv(CPU_EXTENSION_ENV, "0")
     cpu_extension.load.cache_clear()
     try:
         assert cpu_extension.load() is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from base.settings import ONEDNN_LINEAR_ENV
 from kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN")
@@ -67,7 +68,7 @@ def test_swaps_fp32_linears_and_keeps_the_tied_embedding(tokens):
 
 
 def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
     model = Tied()
     assert cpu_linear.use_cpu_linears(model) == 0
     assert type(model.head) is nn.Linear

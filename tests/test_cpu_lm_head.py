@@ -9,6 +9,7 @@ import torch
 from conftest import engine_for, tiny_hf_model
 from torch import nn
 
+from base.settings import ONEDNN_LINEAR_ENV
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import argmax_suffices
@@ -119,7 +120,7 @@ def test_swaps_only_a_bias_free_fp32_head_and_keeps_it_tied(extension, monkeypat
     too_wide = WithHead(hidden=cpu_lm_head.MAX_HIDDEN_SIZE + 1)
     assert not cpu_lm_head.use_cpu_lm_head(too_wide), "a head this wide stays a CpuLinear"
     assert not cpu_lm_head.use_cpu_lm_head(WithHead(dtype=torch.bfloat16))
-    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "0")
+    monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
     assert not cpu_lm_head.use_cpu_lm_head(WithHead())
 
 

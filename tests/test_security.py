@@ -24,13 +24,13 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from base.auth import (
-    AUTH_TOKEN_ENV,
     BearerTokenInterceptor,
     CredentialsError,
     channel_credentials,
     load_auth_token,
     server_credentials,
 )
+from base.settings import AUTH_TOKEN_ENV
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
 from tandem.client import TandemClient, Unauthenticated, Unavailable

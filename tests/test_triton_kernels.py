@@ -26,10 +26,11 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, engine_for, random_prompts, tiny_hf_model
 
+from base.settings import ATTENTION_BACKEND_ENV, SettingsError
 from engine.engine import GenerateRequest
 from engine.params import SamplingParams, StoppingParams
 from kernels import torch_reference as ref
-from kernels.backend import BACKEND_ENV, TorchBackend, get_backend
+from kernels.backend import TorchBackend, get_backend
 from kernels.metadata import AttentionMetadata
 
 ON_CPU = TEST_DEVICE == "cpu"
@@ -493,10 +494,10 @@ def test_engine_over_a_quantized_cache_matches_the_torch_backend(monkeypatch, kv
     prompts = random_prompts(3, 12, min_len=3, max_len=40)
     greedy = SamplingParams(temperature=0.0)
     requests = [GenerateRequest(p, greedy, StoppingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
-    monkeypatch.setenv(BACKEND_ENV, "torch")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch")
     torch_engine = engine_for(hf, num_blocks=64, shuffle_seed=12, kv_cache_dtype=kv)
     expected = [s.output_token_ids for s in torch_engine.generate(requests, max_num_batched_tokens=48)]
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
     triton_engine = engine_for(hf, num_blocks=64, shuffle_seed=12, kv_cache_dtype=kv)
     assert triton_engine.backend.name == "triton" and triton_engine.kv_cache.quantized
     got = [s.output_token_ids for s in triton_engine.generate(requests, max_num_batched_tokens=48)]
@@ -557,18 +558,20 @@ def test_silu_and_mul_matches_reference(dtype, width):
 
 
 def test_backend_selection(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     assert isinstance(get_backend(torch.device("cpu")), TorchBackend)
     assert isinstance(get_backend(torch.device("cuda")), triton_backend.TritonBackend)
     assert isinstance(get_backend(torch.device("cuda"), "torch"), TorchBackend)
     assert get_backend(torch.device("cuda"), "torch")._extension is None, "no C++ CPU kernels on a GPU"
     assert isinstance(get_backend(torch.device("cpu"), "triton"), triton_backend.TritonBackend)
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
     assert isinstance(get_backend(torch.device("cpu")), triton_backend.TritonBackend)
-    monkeypatch.setenv(BACKEND_ENV, "torch")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch")
     assert isinstance(get_backend(torch.device("cuda")), TorchBackend)
-    monkeypatch.setenv(BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="auto, torch or triton"):
+    with pytest.raises(ValueError, match="auto, torch or triton, not 'cuda'"):
+        get_backend(torch.device("cpu"), "cuda")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "cuda")
+    with pytest.raises(SettingsError, match="TANDEM_ATTENTION_BACKEND must be auto, torch or triton"):
         get_backend(torch.device("cpu"))
 
 
@@ -593,10 +596,10 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch):
     prompts = random_prompts(4, 11, min_len=3, max_len=40)
     greedy = SamplingParams(temperature=0.0)
     requests = [GenerateRequest(p, greedy, StoppingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
-    monkeypatch.setenv(BACKEND_ENV, "torch")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch")
     torch_engine = engine_for(hf, num_blocks=64, shuffle_seed=11)
     expected = [s.output_token_ids for s in torch_engine.generate(requests, max_num_batched_tokens=48)]
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
     triton_engine = engine_for(hf, num_blocks=64, shuffle_seed=11)
     assert triton_engine.backend.name == "triton"
     got = [s.output_token_ids for s in triton_engine.generate(requests, max_num_batched_tokens=48)]

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, TextIO
 
 from google.protobuf import json_format
 
-from base.auth import AUTH_TOKEN_ENV, CredentialsError, load_auth_token
+from base.auth import CredentialsError, load_auth_token
+from base.settings import AUTH_TOKEN_ENV, DEFAULT_TARGET, TARGET_ENV, get_settings
 from tandem.client.errors import InvalidArgument, TandemError
 from tandem.client.results import FinishReason, GenerationDelta
 from tandem.client.sync_client import TandemClient
 
-DEFAULT_TARGET = "localhost:50051"
-TARGET_ENV = "TANDEM_TARGET"
 STDIN_PROMPT = "-"
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -114,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     connection = parser.add_argument_group("connection")
     connection.add_argument(
         "--target",
-        default=os.environ.get(TARGET_ENV, DEFAULT_TARGET),
+        default=get_settings().target,
         help=f"server host:port, or dns:///name:port for round-robin over replicas "
         f"(default: ${TARGET_ENV}, else {DEFAULT_TARGET})",
     )
