@@ -29,9 +29,8 @@ from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler, SamplerOutput, TokenHistory, argmax_suffices
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import Tokenizer
-from kernels import cpu_decode_stack, cpu_linear, cpu_lm_head
-from kernels.backend import get_backend
 from kernels.kv_quant import check_device_supports
+from kernels.platform import choose_platform
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,13 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = torch.device(config.device)
         self.dtype = config.dtype
-        self.backend = get_backend(self.device, config.attention_backend)
+        self.platform = choose_platform(
+            self.device,
+            config.dtype,
+            quantization.linear_module(config.quantization),
+            config.attention_backend,
+        )
+        self.backend = self.platform.attention
         check_device_supports(config.kv_dtype, self.device, self.backend.name)
         with torch.device("meta"):
             model = CausalLM(model_config, self.backend)
@@ -106,12 +111,9 @@ class Engine:
             model.lm_head.weight = model.embed_tokens.weight
         # Before loading: the checkpoint is quantized as it is copied in (the empty full-precision
         # weights this drops were never written, so they never took memory).
-        quantization.use_quantized_linears(model.layers, config.quantization)
+        self.platform.quantize_linears(model.layers)
         model.load_weights(state_dict)
-        if self.device.type == "cpu":
-            cpu_lm_head.use_cpu_lm_head(model)
-            cpu_linear.use_cpu_linears(model)
-            model.decode_stack = cpu_decode_stack.build(model.layers)
+        self.platform.specialize(model)
         self.model = model.eval()
         self.block_size = config.cache.block_size
         self.kv_dtype = config.kv_dtype

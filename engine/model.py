@@ -20,7 +20,6 @@ from engine.kv_cache import KVCache
 from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
-from kernels.cpu_lm_head import CpuLmHead
 from kernels.metadata import AttentionMetadata
 
 
@@ -160,9 +159,11 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Set by the engine on the CPU (`kernels.cpu_decode_stack`): the layers of a decode-only step in
-        # one C++ call. The layer loop below is the reference it matches.
+        # Handed over by the platform (`kernels.platform.Platform.specialize`) where the device has them:
+        # the layers of a decode-only step in one call, and each row's greedy token straight from the
+        # hidden states. None: the layer loop below and the argmax of the logits, which they match.
         self.decode_stack: CpuDecodeStack | None = None
+        self.greedy_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -185,9 +186,9 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax token; the CPU LM head finds it without writing the logits out."""
-        if isinstance(self.lm_head, CpuLmHead):
-            return self.lm_head.greedy(hidden)
+        """Each row's argmax token; a greedy head finds it without writing the logits out."""
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden)
         return greedy_argmax(self.compute_logits(hidden))
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -22,7 +22,6 @@ is part of the model identity both tiers compare before any KV moves (`weights_f
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,10 +30,7 @@ import torch
 from torch import nn
 
 from base.errors import ConfigError
-from kernels import cpu_extension
 from kernels.int8_linear import Int8Linear
-
-logger = logging.getLogger(__name__)
 
 NONE = "none"
 
@@ -75,30 +71,11 @@ def check_supported(name: str, device: str | torch.device, dtype: torch.dtype) -
     METHODS[name].check(torch.device(device), dtype)
 
 
-def use_quantized_linears(layers: nn.ModuleList, name: str) -> int:
-    """Replace every `nn.Linear` inside the decoder `layers` by `name`'s empty module; return how many.
-
-    Called before the checkpoint is loaded: `CausalLM.load_weights` then quantizes into them.
-    """
-    if name == NONE:
-        return 0
-    method = METHODS[name]
-    targets = [
-        (layer, module_name, module)
-        for layer in layers
-        for module_name, module in layer.named_modules()
-        if type(module) is nn.Linear
-    ]
-    extension = cpu_extension.load() if targets and targets[0][2].weight.device.type == "cpu" else None
-    for layer, module_name, module in targets:
-        parent_name, _, child = module_name.rpartition(".")
-        parent = layer.get_submodule(parent_name) if parent_name else layer
-        setattr(parent, child, method.empty_like(module, extension))
-    logger.info(
-        "decoder linear layers load quantized",
-        extra={"method": name, "count": len(targets), "cpu_kernels": extension is not None},
-    )
-    return len(targets)
+def linear_module(name: str) -> Callable[[nn.Linear, ModuleType | None], nn.Module] | None:
+    """The empty module `name`'s method builds each decoder linear as (`QuantizationMethod.empty_like`);
+    None for full-precision weights. The engine's `kernels.platform.Platform` swaps it in before loading,
+    so `CausalLM.load_weights` then quantizes into it."""
+    return None if name == NONE else METHODS[name].empty_like
 
 
 def weights_fingerprint(model_fingerprint: str, name: str) -> str:

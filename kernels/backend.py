@@ -1,24 +1,18 @@
-"""The one dispatch point between the engine and the kernels.
+"""The attention backend interface between the engine and the kernels, and its torch implementation.
 
 Two real implementations exist — torch (CPU, and the reference) and Triton (CUDA) — so the
-engine talks to an `AttentionBackend` and never to either directly. `TANDEM_ATTENTION_BACKEND`
-(`auto`, `torch`, `triton`; `base.settings`) forces a choice; `auto` picks Triton on CUDA and torch
-elsewhere.
+engine talks to an `AttentionBackend` and never to either directly; `kernels.platform` picks one.
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
+from types import ModuleType
 
 import torch
 
-from base.settings import ATTENTION_BACKENDS, get_settings
-from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 # Cache element dtypes the C++ kernels read (the quantized ones with their scales).
 NATIVE_KV = (torch.float32, torch.int8, torch.float8_e4m3fn)
@@ -76,8 +70,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, use_cpu_extension: bool = True) -> None:
-        self._extension = cpu_extension.load() if use_cpu_extension else None
+    def __init__(self, extension: ModuleType | None) -> None:
+        """`extension`: the C++ CPU kernels (`kernels.cpu_extension.load()`), or None for torch only."""
+        self._extension = extension
 
     def _native(self, *tensors: torch.Tensor) -> bool:
         return self._extension is not None and all(
@@ -123,25 +118,3 @@ class TorchBackend(AttentionBackend):
         if self._native(gate_up):
             return self._extension.silu_and_mul(gate_up)
         return ref.silu_and_mul(gate_up)
-
-
-def _make_triton_backend() -> AttentionBackend:
-    from kernels.triton_backend import TritonBackend
-
-    return TritonBackend()
-
-
-def get_backend(device: torch.device, requested: str | None = None) -> AttentionBackend:
-    """Pick the backend for `device`, honouring `requested` or the environment override."""
-    choice = (requested or get_settings().attention_backend).lower()
-    if choice not in ATTENTION_BACKENDS:
-        raise ValueError(f"the attention backend must be auto, torch or triton, not {choice!r}")
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "torch"
-    if choice == "triton":
-        backend = _make_triton_backend()
-    else:
-        # The C++ kernels serve only fp32 CPU tensors: on a GPU, building them is a compile for nothing.
-        backend = TorchBackend(use_cpu_extension=device.type == "cpu")
-    logger.info("attention backend selected", extra={"backend": backend.name, "device": str(device)})
-    return backend

@@ -17,19 +17,15 @@ per-op path, which stays the reference.
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from base.settings import get_settings
-from kernels import cpu_extension, cpu_linear, int8_linear
+from kernels import cpu_linear, int8_linear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 
 class PagedKVCache(Protocol):
@@ -104,18 +100,3 @@ class CpuDecodeStack:
             kv_cache.v_scales,
             kv_cache.rotation,
         )
-
-
-def build(layers: nn.ModuleList) -> CpuDecodeStack | None:
-    """A stack over `layers` when they are fp32 on the CPU and the extension is built, else None."""
-    if not get_settings().cpu_decode_stack or len(layers) == 0:
-        return None
-    # The norms keep the model's dtype and device whether or not the linears are quantized.
-    norm = layers[0].input_layernorm.weight
-    if norm.device.type != "cpu" or norm.dtype != torch.float32:
-        return None
-    extension = cpu_extension.load()
-    if extension is None:
-        return None
-    logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(layers)})
-    return CpuDecodeStack(layers, extension)

@@ -22,8 +22,6 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-from base.settings import get_settings
-
 logger = logging.getLogger(__name__)
 
 CPU_DIR = Path(__file__).parent / "cpu"
@@ -54,9 +52,10 @@ def build_name() -> str:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled module, or None when it is disabled or cannot be built here."""
-    if not get_settings().cpu_extension:
-        return None
+    """The compiled module, or None when it cannot be built here.
+
+    Whether the engine uses it (`TANDEM_CPU_EXTENSION`) is `kernels.platform`'s choice, not this build's.
+    """
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 

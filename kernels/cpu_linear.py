@@ -18,19 +18,11 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from base.settings import get_settings
-from kernels import cpu_extension
-
 logger = logging.getLogger(__name__)
 
 # Largest row count the GEMV takes: up to it the GEMV is ahead of oneDNN or level, past it behind
 # (bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 16
-
-
-def enabled() -> bool:
-    """False when `TANDEM_ONEDNN_LINEAR=0` keeps `nn.Linear` (the LM head included) everywhere."""
-    return get_settings().onednn_linear
 
 
 def available() -> bool:
@@ -65,14 +57,13 @@ class CpuLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.blocked_weight, self.bias, "none", [], "")
 
 
-def use_cpu_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU `nn.Linear` inside `model` by a `CpuLinear`; return how many.
+def use_cpu_linears(model: nn.Module, extension: ModuleType | None) -> int:
+    """Replace every fp32 CPU `nn.Linear` inside `model` by a `CpuLinear` over `extension` (its GEMV;
+    None: oneDNN at every row count); return how many. Needs oneDNN (`available()`).
 
     A weight tied to another module (the LM head and the embedding) stays dense where the other
     module uses it; the linear gets its own copies.
     """
-    if not enabled() or not available():
-        return 0
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -80,7 +71,6 @@ def use_cpu_linears(model: nn.Module) -> int:
         and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
     ]
-    extension = cpu_extension.load() if targets else None
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -20,8 +20,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from kernels import cpu_extension
-from kernels.cpu_linear import GEMV_MAX_ROWS, enabled
+from kernels.cpu_linear import GEMV_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +47,10 @@ class CpuLmHead(nn.Module):
         return self._extension.greedy_lm_head(x, self.weight, self.weight_t, GEMV_MAX_ROWS)
 
 
-def use_cpu_lm_head(model: nn.Module) -> bool:
-    """Replace `model.lm_head` by a `CpuLmHead` when it is a bias-free fp32 CPU linear at most
-    `MAX_HIDDEN_SIZE` wide and the C++ extension is here; True when it did. Call before
-    `cpu_linear.use_cpu_linears`, which then skips it."""
+def use_cpu_lm_head(model: nn.Module, extension: ModuleType) -> bool:
+    """Replace `model.lm_head` by a `CpuLmHead` over `extension` when it is a bias-free fp32 CPU linear
+    at most `MAX_HIDDEN_SIZE` wide; True when it did. Call before `cpu_linear.use_cpu_linears`, which
+    then skips it."""
     head = getattr(model, "lm_head", None)
     if (
         type(head) is not nn.Linear
@@ -59,11 +58,7 @@ def use_cpu_lm_head(model: nn.Module) -> bool:
         or head.in_features > MAX_HIDDEN_SIZE
         or head.weight.device.type != "cpu"
         or head.weight.dtype != torch.float32
-        or not enabled()
     ):
-        return False
-    extension = cpu_extension.load()
-    if extension is None:
         return False
     model.lm_head = CpuLmHead(head, extension)
     logger.info("LM head on the CPU kernels", extra={"greedy_without_logits": True})

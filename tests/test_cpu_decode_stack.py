@@ -10,7 +10,7 @@ from conftest import engine_for, random_prompts, tiny_hf_model
 from base.settings import CPU_DECODE_STACK_ENV
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from kernels import cpu_decode_stack, cpu_linear
+from kernels import cpu_linear
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
 
@@ -99,10 +99,8 @@ def test_only_few_row_decode_only_steps_take_the_stack(extension):
 
 
 def test_not_built_for_bf16_or_when_disabled(extension, monkeypatch):
-    engine, _ = engine_with_prompts("llama", 4, 2, 64, 1, seed=1)
-    assert cpu_decode_stack.build(engine.model.layers) is not None
     monkeypatch.setenv(CPU_DECODE_STACK_ENV, "0")
-    assert cpu_decode_stack.build(engine.model.layers) is None
+    assert engine_for(tiny_hf_model(1), device="cpu").model.decode_stack is None
     monkeypatch.delenv(CPU_DECODE_STACK_ENV)
     bf16 = engine_for(tiny_hf_model(1), dtype=torch.bfloat16, device="cpu")
     assert bf16.model.decode_stack is None
@@ -144,7 +142,7 @@ def test_cache_write_refuses_slots_it_cannot_write(extension, slots, message):
 
 def test_backend_writes_fp32_in_cpp_and_other_dtypes_through_the_reference(extension, monkeypatch):
     calls = []
-    backend = TorchBackend()
+    backend = TorchBackend(extension)
     original = backend._extension
 
     class Spy:

@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import paged_batch
 
-from base.settings import CPU_EXTENSION_ENV
 from kernels import cpu_extension
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
@@ -57,7 +56,7 @@ def test_large_logits_stay_finite(extension):
 
 def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
     calls = []
-    backend = TorchBackend()
+    backend = TorchBackend(extension)
     original = backend._extension
 
     class Spy:
@@ -71,15 +70,6 @@ def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
     assert calls == [torch.Size([7, 4, 64])]
     backend.attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
     assert len(calls) == 1, "bf16 must take the torch path"
-
-
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv(CPU_EXTENSION_ENV, "0")
-    cpu_extension.load.cache_clear()
-    try:
-        assert cpu_extension.load() is None
-    finally:
-        cpu_extension.load.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])
@@ -116,7 +106,7 @@ def test_silu_and_mul_matches_reference(extension):
 
 
 def test_backend_fused_ops_fall_back_for_bf16(extension):
-    backend = TorchBackend()
+    backend = TorchBackend(extension)
     x = torch.randn(3, 64).bfloat16()
     normed, _ = backend.rms_norm(x, torch.ones(64).bfloat16(), 1e-5)
     assert normed.dtype == torch.bfloat16

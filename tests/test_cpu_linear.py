@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from base.settings import ONEDNN_LINEAR_ENV
 from kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN")
@@ -60,15 +59,8 @@ def test_swaps_fp32_linears_and_keeps_the_tied_embedding(tokens):
     model = Tied()
     ids = torch.tensor(tokens)
     expected = model(ids)
-    assert cpu_linear.use_cpu_linears(model) == 3
+    assert cpu_linear.use_cpu_linears(model, None) == 3
     assert isinstance(model.head, cpu_linear.CpuLinear)
     assert type(model.low_precision) is nn.Linear, "a bf16 layer is left alone"
     assert model.embed.weight.layout == torch.strided, "the embedding keeps its dense weight"
     torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
-    model = Tied()
-    assert cpu_linear.use_cpu_linears(model) == 0
-    assert type(model.head) is nn.Linear

@@ -9,7 +9,6 @@ import torch
 from conftest import engine_for, tiny_hf_model
 from torch import nn
 
-from base.settings import ONEDNN_LINEAR_ENV
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import argmax_suffices
@@ -109,19 +108,17 @@ class WithHead(nn.Module):
         self.lm_head = nn.Linear(hidden, 50, bias=bias).to(dtype)
 
 
-def test_swaps_only_a_bias_free_fp32_head_and_keeps_it_tied(extension, monkeypatch):
+def test_swaps_only_a_bias_free_fp32_head_and_keeps_it_tied(extension):
     tied = WithHead()
     tied.lm_head.weight = tied.embed_tokens.weight
-    assert cpu_lm_head.use_cpu_lm_head(tied)
+    assert cpu_lm_head.use_cpu_lm_head(tied, extension)
     assert isinstance(tied.lm_head, cpu_lm_head.CpuLmHead)
     assert tied.lm_head.weight.data_ptr() == tied.embed_tokens.weight.data_ptr(), "no copy of a tied weight"
-    assert cpu_linear.use_cpu_linears(tied) == 0, "the linear swap leaves the LM head alone"
-    assert not cpu_lm_head.use_cpu_lm_head(WithHead(bias=True))
+    assert cpu_linear.use_cpu_linears(tied, extension) == 0, "the linear swap leaves the LM head alone"
+    assert not cpu_lm_head.use_cpu_lm_head(WithHead(bias=True), extension)
     too_wide = WithHead(hidden=cpu_lm_head.MAX_HIDDEN_SIZE + 1)
-    assert not cpu_lm_head.use_cpu_lm_head(too_wide), "a head this wide stays a CpuLinear"
-    assert not cpu_lm_head.use_cpu_lm_head(WithHead(dtype=torch.bfloat16))
-    monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
-    assert not cpu_lm_head.use_cpu_lm_head(WithHead())
+    assert not cpu_lm_head.use_cpu_lm_head(too_wide, extension), "a head this wide stays a CpuLinear"
+    assert not cpu_lm_head.use_cpu_lm_head(WithHead(dtype=torch.bfloat16), extension)
 
 
 @pytest.mark.parametrize(

@@ -280,8 +280,7 @@ def test_the_torch_and_cpp_paths_serve_int8_alike(extension, hf_model, monkeypat
     """The same int8 replies from the C++ kernels and from the torch reference (no extension)."""
     prompts = random_prompts(4, seed=13, min_len=5, max_len=40)
     native = greedy_replies(engine_for(hf_model, num_blocks=64, kv_cache_dtype="int8"), prompts)
-    monkeypatch.setattr("kernels.backend.cpu_extension.load", lambda: None)
-    monkeypatch.setattr("kernels.cpu_decode_stack.cpu_extension.load", lambda: None)
+    monkeypatch.setattr("kernels.cpu_extension.load", lambda: None)
     reference = engine_for(hf_model, num_blocks=64, kv_cache_dtype="int8")
     assert reference.backend._extension is None and reference.model.decode_stack is None
     assert greedy_replies(reference, prompts) == native

@@ -95,7 +95,7 @@ def test_cache_write_quantizes_like_the_reference(extension, dtype, kv_heads, he
 
 def test_the_backend_routes_quantized_caches_through_the_extension(extension, monkeypatch):
     calls = []
-    backend = TorchBackend()
+    backend = TorchBackend(extension)
     original = backend._extension
 
     class Spy:

@@ -86,7 +86,8 @@ def test_only_the_decoder_linears_are_quantized():
 def test_unquantized_engines_are_untouched():
     engine = engine_for(tiny_hf_model(15))
     assert not any(isinstance(m, Int8Linear) for m in engine.model.modules())
-    assert quantization.use_quantized_linears(engine.model.layers, "none") == 0
+    assert engine.platform.quantized_linear is None
+    assert engine.platform.quantize_linears(engine.model.layers) == 0
 
 
 def test_decoder_stack_equals_the_per_layer_path_with_int8_weights(extension):

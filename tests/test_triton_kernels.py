@@ -26,12 +26,13 @@ import pytest
 import torch
 from conftest import TEST_DEVICE, engine_for, random_prompts, tiny_hf_model
 
-from base.settings import ATTENTION_BACKEND_ENV, SettingsError
+from base.settings import ATTENTION_BACKEND_ENV, CPU_EXTENSION_ENV, SettingsError
 from engine.engine import GenerateRequest
 from engine.params import SamplingParams, StoppingParams
 from kernels import torch_reference as ref
-from kernels.backend import TorchBackend, get_backend
+from kernels.backend import TorchBackend
 from kernels.metadata import AttentionMetadata
+from kernels.platform import choose_platform
 
 ON_CPU = TEST_DEVICE == "cpu"
 _saved_interpret = os.environ.get("TRITON_INTERPRET")
@@ -558,21 +559,27 @@ def test_silu_and_mul_matches_reference(dtype, width):
 
 
 def test_backend_selection(monkeypatch):
+    """auto: Triton on CUDA, torch elsewhere; the environment, then the engine's config, override it."""
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
-    assert isinstance(get_backend(torch.device("cpu")), TorchBackend)
-    assert isinstance(get_backend(torch.device("cuda")), triton_backend.TritonBackend)
-    assert isinstance(get_backend(torch.device("cuda"), "torch"), TorchBackend)
-    assert get_backend(torch.device("cuda"), "torch")._extension is None, "no C++ CPU kernels on a GPU"
-    assert isinstance(get_backend(torch.device("cpu"), "triton"), triton_backend.TritonBackend)
+    monkeypatch.setenv(CPU_EXTENSION_ENV, "0")  # which C++ kernels run is tests/test_platform.py's
+
+    def attention(device: str, requested: str | None = None):
+        return choose_platform(device, torch.float32, attention_backend=requested).attention
+
+    assert isinstance(attention("cpu"), TorchBackend)
+    assert isinstance(attention("cuda"), triton_backend.TritonBackend)
+    assert isinstance(attention("cuda", "torch"), TorchBackend)
+    assert isinstance(attention("cpu", "triton"), triton_backend.TritonBackend)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "triton")
-    assert isinstance(get_backend(torch.device("cpu")), triton_backend.TritonBackend)
+    assert isinstance(attention("cpu"), triton_backend.TritonBackend)
+    assert isinstance(attention("cpu", "torch"), TorchBackend)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch")
-    assert isinstance(get_backend(torch.device("cuda")), TorchBackend)
+    assert isinstance(attention("cuda"), TorchBackend)
     with pytest.raises(ValueError, match="auto, torch or triton, not 'cuda'"):
-        get_backend(torch.device("cpu"), "cuda")
+        attention("cpu", "cuda")
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "cuda")
     with pytest.raises(SettingsError, match="TANDEM_ATTENTION_BACKEND must be auto, torch or triton"):
-        get_backend(torch.device("cpu"))
+        attention("cpu")
 
 
 @pytest.mark.skipif(not ON_CPU, reason="needs a machine without CUDA")

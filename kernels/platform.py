@@ -1,0 +1,137 @@
+"""The kernels one device runs, chosen in one place: `choose_platform` returns a `Platform`.
+
+The attention backend, the linear layers (full precision and quantized), the LM head and the decode-only
+decoder stack all follow from the same few facts: the device, the model's dtype, the weight quantization
+and the environment switches (`base.settings`). Deciding them together keeps them consistent (one C++
+extension or none for all of them) and keeps the engine and the model free of device branches: the
+engine builds its model over `Platform.attention`, lets the platform swap the quantized linears in
+before the checkpoint loads (`quantize_linears`) and its CPU kernels in after (`specialize`), and the
+model runs whatever it was handed.
+
+On CUDA: Triton attention (torch's when asked), no C++ kernels, `nn.Linear` (a quantized layer runs its
+torch reference) and the plain LM head. On the CPU: the C++ kernels unless switched off or unbuildable,
+torch attention over them (Triton's under the interpreter when asked), and for fp32 models the
+GEMV/oneDNN linears, the greedy LM head of narrow models and the decoder stack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from base.settings import ATTENTION_BACKENDS, Settings, get_settings
+from kernels import cpu_extension, cpu_linear, cpu_lm_head
+from kernels.backend import AttentionBackend, TorchBackend
+from kernels.cpu_decode_stack import CpuDecodeStack
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The kernels chosen for one device, model dtype and weight quantization (`choose_platform`)."""
+
+    device: torch.device
+    attention: AttentionBackend
+    # The C++ CPU kernels the choices below run on: None on GPUs, when switched off or not buildable.
+    extension: ModuleType | None
+    # The quantization method's empty module (`engine.quantization.linear_module`) each decoder linear
+    # becomes before loading, given `extension`; None: full-precision weights.
+    quantized_linear: Callable[[nn.Linear, ModuleType | None], nn.Module] | None
+    # fp32 linears become `CpuLinear`s: the extension's GEMV for a few rows, oneDNN beyond.
+    cpu_linears: bool
+    # A narrow fp32 LM head becomes a `CpuLmHead`, whose greedy path never writes the logits.
+    cpu_lm_head: bool
+    # Decode-only steps of a few rows run every decoder layer in one C++ call (`CpuDecodeStack`).
+    decode_stack: bool
+
+    def quantize_linears(self, layers: nn.ModuleList) -> int:
+        """Replace every `nn.Linear` inside the decoder `layers` by the quantized module; return how many.
+
+        Called before the checkpoint is loaded: `CausalLM.load_weights` then quantizes into them.
+        """
+        if self.quantized_linear is None:
+            return 0
+        targets = [
+            (layer, name, module)
+            for layer in layers
+            for name, module in layer.named_modules()
+            if type(module) is nn.Linear
+        ]
+        for layer, name, module in targets:
+            parent_name, _, child = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            setattr(parent, child, self.quantized_linear(module, self.extension))
+        logger.info(
+            "decoder linear layers load quantized",
+            extra={"count": len(targets), "cpu_kernels": self.extension is not None},
+        )
+        return len(targets)
+
+    def specialize(self, model: nn.Module) -> None:
+        """Hand a loaded `engine.model.CausalLM` this platform's CPU kernels: its LM head (first, so the
+        linear swap leaves it alone) and its greedy path, its other fp32 linears, its decoder stack."""
+        if self.cpu_lm_head and cpu_lm_head.use_cpu_lm_head(model, self.extension):
+            model.greedy_head = model.lm_head.greedy
+        if self.cpu_linears:
+            cpu_linear.use_cpu_linears(model, self.extension)
+        if self.decode_stack and len(model.layers) > 0:
+            model.decode_stack = CpuDecodeStack(model.layers, self.extension)
+            logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(model.layers)})
+
+
+def _attention(device: torch.device, choice: str, extension: ModuleType | None) -> AttentionBackend:
+    """The backend `choice` (auto, torch or triton) names; auto is Triton on CUDA and torch elsewhere."""
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        # Imported here: a CPU process that never asks for Triton never imports it.
+        from kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    return TorchBackend(extension)
+
+
+def choose_platform(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantized_linear: Callable[[nn.Linear, ModuleType | None], nn.Module] | None = None,
+    attention_backend: str | None = None,
+    settings: Settings | None = None,
+) -> Platform:
+    """The kernels for a model of `dtype` on `device`, its decoder linears built as `quantized_linear`
+    (None: full precision). `attention_backend` overrides `TANDEM_ATTENTION_BACKEND`; `settings`
+    defaults to the environment's now."""
+    device = torch.device(device)
+    settings = get_settings() if settings is None else settings
+    backend = (attention_backend or settings.attention_backend).lower()
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"the attention backend must be auto, torch or triton, not {backend!r}")
+    on_cpu = device.type == "cpu"
+    # The C++ kernels serve only CPU tensors: on a GPU, building them is a compile for nothing.
+    extension = cpu_extension.load() if on_cpu and settings.cpu_extension else None
+    fp32_on_cpu = on_cpu and dtype == torch.float32
+    platform = Platform(
+        device=device,
+        attention=_attention(device, backend, extension),
+        extension=extension,
+        quantized_linear=quantized_linear,
+        cpu_linears=fp32_on_cpu and settings.onednn_linear and cpu_linear.available(),
+        cpu_lm_head=fp32_on_cpu and settings.onednn_linear and extension is not None,
+        decode_stack=fp32_on_cpu and settings.cpu_decode_stack and extension is not None,
+    )
+    logger.info(
+        "kernels chosen",
+        extra={
+            "device": str(device),
+            "backend": platform.attention.name,
+            "cpu_kernels": extension is not None,
+            "cpu_linears": platform.cpu_linears,
+            "cpu_lm_head": platform.cpu_lm_head,
+            "decode_stack": platform.decode_stack,
+        },
+    )
+    return platform
