@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from base.errors import ConfigError
+
 HOME_ENV = "TANDEM_HOME"
 AUTH_TOKEN_ENV = "TANDEM_AUTH_TOKEN"
 TARGET_ENV = "TANDEM_TARGET"
@@ -36,8 +38,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_TARGET = "localhost:50051"
 
 
-class SettingsError(ValueError):
-    """An environment variable holds a value tandem cannot use; the message names the variable."""
+class SettingsError(ConfigError):
+    """An environment variable holds a value tandem cannot use; the message names the variable (a
+    ConfigError, so the CLI reports it as one line)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from base import settings as s
+from base.errors import ConfigError
 from base.settings import Settings, SettingsError, get_settings
 
 PRODUCT_PACKAGES = (
@@ -78,6 +79,10 @@ def test_an_empty_variable_counts_as_unset():
 def test_a_bad_value_is_refused_naming_the_variable(name, raw, message):
     with pytest.raises(SettingsError, match=f"^{name} {message}"):
         Settings.from_env({name: raw})
+
+
+def test_a_bad_value_is_a_config_error():
+    assert issubclass(SettingsError, ConfigError) and issubclass(SettingsError, ValueError)
 
 
 def test_get_settings_reads_the_environment_at_call_time(monkeypatch):
