@@ -195,7 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tandem` console script; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except TandemError as exc:  # a malformed TANDEM_* variable read for a default
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

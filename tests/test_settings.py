@@ -127,3 +127,12 @@ def test_no_product_code_reads_the_environment_but_the_settings(repo_root):
             for line in _environment_reads(ast.parse(path.read_text(encoding="utf-8"))):
                 offenders.append(f"{path.relative_to(repo_root)}:{line}")
     assert not offenders, f"read the environment through base.settings instead: {offenders}"
+
+
+def test_the_cli_names_a_bad_variable_in_one_line_instead_of_a_traceback(monkeypatch, capsys):
+    from tandem.cli import main
+
+    monkeypatch.setenv(s.CPU_EXTENSION_ENV, "false")
+    assert main(["serve", "decode", "--help"]) == 2
+    expected = f"tandem: {s.CPU_EXTENSION_ENV} must be 0 (off) or 1 (on), not 'false'\n"
+    assert capsys.readouterr().err == expected
