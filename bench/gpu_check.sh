@@ -40,8 +40,8 @@ fi
 MODEL_READY=1
 .venv/bin/tandem fetch-model >"$OUT/fetch_model.log" 2>&1 || MODEL_READY=0
 
-# Kernels compile for the GPU instead of running in the interpreter; test engines run on CUDA. The torch
-# backend would build the C++ CPU kernels on first use (minutes), which nothing on CUDA runs.
+# Kernels compile for the GPU instead of running in the interpreter; test engines run on CUDA. Tests that
+# still build a CPU engine there would compile the C++ CPU kernels first (minutes): not worth the lease.
 export TRITON_INTERPRET=0 TANDEM_TEST_DEVICE=cuda TANDEM_CPU_EXTENSION=0
 
 # step NAME SECONDS COMMAND...: run COMMAND with its output in OUT/NAME.log, record the outcome.
