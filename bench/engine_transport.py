@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -81,7 +82,10 @@ def _send_all(send, seqs: int, steps: int) -> float:
     return time.process_time() - start
 
 
-async def _receive_zmq(socket: zmq.Socket, steps: int) -> None:
+async def _receive(fd: int, next_payload: Callable[[], bytes | memoryview | None], steps: int) -> None:
+    """Decode `steps` step messages on this event loop, woken by `fd`; `next_payload` returns the next
+    waiting message or None. Each wake-up drains everything waiting (ZeroMQ's descriptor is
+    edge-triggered, so it must), and one drain runs first for what arrived before the reader was added."""
     loop = asyncio.get_running_loop()
     decoder = msgspec.msgpack.Decoder(StepOutput)
     done = loop.create_future()
@@ -89,36 +93,24 @@ async def _receive_zmq(socket: zmq.Socket, steps: int) -> None:
 
     def on_readable() -> None:
         nonlocal received
-        # ZeroMQ's descriptor is edge-triggered: drain everything waiting on each wake-up.
-        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            _deliver(decoder.decode(socket.recv(copy=False).buffer))
+        while received < steps and (payload := next_payload()) is not None:
+            _deliver(decoder.decode(payload))
             received += 1
         if received >= steps and not done.done():
             done.set_result(None)
 
-    loop.add_reader(socket.getsockopt(zmq.FD), on_readable)
+    loop.add_reader(fd, on_readable)
     on_readable()
     await done
-    loop.remove_reader(socket.getsockopt(zmq.FD))
+    loop.remove_reader(fd)
 
 
-async def _receive_pipe(conn: multiprocessing.connection.Connection, steps: int) -> None:
-    loop = asyncio.get_running_loop()
-    decoder = msgspec.msgpack.Decoder(StepOutput)
-    done = loop.create_future()
-    received = 0
+def _zmq_payload(socket: zmq.Socket) -> Callable[[], memoryview | None]:
+    return lambda: socket.recv(copy=False).buffer if socket.getsockopt(zmq.EVENTS) & zmq.POLLIN else None
 
-    def on_readable() -> None:
-        nonlocal received
-        while received < steps and conn.poll(0):
-            _deliver(decoder.decode(conn.recv_bytes()))
-            received += 1
-        if received >= steps and not done.done():
-            done.set_result(None)
 
-    loop.add_reader(conn.fileno(), on_readable)
-    await done
-    loop.remove_reader(conn.fileno())
+def _pipe_payload(conn: multiprocessing.connection.Connection) -> Callable[[], bytes | None]:
+    return lambda: conn.recv_bytes() if conn.poll(0) else None
 
 
 def _deliver(output: StepOutput) -> None:
@@ -145,7 +137,7 @@ def measure_zmq(seqs: int, steps: int) -> TransportResult:
         )
         sender.start()
         parent.send("go")
-        wall, cpu = _timed(_receive_zmq(socket, steps))
+        wall, cpu = _timed(_receive(socket.getsockopt(zmq.FD), _zmq_payload(socket), steps))
         sender_cpu = parent.recv()
         sender.join()
         socket.close()
@@ -157,7 +149,7 @@ def measure_pipe(seqs: int, steps: int) -> TransportResult:
     sender = multiprocessing.get_context("spawn").Process(target=_send_pipe, args=(child, seqs, steps))
     sender.start()
     parent.send("go")
-    wall, cpu = _timed(_receive_pipe(parent, steps))
+    wall, cpu = _timed(_receive(parent.fileno(), _pipe_payload(parent), steps))
     sender_cpu = parent.recv()
     sender.join()
     return _result("pipe", seqs, steps, wall, cpu, sender_cpu)
