@@ -8,17 +8,24 @@ kernel reads the blocks in place through the block table. RMSNorm, RoPE and SiLU
 single passes instead of torch's chains of small ops. The module is built with the machine's C++
 compiler the first time a process needs it (torch caches the build under `$TORCH_EXTENSIONS_DIR`,
 by default `~/.cache/torch_extensions`); where no compiler is found the torch path runs instead,
-with one warning. The build's name carries a hash of the sources and flags, so two versions of the
-kernels never share a cache entry. `make install` builds it ahead (`python -m kernels.cpu_extension`);
+with one warning. The build's name carries a hash of the sources, flags and source folder, so two
+versions of the kernels, or two checkouts (torch's build file names source paths, so they would
+rebuild each other's module), never share a cache entry. torch guards a build with a bare `lock`
+file that a killed compile leaves behind, after which every later load waits on it forever; so
+builds here also hold an `flock` that the kernel drops when its holder dies, and a `lock` found
+while holding it is stale and removed. `make install` builds it ahead (`python -m kernels.cpu_extension`);
 otherwise the first process to need it pays for the compile, announced by one log line.
 `TANDEM_CPU_EXTENSION=0` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -42,12 +49,28 @@ COMPILE_SECONDS = 60  # measured on the 2-core development machine; told to the 
 
 
 def build_name() -> str:
-    """`tandem_cpu_kernels_<hash>`: the hash covers every source, header and flag: a change is a new build."""
+    """`tandem_cpu_kernels_<hash>`: the hash covers every source, header, flag and the source folder."""
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in [*SOURCES, *HEADERS]]
-    for part in [*sources, " ".join(CFLAGS + LDFLAGS).encode()]:
+    folders = sorted({str(path.resolve().parent) for path in SOURCES})
+    for part in [*sources, " ".join(CFLAGS + LDFLAGS).encode(), "\n".join(folders).encode()]:
         digest.update(part)
     return f"tandem_cpu_kernels_{digest.hexdigest()[:10]}"
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's flock; a torch `lock` still there once it is held was left by a dead build."""
+    with open(build_dir / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing a lock left by an interrupted build: %s", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -61,21 +84,22 @@ def load() -> ModuleType | None:
 
     name = build_name()
     try:
-        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if not built.exists():
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        if not (build_dir / f"{name}.so").exists():
             logger.info(
                 "compiling the C++ CPU kernels once for this machine (about %d s on 2 cores) into %s",
                 COMPILE_SECONDS,
-                built.parent,
+                build_dir,
                 extra={"build": name},
             )
-        return build(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            verbose=False,
-        )
+        with exclusive_build(build_dir):
+            return build(
+                name=name,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, no headers: the torch path still works
         logger.warning("CPU kernel extension unavailable, using the torch path: %s", exc)
         return None

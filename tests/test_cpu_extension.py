@@ -233,3 +233,52 @@ def test_a_compile_is_announced_and_a_cached_build_is_not(tmp_path, monkeypatch,
     (tmp_path / f"{cpu_extension.build_name()}.so").write_bytes(b"")
     cpu_extension.load.__wrapped__()
     assert not [r for r in caplog.records if "compiling" in r.getMessage()]
+
+
+def test_build_name_differs_between_checkouts_with_the_same_sources(tmp_path, monkeypatch):
+    names = []
+    for checkout in ("one", "two"):
+        source = tmp_path / checkout / "kernel.cpp"
+        source.parent.mkdir()
+        source.write_text("int f() { return 1; }\n")
+        monkeypatch.setattr(cpu_extension, "SOURCES", [source])
+        names.append(cpu_extension.build_name())
+    assert names[0] != names[1]
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp
+
+    def build(**kwargs):
+        assert not (tmp_path / "lock").exists(), "torch's build would wait on this lock forever"
+        return kwargs["name"]
+
+    (tmp_path / "lock").write_bytes(b"")
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "load", build)
+    caplog.set_level("WARNING", logger=cpu_extension.__name__)
+    assert cpu_extension.load.__wrapped__() == cpu_extension.build_name()
+    assert [r for r in caplog.records if "interrupted build" in r.getMessage()]
+
+
+def test_a_build_in_progress_elsewhere_is_waited_for(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp, "load", lambda **kwargs: kwargs["name"])
+    holder = open(tmp_path / "build.flock", "a")  # another process's build holds the flock
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    (tmp_path / "lock").write_bytes(b"")
+    results = []
+    loader = threading.Thread(target=lambda: results.append(cpu_extension.load.__wrapped__()))
+    loader.start()
+    loader.join(timeout=0.5)
+    assert loader.is_alive() and (tmp_path / "lock").exists(), "a live build's lock must be left alone"
+    (tmp_path / "lock").unlink()
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    loader.join(timeout=30)
+    assert results == [cpu_extension.build_name()]
