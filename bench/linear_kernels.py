@@ -2,10 +2,10 @@
 
 For each row count (tokens in a step) it runs every decoder projection of the model (qkv, o, gate_up,
 down, at the default model's shapes unless `--model` names another) through the fp32 GEMV, oneDNN's
-fp32 linear, the int8-weight GEMV and the int8 tiled path, over `--layers` distinct copies of the
+fp32 linear, the int8-weight GEMV and the int8-weight GEMM, over `--layers` distinct copies of the
 weights so they come from memory as in a real step rather than from cache. Reports µs for one layer's
 four projections and, for the GEMVs, the weight bytes streamed per second. This is what picks
-`int8_linear.GEMV_MAX_ROWS` (where the GEMV stops beating the tiled path) and what the int8 GEMV's
+`int8_linear.GEMV_MAX_ROWS` (where the GEMV stops beating the GEMM) and what the int8 GEMV's
 bandwidth is on this machine.
 
     tandem bench linear-kernels [--threads 1 --rows 1,4,16,32,64,128]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("fp32_gemv", "fp32_onednn", "int8_gemv", "int8_tiled")
+KERNELS = ("fp32_gemv", "fp32_onednn", "int8_gemv", "int8_gemm")
 
 
 def projection_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
@@ -62,7 +62,7 @@ def _kernel_calls(extension, x, weights: list, blocked: list, quantized: list) -
         "fp32_gemv": lambda i: extension.linear_gemv(x, weights[i], None),
         "fp32_onednn": onednn,
         "int8_gemv": lambda i: extension.linear_int8_gemv(x, *quantized[i], None),
-        "int8_tiled": lambda i: extension.linear_int8_tiled(x, *quantized[i], None),
+        "int8_gemm": lambda i: extension.linear_int8_gemm(x, *quantized[i], None),
     }
 
 

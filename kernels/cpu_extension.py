@@ -1,5 +1,5 @@
 """The C++ CPU kernels, compiled on first use and cached: paged attention and the cache write, the fused
-small ops, the linear layers' few-row GEMV (fp32 and int8 weights) and int8 tiled GEMM, and the
+small ops, the linear layers' few-row GEMV (fp32 and int8 weights) and int8-weight GEMM, and the
 decode-only decoder stack built from them.
 
 Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
@@ -37,6 +37,7 @@ SOURCES = [
     CPU_DIR / "fused_ops.cpp",
     CPU_DIR / "gemv.cpp",
     CPU_DIR / "gemv_int8.cpp",
+    CPU_DIR / "gemm_int8.cpp",
     CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",

@@ -6,8 +6,8 @@ row of W is stored as `q = round(W / scale)` (round half to even), clamped to ±
 in the model's dtype, so the output is what the dequantized weights give, with no activation rounding.
 
 On the CPU with fp32 activations the C++ extension runs it: `linear_int8_gemv` (int8 rows widened in
-registers, streamed at memory speed) up to `GEMV_MAX_ROWS` rows, `linear_int8_tiled` (tiles of W
-dequantized into the BLAS GEMM) beyond. Everywhere else — GPUs, other dtypes, no compiler — the torch
+registers, streamed at memory speed) up to `GEMV_MAX_ROWS` rows, `linear_int8_gemm` (panels of W converted
+to fp32 for a register-tiled GEMM) beyond. Everywhere else — GPUs, other dtypes, no compiler — the torch
 reference runs: it dequantizes the weight and calls `F.linear`, correct but with no bandwidth saved.
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 QMAX = 127
-# Largest row count the int8 GEMV takes; beyond it the tiled GEMM path does, which is the faster of the
-# two from there on (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
+# Largest row count the int8 GEMV takes; beyond it the GEMM does (`tandem bench linear-kernels`; figures
+# in bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 48
 
 
@@ -102,7 +102,7 @@ class Int8Linear(nn.Module):
             return int8_linear_reference(x, self.qweight, self.scale, self.bias)
         if x.shape[0] <= GEMV_MAX_ROWS:
             return self._extension.linear_int8_gemv(x, self.qweight, self.scale, self.bias)
-        return self._extension.linear_int8_tiled(x, self.qweight, self.scale, self.bias)
+        return self._extension.linear_int8_gemm(x, self.qweight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -1,6 +1,6 @@
-"""Weight-only int8: the quantizer follows the spec to the rounding mode, and the C++ kernels (GEMV on
-every instruction set this CPU has, the tiled GEMM path) compute what the torch reference computes over
-odd shapes; `Int8Linear` picks its path by row count and falls back to the reference."""
+"""Weight-only int8: the quantizer follows the spec to the rounding mode, and the C++ kernels (the GEMV and
+the GEMM, each on every instruction set this CPU has) compute what the torch reference computes over odd
+shapes; `Int8Linear` picks its path by row count and falls back to the reference."""
 
 from __future__ import annotations
 
@@ -87,21 +87,40 @@ def test_gemv_every_instruction_set_matches_the_reference(extension, isa):
         extension.set_gemv_isa(best)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 33, 40, 100])
+# Around the GEMM's register tiles (12 rows on AVX-512, 6 on AVX2, 4 portable) and the GEMV's limit.
+GEMM_ROWS = [1, 5, 6, 7, 12, 13, 25, int8_linear.GEMV_MAX_ROWS + 1, 100]
+
+
+@pytest.mark.parametrize("rows", GEMM_ROWS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_tiled_matches_the_reference(extension, rows, out_features, in_features):
+def test_gemm_matches_the_reference(extension, rows, out_features, in_features):
     x, qweight, scale, bias = int8_case(rows, out_features, in_features, rows % 2 == 0, seed=rows * 31)
-    got = extension.linear_int8_tiled(x, qweight, scale, bias)
+    got = extension.linear_int8_gemm(x, qweight, scale, bias)
     torch.testing.assert_close(got, exact(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, int8_linear_reference(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_tiled_covers_weights_taller_than_one_tile(extension):
-    x, qweight, scale, bias = int8_case(37, 3000, 96, bias=True, seed=4)
-    got = extension.linear_int8_tiled(x, qweight, scale, bias)
-    torch.testing.assert_close(got, exact(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemm_every_instruction_set_matches_the_reference(extension, isa):
+    """Each ISA's panels and tiles, with and without bias, over shapes whose N, K and rows are no
+    multiple of its panel width, vector width or tile height, and a weight many conversion chunks tall."""
+    best = extension.gemv_isa()
+    try:
+        extension.set_gemv_isa(isa)
+    except RuntimeError as exc:
+        assert "cannot run" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    try:
+        cases = [*zip([7, 13, 49, 26, 5, 61], SHAPES, strict=True), (37, (3000, 96)), (50, (40, 2050))]
+        for i, (rows, (out_features, in_features)) in enumerate(cases):
+            x, qweight, scale, bias = int8_case(rows, out_features, in_features, bias=i % 2 == 0, seed=i)
+            got = extension.linear_int8_gemm(x, qweight, scale, bias)
+            torch.testing.assert_close(got, exact(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
+    finally:
+        extension.set_gemv_isa(best)
 
 
-@pytest.mark.parametrize("entry", ["linear_int8_gemv", "linear_int8_tiled"])
+@pytest.mark.parametrize("entry", ["linear_int8_gemv", "linear_int8_gemm"])
 def test_kernels_read_strided_rows_of_x_and_take_no_rows(extension, entry):
     kernel = getattr(extension, entry)
     wide = torch.randn(6, 90, generator=torch.Generator().manual_seed(5))
@@ -113,7 +132,7 @@ def test_kernels_read_strided_rows_of_x_and_take_no_rows(extension, entry):
     assert kernel(torch.empty(0, 73), qweight, scale, None).shape == (0, 21)
 
 
-@pytest.mark.parametrize("entry", ["linear_int8_gemv", "linear_int8_tiled"])
+@pytest.mark.parametrize("entry", ["linear_int8_gemv", "linear_int8_gemm"])
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -143,12 +162,12 @@ class KernelSpy:
         self.calls.append(("gemv", x.shape[0]))
         return self.extension.linear_int8_gemv(x, *args)
 
-    def linear_int8_tiled(self, x, *args):
-        self.calls.append(("tiled", x.shape[0]))
-        return self.extension.linear_int8_tiled(x, *args)
+    def linear_int8_gemm(self, x, *args):
+        self.calls.append(("gemm", x.shape[0]))
+        return self.extension.linear_int8_gemm(x, *args)
 
 
-def test_layer_takes_the_gemv_for_few_rows_and_the_tiled_path_for_more(extension):
+def test_layer_takes_the_gemv_for_few_rows_and_the_gemm_for_more(extension):
     torch.manual_seed(0)
     linear = nn.Linear(48, 40)
     spy = KernelSpy(extension)
@@ -158,7 +177,7 @@ def test_layer_takes_the_gemv_for_few_rows_and_the_tiled_path_for_more(extension
         x = torch.randn(rows, 48)
         expected = int8_linear_reference(x, layer.qweight, layer.scale, layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert spy.calls == [("gemv", 1), ("gemv", limit), ("tiled", limit + 1), ("tiled", 200)]
+    assert spy.calls == [("gemv", 1), ("gemv", limit), ("gemm", limit + 1), ("gemm", 200)]
 
 
 def test_layer_without_the_extension_or_in_bf16_runs_the_reference():

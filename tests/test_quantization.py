@@ -43,8 +43,8 @@ def dequantized_hf(hf: nn.Module) -> nn.Module:
     [("llama", 4, 2, 64, 11, 64), ("qwen2", 4, 2, 64, 12, 37), ("llama", 6, 1, 80, 13, 100)],
 )
 def test_int8_greedy_equals_hf_on_dequantized_weights(kind, heads, kv_heads, head_dim, seed, budget):
-    """Mixed batches: prefill chunks beyond the GEMV's rows (the tiled path) beside decode steps of up to
-    eight sequences (the GEMV, in the C++ decoder stack); with qkv bias and tied embeddings (qwen2)."""
+    """Mixed batches: prefill chunks beyond the GEMV's rows (the GEMM) beside decode steps of up to eight
+    sequences (the GEMV, in the C++ decoder stack); with qkv bias and tied embeddings (qwen2)."""
     hf = tiny_hf_model(seed, kind=kind, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     reference = dequantized_hf(hf)
     prompts = random_prompts(10, seed, min_len=2, max_len=90)

@@ -24,16 +24,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_gemv", &linear_int8_gemv,
         "(x Wq^T) * scale + b for a few rows of fp32 x over int8 Wq with a scale per row, streaming Wq",
         call_guard<gil_scoped_release>());
-  m.def("linear_int8_tiled", &linear_int8_tiled,
-        "(x Wq^T) * scale + b for many rows: Wq dequantized a tile at a time into the fp32 GEMM",
+  m.def("linear_int8_gemm", &linear_int8_gemm,
+        "(x Wq^T) * scale + b for many rows: panels of Wq converted to fp32 for a register-tiled GEMM",
         call_guard<gil_scoped_release>());
   m.def("gemv_isa", &gemv_isa,
-        "the instruction set linear_gemv and linear_int8_gemv run on: avx512, avx2 or portable");
+        "the instruction set linear_gemv and the int8 linears run on: avx512, avx2 or portable");
   m.def("greedy_lm_head", &greedy_lm_head,
         "each row's argmax of hidden W^T, a vocabulary slice at a time (fp32; the GEMV up to gemv_max_rows rows)",
         call_guard<gil_scoped_release>());
   m.def("set_gemv_isa", &set_gemv_isa,
-        "for tests: run linear_gemv and linear_int8_gemv on a narrower instruction set this CPU has");
+        "for tests: run linear_gemv and the int8 linears on a narrower instruction set this CPU has");
   // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
   pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())
       .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,

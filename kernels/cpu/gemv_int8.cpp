@@ -1,4 +1,4 @@
-// Linear layers over int8 weights (one fp32 scale per output row) with fp32 activations.
+// The few-row linear layer over int8 weights (one fp32 scale per output row) with fp32 activations.
 //
 // Weight-only int8 quarters the bytes a decode step streams, and a batch-1 step is bound by exactly
 // those bytes. The activations stay fp32 and every product is an fp32 FMA of x and the int8 weight
@@ -10,8 +10,7 @@
 // a register tile of 4 W rows x up to 4 x rows, the next group's lines prefetched — with each 16
 // (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
 // once to the finished dot product. Past 4 x rows the widened rows are kept for the later x tiles (see
-// rows_of_w). Many rows (`linear_int8_tiled`): a prefill chunk is compute-bound, so W is dequantized a
-// tile at a time into an L2-sized fp32 buffer that the BLAS GEMM multiplies.
+// rows_of_w). Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -189,7 +188,8 @@ void rows_of_w(const Problem& p, int64_t n0) {
   }
 }
 
-// The checks both entry points share; returns the bias pointer (null without one).
+}  // namespace
+
 const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
                                const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "int8 linear takes fp32 activations");
@@ -205,11 +205,6 @@ const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qwei
   return bias->data_ptr<float>();
 }
 
-// Output rows of one dequantized tile: ~256 KiB of fp32, so the tile stays in L2 while the GEMM reads it.
-int64_t tile_rows(int64_t k) { return std::max<int64_t>(16, (262144 / 4) / std::max<int64_t>(1, k) / 16 * 16); }
-
-}  // namespace
-
 torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                                std::optional<torch::Tensor> bias) {
   const float* bias_ptr = check_int8_linear(x, qweight, scale, bias);
@@ -220,37 +215,5 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
                   y.data_ptr<float>(), m, n, k, x.stride(0)};
   gemv_common::for_each_row_group<int8_t>(
       n, k, [&](int64_t n0) { rows_of_w<4>(p, n0); }, [&](int64_t r) { rows_of_w<1>(p, r); });
-  return y;
-}
-
-torch::Tensor linear_int8_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                                std::optional<torch::Tensor> bias) {
-  check_int8_linear(x, qweight, scale, bias);
-  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
-  auto y = torch::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const int64_t rows = std::min(n, tile_rows(k));
-  auto buffer = torch::empty({rows, k}, x.options());
-  const int8_t* q = qweight.data_ptr<int8_t>();
-  const float* s = scale.data_ptr<float>();
-  float* dense = buffer.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < n; n0 += rows) {
-    const int64_t count = std::min(rows, n - n0);
-    at::parallel_for(0, count, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int8_t* src = q + (n0 + r) * k;
-        const float row_scale = s[n0 + r];
-        float* dst = dense + r * k;
-        for (int64_t c = 0; c < k; ++c) dst[c] = static_cast<float>(src[c]) * row_scale;
-      }
-    });
-    auto out = y.narrow(1, n0, count);
-    auto tile = buffer.narrow(0, 0, count).t();
-    if (bias.has_value()) {
-      at::addmm_out(out, bias->narrow(0, n0, count), x, tile);
-    } else {
-      at::mm_out(out, x, tile);
-    }
-  }
   return y;
 }

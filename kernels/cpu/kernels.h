@@ -28,8 +28,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                int64_t k);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
-// The instruction set both GEMVs (fp32 and int8 weights) run on: the widest this CPU has, unless a test
-// narrowed it with set_gemv_isa.
+// The instruction set the GEMVs (fp32 and int8 weights) and the int8 GEMM run on: the widest this CPU
+// has, unless a test narrowed it with set_gemv_isa.
 enum class GemvIsa { kAvx512, kAvx2, kPortable };
 GemvIsa current_gemv_isa();
 std::string gemv_isa();
@@ -37,9 +37,12 @@ void set_gemv_isa(const std::string& name);
 // `y = (x Wq^T) * scale + b` for a few rows of x over int8 weights Wq [N, K] with one fp32 scale per row.
 torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                                std::optional<torch::Tensor> bias);
-// The same for many rows: each tile of Wq is dequantized to fp32 and multiplied by the BLAS GEMM.
-torch::Tensor linear_int8_tiled(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                                std::optional<torch::Tensor> bias);
+// The same for many rows: panels of Wq converted to fp32 q * scale, multiplied by a register-tiled GEMM.
+torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                               std::optional<torch::Tensor> bias);
+// The argument checks both int8 linears share; returns the bias pointer (null without one).
+const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
+                               const std::optional<torch::Tensor>& bias);
 torch::Tensor greedy_lm_head(torch::Tensor hidden, torch::Tensor weight, torch::Tensor weight_t, int64_t gemv_max_rows);
 
 // One decoder layer's parameters as the decode stack reads them: plain row-major weights, shared with the
