@@ -8,10 +8,11 @@ stream the previous token. The stack runs the same C++ kernels in the same order
 what the per-op path computes, with the GIL released from the first layer to the last.
 
 It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
-fp32, int8 or fp8 e4m3 KV cache), every token a decode, at most the GEMV's row limit of tokens
-(`cpu_linear.GEMV_MAX_ROWS` for fp32 weights, beyond which oneDNN's linears win;
-`int8_linear.GEMV_MAX_ROWS` for int8). Bigger steps, prefill chunks, other dtypes and GPUs keep the
-per-op path, which stays the reference.
+fp32, int8 or fp8 e4m3 KV cache), every token a decode, and for fp32 weights at most
+`cpu_linear.GEMV_MAX_ROWS` tokens (beyond it oneDNN's linears win, which the stack does not run). With int8
+weights it takes decode steps of any size, running the int8 GEMV or GEMM by row count as `Int8Linear`
+does (`int8_linear.GEMV_MAX_ROWS`). Prefill chunks, other dtypes and GPUs keep the per-op path, which
+stays the reference.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
@@ -53,7 +54,7 @@ class CpuDecodeStack:
         self._eps = layers[0].input_layernorm.eps
         self._layers = [self._weights_of(layer) for layer in layers]
         int8 = isinstance(layers[0].self_attn.qkv_proj, Int8Linear)
-        self._max_rows = int8_linear.GEMV_MAX_ROWS if int8 else cpu_linear.GEMV_MAX_ROWS
+        self._max_rows = None if int8 else cpu_linear.GEMV_MAX_ROWS
 
     def _weights_of(self, layer: nn.Module) -> object:
         attn, mlp = layer.self_attn, layer.mlp
@@ -72,8 +73,10 @@ class CpuDecodeStack:
         return self._extension.DecoderLayerWeights(**weights)
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the stack runs this step: a few decode tokens (dtype and device were checked once)."""
-        return hidden.shape[0] <= self._max_rows and meta.is_decode_only
+        """Whether the stack runs this step: decode tokens only, few enough for fp32 weights (dtype and
+        device were checked once)."""
+        few = self._max_rows is None or hidden.shape[0] <= self._max_rows
+        return few and meta.is_decode_only
 
     def __call__(
         self,
@@ -99,4 +102,5 @@ class CpuDecodeStack:
             kv_cache.k_scales,
             kv_cache.v_scales,
             kv_cache.rotation,
+            int8_linear.GEMV_MAX_ROWS,
         )

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 QMAX = 127
-# Largest row count the int8 GEMV takes; beyond it the GEMM does (`tandem bench linear-kernels`; figures
-# in bench/README.md, "CPU kernels").
-GEMV_MAX_ROWS = 48
+# Largest row count the int8 GEMV takes; beyond it the GEMM does, which is the faster of the two from
+# there on (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
+GEMV_MAX_ROWS = 20
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

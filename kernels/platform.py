@@ -47,7 +47,8 @@ class Platform:
     cpu_linears: bool
     # A narrow fp32 LM head becomes a `CpuLmHead`, whose greedy path never writes the logits.
     cpu_lm_head: bool
-    # Decode-only steps of a few rows run every decoder layer in one C++ call (`CpuDecodeStack`).
+    # Decode-only steps (of a few rows with fp32 weights, any size with int8) run every decoder layer in
+    # one C++ call (`CpuDecodeStack`).
     decode_stack: bool
 
     def quantize_linears(self, layers: nn.ModuleList) -> int:

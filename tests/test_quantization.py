@@ -91,16 +91,17 @@ def test_unquantized_engines_are_untouched():
 
 
 def test_decoder_stack_equals_the_per_layer_path_with_int8_weights(extension):
-    """Decode steps of 1 to GEMV_MAX_ROWS sequences: the C++ stack runs the int8 GEMV the layers run."""
+    """Decode steps of 1 to GEMV_MAX_ROWS sequences and beyond: the C++ stack runs the int8 GEMV or GEMM
+    the layers run at that row count, bit for bit."""
     engine = engine_for(tiny_hf_model(16), num_blocks=200, device="cpu", quantization="int8")
     assert engine.model.decode_stack is not None
     seqs = []
-    for prompt in random_prompts(int8_linear.GEMV_MAX_ROWS, 16, min_len=3, max_len=40):
+    for prompt in random_prompts(int8_linear.GEMV_MAX_ROWS + 5, 16, min_len=3, max_len=40):
         seq = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=8))
         engine.allocate(seq, seq.num_tokens + 8)
         engine.step([ScheduledChunk(seq, seq.num_tokens)])
         seqs.append(seq)
-    for batch in (seqs[:1], seqs[:5], seqs):
+    for batch in (seqs[:1], seqs[:5], seqs[: int8_linear.GEMV_MAX_ROWS], seqs):
         chunks = [ScheduledChunk(seq, 1) for seq in batch]
         metadata = engine.runner.prepare(chunks)[2]
         assert engine.model.decode_stack.accepts(torch.empty(len(batch), 1), metadata)

@@ -14,10 +14,14 @@
 
 namespace {
 
-// The layer's GEMV for its weight's kind: int8 with a scale per row, or fp32.
+// The kernel the layer's module runs for its weight's kind and these rows: the int8 GEMV up to
+// `int8_gemv_max_rows` rows and the int8 GEMM beyond, or the fp32 GEMV (the stack takes fp32 steps only as
+// small as that GEMV serves).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
-                     const std::optional<torch::Tensor>& bias) {
-  return scale.has_value() ? linear_int8_gemv(x, weight, *scale, bias) : linear_gemv(x, weight, bias);
+                     const std::optional<torch::Tensor>& bias, int64_t int8_gemv_max_rows) {
+  if (!scale.has_value()) return linear_gemv(x, weight, bias);
+  if (x.size(0) <= int8_gemv_max_rows) return linear_int8_gemv(x, weight, *scale, bias);
+  return linear_int8_gemm(x, weight, *scale, bias);
 }
 
 }  // namespace
@@ -27,7 +31,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
     double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-    std::optional<torch::Tensor> rotation) {
+    std::optional<torch::Tensor> rotation, int64_t int8_gemv_max_rows) {
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "one K and one V cache per layer");
   const bool quantized = !k_scales.empty();
@@ -44,7 +48,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
     auto [normed, sum] = rms_norm(hidden, w.input_norm, eps, residual);
-    auto qkv = linear(normed, w.qkv, w.qkv_scale, w.qkv_bias);
+    auto qkv = linear(normed, w.qkv, w.qkv_scale, w.qkv_bias, int8_gemv_max_rows);
     auto q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -54,10 +58,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
     write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);
     auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale);
-    auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_scale, w.o_bias);
+    auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_scale, w.o_bias, int8_gemv_max_rows);
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);
-    auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_scale, w.gate_up_bias);
-    hidden = linear(silu_and_mul(gate_up), w.down, w.down_scale, w.down_bias);
+    auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_scale, w.gate_up_bias, int8_gemv_max_rows);
+    hidden = linear(silu_and_mul(gate_up), w.down, w.down_scale, w.down_bias, int8_gemv_max_rows);
     residual = attn_sum;
   }
   return {hidden, *residual};

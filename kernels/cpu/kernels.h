@@ -54,10 +54,11 @@ struct DecoderLayerWeights {
 };
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
-// [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE.
+// [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;
+// int8_gemv_max_rows: the most rows an int8 linear runs on the GEMV (the GEMM beyond), as `Int8Linear` does.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
     double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-    std::optional<torch::Tensor> rotation);
+    std::optional<torch::Tensor> rotation, int64_t int8_gemv_max_rows);
