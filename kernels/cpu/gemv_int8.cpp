@@ -10,7 +10,10 @@
 // a register tile of 4 W rows x up to 4 x rows, the next group's lines prefetched — with each 16
 // (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
 // once to the finished dot product. Past 4 x rows the widened rows are kept for the later x tiles (see
-// rows_of_w). Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
+// rows_of_w). For one or two rows of x (single-stream decode) each thread instead reads its slice one W
+// row after another, asking for the line 4 KiB ahead as it goes, with 4 FMA chains per tile: a single
+// sequential stream the prefetchers follow, where 4 interleaved rows left the GEMV short of the
+// bandwidth the same bytes read at. Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -60,20 +63,39 @@ TANDEM_AVX2 inline __m256 load8(const int8_t* w) {
 }
 TANDEM_AVX2 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 
+// Independent sums per (W row, x row) pair: a tile with fewer than 4 pairs keeps kUnroll of them per
+// pair, over alternate vectors of K, so that at least 4 FMA chains are in flight (one chain left the
+// single-row decode GEMV waiting on FMA latency).
+constexpr int kUnroll(int pairs) { return pairs >= 4 ? 1 : 4 / pairs; }
+
+// A lone W row (the 1-2 row GEMV streams W one row after another) asks for the line kAheadBytes ahead of
+// the one it reads, into L1; a group of rows asks for the next group's lines, one group ahead.
+constexpr int64_t kAheadBytes = 4096;
+
+template <int NR>
+inline void prefetch_w(const Problem& p, int64_t n0, int64_t c) {
+  if constexpr (NR == 1) {
+    const int64_t offset = n0 * p.k + c + kAheadBytes;
+    if (offset < p.n * p.k) _mm_prefetch(reinterpret_cast<const char*>(p.w + offset), _MM_HINT_T0);
+  } else {
+    prefetch_next_group<NR>(p, n0, c);
+  }
+}
+
 // NR weight rows (`w0`, K apart; output rows n0..) against MR rows of x over the whole K, 16 weights at a
 // time; a tail of fewer than 16 is read zero-padded, with a masked load of x. With `kWiden` the widened
 // weights are also written to `widened` (NR rows of K floats) for the x tiles that follow.
 template <int NR, int MR, typename T, bool kWiden>
 TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
                                bool prefetch) {
-  __m512 acc[NR][MR];
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
+  constexpr int U = kUnroll(NR * MR);
+  __m512 acc[U][NR][MR];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[u][i][j] = _mm512_setzero_ps();
   const float* x[MR];
   for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
-  int64_t c = 0;
-  for (; c + 16 <= p.k; c += 16) {
-    if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
+  const auto step = [&](__m512 (&sums)[NR][MR], int64_t c) {
     __m512 wv[NR];
     for (int i = 0; i < NR; ++i) {
       wv[i] = load16(w0 + i * p.k + c);
@@ -81,9 +103,15 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, in
     }
     for (int j = 0; j < MR; ++j) {
       const __m512 xv = _mm512_loadu_ps(x[j] + c);
-      for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+      for (int i = 0; i < NR; ++i) sums[i][j] = _mm512_fmadd_ps(wv[i], xv, sums[i][j]);
     }
+  };
+  int64_t c = 0;
+  for (; c + 16 * U <= p.k; c += 16 * U) {
+    if (prefetch && c % 64 == 0) prefetch_w<NR>(p, n0, c);
+    for (int u = 0; u < U; ++u) step(acc[u], c + 16 * u);
   }
+  for (; c + 16 <= p.k; c += 16) step(acc[0], c);
   if (c < p.k) {
     const int64_t count = p.k - c;
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1u);
@@ -94,23 +122,26 @@ TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, in
     }
     for (int j = 0; j < MR; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x[j] + c);
-      for (int i = 0; i < NR; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+      for (int i = 0; i < NR; ++i) acc[0][i][j] = _mm512_fmadd_ps(wv[i], xv, acc[0][i][j]);
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) store(p, n0 + i, m0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    for (int j = 0; j < MR; ++j) {
+      for (int u = 1; u < U; ++u) acc[0][i][j] = _mm512_add_ps(acc[0][i][j], acc[u][i][j]);
+      store(p, n0 + i, m0 + j, _mm512_reduce_add_ps(acc[0][i][j]));
+    }
 }
 
 template <int NR, int MR, typename T, bool kWiden>
 TANDEM_AVX2 void tile_avx2(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
-  __m256 acc[NR][MR];
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
+  constexpr int U = kUnroll(NR * MR);
+  __m256 acc[U][NR][MR];
+  for (int u = 0; u < U; ++u)
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[u][i][j] = _mm256_setzero_ps();
   const float* x[MR];
   for (int j = 0; j < MR; ++j) x[j] = p.x + (m0 + j) * p.ldx;
-  int64_t c = 0;
-  for (; c + 8 <= p.k; c += 8) {
-    if (prefetch && c % 64 == 0) prefetch_next_group<NR>(p, n0, c);
+  const auto step = [&](__m256 (&sums)[NR][MR], int64_t c) {
     __m256 wv[NR];
     for (int i = 0; i < NR; ++i) {
       wv[i] = load8(w0 + i * p.k + c);
@@ -118,15 +149,22 @@ TANDEM_AVX2 void tile_avx2(const Problem& p, const T* w0, float* widened, int64_
     }
     for (int j = 0; j < MR; ++j) {
       const __m256 xv = _mm256_loadu_ps(x[j] + c);
-      for (int i = 0; i < NR; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+      for (int i = 0; i < NR; ++i) sums[i][j] = _mm256_fmadd_ps(wv[i], xv, sums[i][j]);
     }
+  };
+  int64_t c = 0;
+  for (; c + 8 * U <= p.k; c += 8 * U) {
+    if (prefetch && c % 64 == 0) prefetch_w<NR>(p, n0, c);
+    for (int u = 0; u < U; ++u) step(acc[u], c + 8 * u);
   }
+  for (; c + 8 <= p.k; c += 8) step(acc[0], c);
   for (int i = 0; i < NR; ++i) {
     const T* w = w0 + i * p.k;
     if constexpr (kWiden)
       for (int64_t t = c; t < p.k; ++t) widened[i * p.k + t] = static_cast<float>(w[t]);
     for (int j = 0; j < MR; ++j) {
-      float sum = reduce_avx2(acc[i][j]);
+      for (int u = 1; u < U; ++u) acc[0][i][j] = _mm256_add_ps(acc[0][i][j], acc[u][i][j]);
+      float sum = reduce_avx2(acc[0][i][j]);
       for (int64_t t = c; t < p.k; ++t) sum += static_cast<float>(w[t]) * x[j][t];
       store(p, n0 + i, m0 + j, sum);
     }
@@ -213,7 +251,12 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
   if (m == 0 || n == 0) return y;
   const Problem p{x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr,
                   y.data_ptr<float>(), m, n, k, x.stride(0)};
-  gemv_common::for_each_row_group<int8_t>(
-      n, k, [&](int64_t n0) { rows_of_w<4>(p, n0); }, [&](int64_t r) { rows_of_w<1>(p, r); });
+  // One or two rows of x (a decode step of one or two sequences) stream W one row after another, which
+  // read it faster than interleaving 4 rows; more rows of x share each group of 4 W rows' loads.
+  const auto group = [&](int64_t n0) {
+    if (m > 2) return rows_of_w<4>(p, n0);
+    for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r);
+  };
+  gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r); });
   return y;
 }
