@@ -71,6 +71,8 @@ def test_gemv_matches_the_reference(extension, rows, out_features, in_features):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_gemv_every_instruction_set_matches_the_reference(extension, isa):
+    """Each ISA's tiles, including the one- and two-row ones that stream W row by row with several sums
+    per row, over K long enough to unroll and with a tail."""
     best = extension.gemv_isa()
     try:
         extension.set_gemv_isa(isa)
@@ -79,7 +81,9 @@ def test_gemv_every_instruction_set_matches_the_reference(extension, isa):
         pytest.skip(f"this CPU has no {isa}")
     try:
         assert extension.gemv_isa() == isa
-        for rows, (out_features, in_features) in zip([1, 3, 4, 7, 20, 40], SHAPES, strict=True):
+        few_rows = [(1, (67, 1000)), (2, (130, 200)), (2, (17, 77))]
+        cases = [*zip([1, 3, 4, 7, 20, 40], SHAPES, strict=True), *few_rows]
+        for rows, (out_features, in_features) in cases:
             x, qweight, scale, bias = int8_case(rows, out_features, in_features, bias=True, seed=rows)
             got = extension.linear_int8_gemv(x, qweight, scale, bias)
             torch.testing.assert_close(got, exact(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
