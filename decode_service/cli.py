@@ -196,6 +196,12 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"turns one chat request may hold (default: {defaults.max_chat_messages})",
     )
     group.add_argument(
+        "--max-json-objects",
+        type=int,
+        default=defaults.max_json_objects,
+        help=f"JSON objects one HTTP request body may hold (default: {defaults.max_json_objects})",
+    )
+    group.add_argument(
         "--max-unstreamed-tokens",
         type=int,
         default=defaults.max_unstreamed_tokens,
@@ -312,6 +318,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
             max_stop_string_length=args.max_stop_string_length,
             max_logit_bias=args.max_logit_bias,
             max_chat_messages=args.max_chat_messages,
+            max_json_objects=args.max_json_objects,
             max_unstreamed_tokens=args.max_unstreamed_tokens,
         ),
         max_validation_queue=args.max_validation_queue,

@@ -24,7 +24,9 @@ class RequestLimits:
     stop-string matcher, which runs on the engine thread for every token. `max_logit_bias` bounds a
     request's logit bias entries, checked before any is converted (each costs Python time on the way in
     and a scatter on every step). `max_chat_messages` bounds a chat's turns before any is converted or
-    rendered: the chat template costs GIL-held Python per turn, however short. A non-streamed
+    rendered: the chat template costs GIL-held Python per turn, however short. `max_json_objects`
+    bounds an HTTP body's JSON objects while it is parsed: each costs a dict built under the GIL, and
+    a body of 110k tiny turns held the event loop 40-100 ms before any field was looked at. A non-streamed
     HTTP answer is built whole in memory, so `max_unstreamed_tokens` bounds what it may hold: choices
     x max_tokens x (1 + alternatives per token), ~300 bytes each.
     """
@@ -35,6 +37,7 @@ class RequestLimits:
     max_stop_string_length: int = 256
     max_logit_bias: int = 1024
     max_chat_messages: int = 2048
+    max_json_objects: int = 16384
     max_unstreamed_tokens: int = 64 * 4096
 
     def validate(self) -> None:
@@ -45,6 +48,7 @@ class RequestLimits:
             "max_stop_string_length",
             "max_logit_bias",
             "max_chat_messages",
+            "max_json_objects",
             "max_unstreamed_tokens",
         ):
             if getattr(self, name) < 1:
@@ -92,6 +96,14 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"messages has {count} turns, above this server's limit of {self.max_chat_messages} "
                 "(--max-chat-messages)"
+            )
+
+    def check_json_objects(self, count: int) -> None:
+        """Called as an HTTP body's objects are parsed, so a refusal costs `max_json_objects` of them."""
+        if count > self.max_json_objects:
+            raise InvalidRequestError(
+                f"the request body holds more than {self.max_json_objects} JSON objects, this server's "
+                "limit (--max-json-objects)"
             )
 
     def check_unstreamed(self, choices: int, max_tokens: int, alternatives: int) -> None:

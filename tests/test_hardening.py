@@ -492,12 +492,12 @@ def test_chat_turns_over_the_limit_are_refused_on_both_doors_before_rendering(mo
         assert "messages has 5 turns" in refused.details() and "--max-chat-messages" in refused.details()
 
         # Not even the turns' shape is looked at: the count refuses first.
-        turns = [{"role": 7, "content": None}] * 110_000
+        turns = [{"role": 7, "content": None}] * 10_000
         status, body = http_call(
             http_server, "POST", "/v1/chat/completions", {"messages": turns, "max_tokens": 2}
         )
         assert status == 400 and body["error"]["param"] == "messages"
-        assert "messages has 110000 turns" in body["error"]["message"]
+        assert "messages has 10000 turns" in body["error"]["message"]
 
         within = [{"role": "user", "content": "hi"}] * 4
         status, body = http_call(
@@ -510,6 +510,31 @@ def test_chat_turns_over_the_limit_are_refused_on_both_doors_before_rendering(mo
     finally:
         grpc_server.close()
         http_server.close()
+
+
+def test_an_http_body_with_too_many_json_objects_is_refused_while_parsing(model_dir):
+    """110k tiny turns were parsed whole (40-100 ms holding the event loop) before their count was
+    looked at; the parser now stops at the object bound. Braces inside strings do not count."""
+    server = Server(model_dir, limits=RequestLimits(max_json_objects=8))
+    try:
+        turns = [{"role": "user", "content": "hi"}] * 110_000
+        status, body = http_call(server, "POST", "/v1/chat/completions", {"messages": turns, "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == "body", body
+        message = body["error"]["message"]
+        assert "more than 8 JSON objects" in message and "--max-json-objects" in message
+
+        braces = {"prompt": "{" * 100 + "}", "max_tokens": 2, "logit_bias": {"5": 1.0}}
+        status, body = http_call(server, "POST", "/v1/completions", braces)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+        within = {"messages": [{"role": "user", "content": "hi"}] * 7, "max_tokens": 2}  # 8 objects
+        status, body = http_call(server, "POST", "/v1/chat/completions", within)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        status, body = http_call(server, "POST", "/v1/chat/completions", {**within, "logit_bias": {}})
+        assert status == 400 and "more than 8 JSON objects" in body["error"]["message"], body
+        assert wait_until(server.idle)
+    finally:
+        server.close()
 
 
 def test_a_whole_answer_past_the_memory_bound_is_told_to_stream(model_dir):

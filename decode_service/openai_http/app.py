@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
+from base.errors import InvalidRequestError
 from decode_service.admission import tenant_and_priority
 from decode_service.generation import Generation, Generations
 from decode_service.openai_http.errors import (
@@ -31,14 +33,16 @@ from decode_service.openai_http.errors import (
 from decode_service.openai_http.fields import FieldError
 from decode_service.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.openai_http.responses import ResponseBuilder, sse_event
+from decode_service.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 
 
-async def _read_json(request: Request, max_bytes: int) -> object:
-    """The body as JSON, refusing one larger than `max_bytes` before reading it all."""
+async def _read_json(request: Request, max_bytes: int, limits: RequestLimits) -> object:
+    """The body as JSON, refusing one larger than `max_bytes` before reading it all, and one with more
+    objects than `limits` allow as soon as the parser has built that many."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLargeError(
@@ -49,8 +53,12 @@ async def _read_json(request: Request, max_bytes: int) -> object:
         body += piece
         if len(body) > max_bytes:
             raise BodyTooLargeError(f"the request body exceeds this server's limit of {max_bytes} bytes")
+    # Braces inside strings count here too, so only then are the parsed objects counted, one by one.
+    counted = _counted_objects(limits) if body.count(b"{") > limits.max_json_objects else None
     try:
-        value = json.loads(body, parse_constant=_refuse_constant)
+        value = json.loads(body, parse_constant=_refuse_constant, object_pairs_hook=counted)
+    except _TooManyObjects as exc:
+        raise FieldError("body", str(exc.__cause__)) from None
     except ValueError as exc:
         raise FieldError("body", f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -62,6 +70,25 @@ async def _read_json(request: Request, max_bytes: int) -> object:
         except RecursionError:
             raise FieldError("body", "the request body nests arrays or objects too deeply") from None
     return value
+
+
+class _TooManyObjects(Exception):
+    """Raised out of the parser (which would wrap a ValueError as bad JSON); the refusal is its cause."""
+
+
+def _counted_objects(limits: RequestLimits) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    count = 0
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        try:
+            limits.check_json_objects(count)
+        except InvalidRequestError as refused:
+            raise _TooManyObjects from refused
+        return dict(pairs)
+
+    return build
 
 
 def _refuse_constant(name: str) -> float:
@@ -153,8 +180,9 @@ class OpenAIRoutes:
         openai_request: OpenAIRequest | None = None
         try:
             self._authorize(request)
-            body = await _read_json(request, self._max_body_bytes)
-            openai_request = translate(body, endpoint, self._generations.config.limits)
+            limits = self._generations.config.limits
+            body = await _read_json(request, self._max_body_bytes, limits)
+            openai_request = translate(body, endpoint, limits)
             if openai_request.model is not None and openai_request.model != self.model:
                 raise ModelNotServedError(
                     f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
