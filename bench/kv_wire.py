@@ -26,7 +26,7 @@ import crc32c
 import grpc
 import torch
 
-from decode_service.remote_prefill.write_pipeline import WritePipeline
+from decode_service.engine_core.remote_prefill.write_pipeline import WritePipeline
 from engine.kv_cache import KVCache
 from kv_transfer import KVFrame, KVLayout, PagedKV
 from kv_transfer.grpc_method import (

@@ -34,15 +34,15 @@ logger = logging.getLogger(__name__)
 
 # Step parts, by (file suffix, function name) of the function whose cumulative time is the part.
 STEP_PARTS = {
-    "schedule": ("decode_service/scheduler.py", "schedule"),
+    "schedule": ("decode_service/engine_core/scheduler.py", "schedule"),
     "forward (model_runner.execute)": ("engine/model_runner.py", "execute"),
     "  input prep (model_runner.prepare)": ("engine/model_runner.py", "prepare"),
     "  attention (backend.attention)": ("kernels/backend.py", "attention"),
     "  kv cache write": ("kernels/backend.py", "write_kv_cache"),
     "LM head and sampler (engine.sample)": ("engine/engine.py", "sample"),
     "append token + stop rules": ("engine/sequence.py", "append_token"),
-    "complete_step (outputs to deltas)": ("decode_service/scheduler.py", "complete_step"),
-    "event log record": ("decode_service/engine_loop.py", "_record"),
+    "complete_step (outputs to deltas)": ("decode_service/engine_core/scheduler.py", "complete_step"),
+    "event log record": ("decode_service/engine_core/engine_loop.py", "_record"),
 }
 
 
@@ -51,9 +51,9 @@ def build_engine_loop(model_dir: Path, max_num_seqs: int, budget: int, kv_memory
     import torch
 
     from decode_service.config import DecodeServiceConfig
-    from decode_service.engine_loop import EngineLoop
-    from decode_service.policies import make_policy
-    from decode_service.scheduler import ContinuousScheduler
+    from decode_service.engine_core.engine_loop import EngineLoop
+    from decode_service.engine_core.policies import make_policy
+    from decode_service.engine_core.scheduler import ContinuousScheduler
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import Engine
     from serving.event_log import EventLog
@@ -74,7 +74,7 @@ def build_engine_loop(model_dir: Path, max_num_seqs: int, budget: int, kv_memory
 
 def submit_requests(loop, requests: list[WorkloadRequest], tag: str) -> None:
     """Queue `requests` as greedy, EOS-ignoring requests of exactly their output length."""
-    from decode_service.request import ServedRequest
+    from decode_service.engine_core.request import ServedRequest
     from engine.params import SamplingParams, StoppingParams
 
     for request in requests:

@@ -27,16 +27,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from decode_service.remote_prefill.transfer import PrefillTransferStats
-from decode_service.request import ServedRequest, StreamDelta
-from decode_service.scheduler import ContinuousScheduler
+from decode_service.engine_core.remote_prefill.transfer import PrefillTransferStats
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.scheduler import ContinuousScheduler
 from engine.engine import Engine
 from engine.sequence import FinishReason
 from serving.cache_metrics import prefix_cache_metrics
 from serving.engine_thread import Deliver
 
 if TYPE_CHECKING:
-    from decode_service.grammar_compiler import GrammarCompiler
+    from decode_service.front_door.grammar_compiler import GrammarCompiler
 
 PREFIX = "tandem:"
 

@@ -15,21 +15,21 @@ from prometheus_client import CollectorRegistry
 
 from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
-from decode_service.constraints import Constraints
-from decode_service.engine_loop import EngineLoop
-from decode_service.generation import Generations
+from decode_service.engine_core.engine_loop import EngineLoop
+from decode_service.engine_core.policies import make_policy
+from decode_service.engine_core.remote_prefill.stage import RemotePrefill
+from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler
+from decode_service.engine_core.stream_interval import StreamIntervalBuffer
+from decode_service.front_door.constraints import Constraints
+from decode_service.front_door.generation import Generations
+from decode_service.front_door.openai_http.app import OpenAIRoutes
+from decode_service.front_door.openai_http.connections import ConnectionLimits
+from decode_service.front_door.openai_http.server import HttpServer
+from decode_service.front_door.servicer import GenerationServicer
+from decode_service.front_door.streams import StreamHub
+from decode_service.front_door.validation import use_chat_template
+from decode_service.front_door.validation_pool import ValidationPool
 from decode_service.metrics import DecodeMetrics
-from decode_service.openai_http.app import OpenAIRoutes
-from decode_service.openai_http.connections import ConnectionLimits
-from decode_service.openai_http.server import HttpServer
-from decode_service.policies import make_policy
-from decode_service.remote_prefill.stage import RemotePrefill
-from decode_service.scheduler import ContinuousScheduler, StaticScheduler
-from decode_service.servicer import GenerationServicer
-from decode_service.stream_interval import StreamIntervalBuffer
-from decode_service.streams import StreamHub
-from decode_service.validation import use_chat_template
-from decode_service.validation_pool import ValidationPool
 from engine.engine import Engine
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from serving.event_log import EventLog

@@ -1,7 +1,7 @@
 """One request's state inside the engine: its tokens, its block table, and why it stopped.
 
 Token ids only: text, and the stop strings matched against it, are the front door's (the decode tier's
-`decode_service.choice_text`), so an engine step never detokenizes.
+`decode_service.front_door.choice_text`), so an engine step never detokenizes.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from bench.occupancy import assign_slots
 from bench.plots import draw_chunked_prefill, draw_comparison, draw_occupancy, readme_table
 from bench.roofline import MachineProbe, ModelShape, WorkloadCost, rate_bound, throughput_bound
 from bench.workload import WorkloadRequest
-from decode_service.step_record import ChunkRecord, StepRecord
+from decode_service.engine_core.step_record import ChunkRecord, StepRecord
 
 
 def step(number, chunks, finished=(), preempted=()) -> StepRecord:

@@ -14,7 +14,7 @@ from base.errors import ConfigError, InvalidRequestError
 from base.logs import JsonFormatter
 from decode_service.cli import service_config_from_args
 from decode_service.config import DecodeServiceConfig, parse_tenant_weights
-from decode_service.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
+from decode_service.engine_core.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
 from engine.config import parse_memory_size
 from serving.errors import DrainingError, QueueFullError
 from serving.flags import engine_config_from_args

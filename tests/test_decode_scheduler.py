@@ -12,11 +12,11 @@ from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 
 from base.errors import InvalidRequestError
 from decode_service.config import DecodeServiceConfig
-from decode_service.engine_loop import EngineLoop
-from decode_service.policies import make_policy
-from decode_service.request import RequestState, ServedRequest, StreamDelta
-from decode_service.scheduler import ContinuousScheduler, StaticScheduler, check_fits_pool
-from decode_service.step_record import StepRecord
+from decode_service.engine_core.engine_loop import EngineLoop
+from decode_service.engine_core.policies import make_policy
+from decode_service.engine_core.request import RequestState, ServedRequest, StreamDelta
+from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler, check_fits_pool
+from decode_service.engine_core.step_record import StepRecord
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
 from serving.event_log import EventLog

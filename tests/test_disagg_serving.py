@@ -31,7 +31,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
-from decode_service.remote_prefill.pool import ReplicaState
+from decode_service.engine_core.remote_prefill.pool import ReplicaState
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -309,7 +309,7 @@ def test_incompatible_prefill_replicas_are_refused(model, caplog):
     targets = f"{other_block.address},{other_dtype.address}"
     prompt = prompts_of([90], seed=2)[0]
     try:
-        with caplog.at_level(logging.ERROR, logger="decode_service.remote_prefill.pool"):
+        with caplog.at_level(logging.ERROR, logger="decode_service.engine_core.remote_prefill.pool"):
             strict = RunningDecode(model_dir, prefill=targets)
         lenient = RunningDecode(model_dir, prefill=targets, fallback_local=True)
         try:
@@ -347,7 +347,7 @@ def test_int8_kv_disaggregated_equals_aggregated_and_other_kv_dtypes_are_refused
     model_dir, _ = model
     int8_prefill = RunningPrefill(model_dir, kv_cache_dtype="int8")
     fp32_prefill = RunningPrefill(model_dir)
-    with caplog.at_level(logging.ERROR, logger="decode_service.remote_prefill.pool"):
+    with caplog.at_level(logging.ERROR, logger="decode_service.engine_core.remote_prefill.pool"):
         int8_decode = RunningDecode(model_dir, kv_cache_dtype="int8", prefill=int8_prefill.address)
         mismatched = [
             RunningDecode(model_dir, prefill=int8_prefill.address),

@@ -12,15 +12,20 @@ import torch
 from base.errors import ConfigError
 from decode_service.cli import service_config_from_args
 from decode_service.config import DecodeServiceConfig
-from decode_service.remote_prefill.pool import BackoffPolicy, PrefillPool, PrefillReplica, ReplicaState
-from decode_service.remote_prefill.targets import (
+from decode_service.engine_core.remote_prefill.pool import (
+    BackoffPolicy,
+    PrefillPool,
+    PrefillReplica,
+    ReplicaState,
+)
+from decode_service.engine_core.remote_prefill.targets import (
     PrefillTarget,
     PrefillTargetError,
     parse_prefill_targets,
     resolve_target,
 )
-from decode_service.remote_prefill.transfer import KVTransfer, TransferCancelledError
-from decode_service.request import ServedRequest
+from decode_service.engine_core.remote_prefill.transfer import KVTransfer, TransferCancelledError
+from decode_service.engine_core.request import ServedRequest
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import KVFrame, KVLayout, KVRangeError, PagedKV, compatibility_hash, encode_blocks
@@ -264,7 +269,7 @@ def test_replicas_follow_the_dns_answer(monkeypatch):
     async def fake_resolve(target):
         return list(answers[target.host])
 
-    monkeypatch.setattr("decode_service.remote_prefill.pool.resolve_target", fake_resolve)
+    monkeypatch.setattr("decode_service.engine_core.remote_prefill.pool.resolve_target", fake_resolve)
     stubs = {f"10.0.0.{i}:7": FakeStub(info_for(LAYOUT)) for i in (1, 2, 3)}
     clock = Clock()
     pool = FakePool("dns:///prefill:7", stubs, clock)

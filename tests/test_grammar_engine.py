@@ -14,7 +14,7 @@ from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 from test_decode_scheduler import Harness
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
-from decode_service.request import ServedRequest, StreamDelta
+from decode_service.engine_core.request import ServedRequest, StreamDelta
 from engine.engine import GenerateRequest
 from engine.grammar import GrammarState, GrammarViolationError, control_free_tokens
 from engine.params import SamplingParams, StoppingParams

@@ -13,7 +13,7 @@ import pytest
 from conftest import save_tiny_model, wait_until
 from test_openai_api import Server, grpc_greedy, http_call
 
-from decode_service.openai_http.connections import GuardedHttpProtocol
+from decode_service.front_door.openai_http.connections import GuardedHttpProtocol
 
 HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nHost: tandem\r\nContent-Type: application/json\r\n"
 

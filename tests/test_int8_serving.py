@@ -13,7 +13,7 @@ from conftest import hf_greedy, save_tiny_model, wait_until
 from test_disagg_serving import RunningDecode, RunningPrefill, prompts_of, tokens_of
 from test_quantization import dequantized_hf
 
-from decode_service.remote_prefill.pool import ReplicaState
+from decode_service.engine_core.remote_prefill.pool import ReplicaState
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_tiers_with_other_weight_quantization_refuse_each_other(model, caplog):
     plain_prefill = RunningPrefill(model_dir)
     int8_prefill = RunningPrefill(model_dir, quantization="int8")
     try:
-        with caplog.at_level(logging.ERROR, logger="decode_service.remote_prefill.pool"):
+        with caplog.at_level(logging.ERROR, logger="decode_service.engine_core.remote_prefill.pool"):
             int8_decode = RunningDecode(model_dir, prefill=plain_prefill.address, quantization="int8")
             plain_decode = RunningDecode(model_dir, prefill=int8_prefill.address)
         try:

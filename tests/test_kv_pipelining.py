@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from decode_service.remote_prefill.write_pipeline import WritePipeline
+from decode_service.engine_core.remote_prefill.write_pipeline import WritePipeline
 from engine.kv_cache import KVCache
 from kv_transfer import KVChecksumError, KVLayout, PagedKV
 from prefill_service.job import KVReady

@@ -74,6 +74,19 @@ def test_the_walk_sees_imports_inside_functions() -> None:
     assert "bench.cli" in {module for _, module in imported_modules(ROOT / "tandem" / "cli.py")}
 
 
+def test_the_decode_engine_core_never_imports_its_front_door() -> None:
+    """The core must be able to run in a process of its own, knowing the front door only by messages."""
+    core = ROOT / "decode_service" / "engine_core"
+    offences = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}: imports {module}"
+        for path in sorted(core.rglob("*.py"))
+        for line, module in imported_modules(path)
+        if module.startswith("decode_service.front_door")
+    ]
+    assert list(core.rglob("*.py")), "the walk found no engine core"
+    assert not offences, "the engine core imports its front door:\n" + "\n".join(offences)
+
+
 def test_no_package_imports_upward_or_across() -> None:
     offences = offending_imports()
     assert not offences, "imports against the layering:\n" + "\n".join(offences)

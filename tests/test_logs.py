@@ -132,7 +132,7 @@ def test_decode_json_lines_carry_the_request_id_and_no_prompt_by_default(decode,
     by_event = {(e.get("event"), e.get("request_id")) for e in entries}
     assert {("request accepted", "req-ok"), ("request finished", "req-ok")} <= by_event
     assert ("request refused", "req-too-long") in by_event
-    about_requests = [e for e in entries if e["logger"] == "decode_service.generation"]
+    about_requests = [e for e in entries if e["logger"] == "decode_service.front_door.generation"]
     assert about_requests and all(e.get("request_id") in ("req-ok", "req-too-long") for e in about_requests)
     finished = next(e for e in entries if e.get("event") == "request finished")
     assert finished["finish_reason"] == "length" and finished["completion_tokens"] == 4

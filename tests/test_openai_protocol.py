@@ -7,15 +7,15 @@ import json
 import pytest
 
 from base.errors import InvalidRequestError, OutOfBlocksError
-from decode_service.openai_http.errors import (
+from decode_service.front_door.openai_http.errors import (
     BodyTooLargeError,
     ModelNotServedError,
     UnauthorizedError,
     http_error,
 )
-from decode_service.openai_http.fields import FieldError, UnsupportedFieldError
-from decode_service.openai_http.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, Endpoint, translate
-from decode_service.openai_http.responses import ResponseBuilder
+from decode_service.front_door.openai_http.fields import FieldError, UnsupportedFieldError
+from decode_service.front_door.openai_http.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, Endpoint, translate
+from decode_service.front_door.openai_http.responses import ResponseBuilder
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.errors import DrainingError, QueueFullError
 from serving.sampling import sampling_params

@@ -12,7 +12,7 @@ from conftest import engine_for, tiny_hf_model
 
 from base.errors import ConfigError, InvalidRequestError
 from base.logs import JsonFormatter, log_event
-from decode_service.remote_prefill.client import sampling_proto
+from decode_service.engine_core.remote_prefill.client import sampling_proto
 from engine.config import parse_memory_size
 from engine.params import SamplingParams, StoppingParams
 from kv_transfer import IncompatibleKVError

@@ -9,7 +9,7 @@ import pytest
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 from test_decode_scheduler import Harness, admission_order, first_step, last_step
 
-from decode_service.request import RequestState
+from decode_service.engine_core.request import RequestState
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_disagg_units import LAYOUT, Clock, FakePool, FakeStub, caches, done, info_for, sent_chunks
 
-from decode_service.remote_prefill.pool import AFFINITY_LOAD_FACTOR, AFFINITY_LOAD_SLACK
-from decode_service.remote_prefill.transfer import KVTransfer
-from decode_service.request import ServedRequest
+from decode_service.engine_core.remote_prefill.pool import AFFINITY_LOAD_FACTOR, AFFINITY_LOAD_SLACK
+from decode_service.engine_core.remote_prefill.transfer import KVTransfer
+from decode_service.engine_core.request import ServedRequest
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 from kv_transfer import KVRangeError, PagedKV

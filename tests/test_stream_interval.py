@@ -4,8 +4,8 @@ token or an ending) and the edge's coalescing of deltas that are already waiting
 from __future__ import annotations
 
 from base.errors import InvalidRequestError
-from decode_service.request import ServedRequest, StreamDelta
-from decode_service.stream_interval import StreamIntervalBuffer, coalesce
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.stream_interval import StreamIntervalBuffer, coalesce
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 

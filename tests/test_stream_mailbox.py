@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from base.errors import InvalidRequestError
-from decode_service.choice_text import ChoiceText
-from decode_service.generation import Generation
-from decode_service.mailbox import Mailbox
-from decode_service.request import ServedRequest, StreamDelta
-from decode_service.streams import StreamHub
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.front_door.choice_text import ChoiceText
+from decode_service.front_door.generation import Generation
+from decode_service.front_door.mailbox import Mailbox
+from decode_service.front_door.streams import StreamHub
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 from serving.errors import QueueFullError

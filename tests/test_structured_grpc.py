@@ -347,7 +347,7 @@ def test_a_reasoning_parser_needs_a_single_think_token(tmp_path):
     from tiny_tokenizer import build_tiny_tokenizer
 
     from base.errors import ConfigError
-    from decode_service.constraints import reasoning_end_token_id
+    from decode_service.front_door.constraints import reasoning_end_token_id
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "tok"))

@@ -16,8 +16,8 @@ from conftest import engine_for, random_prompts, tiny_hf_model
 from test_decode_scheduler import Harness
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
+from decode_service.engine_core.request import ServedRequest
 from decode_service.metrics import DecodeMetrics
-from decode_service.request import ServedRequest
 from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 from engine.tokenizer import Tokenizer
@@ -90,7 +90,7 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
 
 
 def test_compile_time_is_observed_per_compile_not_per_cache_hit(tokenizer):
-    from decode_service.grammar_compiler import GrammarCompiler
+    from decode_service.front_door.grammar_compiler import GrammarCompiler
 
     engine = engine_for(tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer)
     metrics = DecodeMetrics(Harness(engine).scheduler, engine)

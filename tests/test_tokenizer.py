@@ -18,7 +18,7 @@ from tiny_tokenizer import (
 )
 
 from base.errors import InvalidRequestError, ModelNotFoundError
-from decode_service.choice_text import ChoiceText, TextPiece
+from decode_service.front_door.choice_text import ChoiceText, TextPiece
 from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
 from engine.params import StoppingParams
 from engine.sequence import FinishReason

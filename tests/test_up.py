@@ -22,7 +22,7 @@ from conftest import save_tiny_model
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
-from decode_service.openai_http.protocol import Endpoint, translate
+from decode_service.front_door.openai_http.protocol import Endpoint, translate
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
 from tandem.up import EXIT_OK, EXIT_PREFILL_EXITED, how_to_call, split_threads, tier_specs

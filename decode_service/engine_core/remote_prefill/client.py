@@ -20,8 +20,8 @@ from concurrent.futures import Executor
 import grpc
 
 from base.errors import InvalidRequestError
-from decode_service.remote_prefill.pool import PrefillPool, PrefillReplica
-from decode_service.remote_prefill.transfer import (
+from decode_service.engine_core.remote_prefill.pool import PrefillPool, PrefillReplica
+from decode_service.engine_core.remote_prefill.transfer import (
     KVTransfer,
     PrefillCompleted,
     PrefillGaveUp,
@@ -30,7 +30,7 @@ from decode_service.remote_prefill.transfer import (
     PrefillUnavailableError,
     TransferCancelledError,
 )
-from decode_service.remote_prefill.write_pipeline import WritePipeline
+from decode_service.engine_core.remote_prefill.write_pipeline import WritePipeline
 from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVFramingError, KVTransferError
 from protos.tandem.internal.v1 import prefill_pb2

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from decode_service.openai_http.fields import (
+from decode_service.front_door.openai_http.fields import (
     FieldError,
     UnsupportedFieldError,
     boolean,

@@ -13,7 +13,7 @@ TTFT and completion times do not change.
 
 from __future__ import annotations
 
-from decode_service.request import StreamDelta
+from decode_service.engine_core.request import StreamDelta
 from serving.engine_thread import Deliver
 
 

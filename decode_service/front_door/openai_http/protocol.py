@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from decode_service.openai_http.agent_fields import (
+from decode_service.front_door.openai_http.agent_fields import (
     CONSTRAINT_FIELDS,
     chat_tools,
     structured_output,
     tool_calls,
 )
-from decode_service.openai_http.fields import (
+from decode_service.front_door.openai_http.fields import (
     INT32,
     FieldError,
     UnsupportedFieldError,
@@ -39,7 +39,7 @@ from decode_service.openai_http.fields import (
     number,
     string,
 )
-from decode_service.request_limits import RequestLimits
+from decode_service.front_door.request_limits import RequestLimits
 from engine.sampler import SEED_MASK
 from protos.tandem.v1 import generation_pb2 as pb
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from base.errors import ConfigError
-from decode_service.request import ServedRequest
+from decode_service.engine_core.request import ServedRequest
 
 Rank = tuple[float, ...]
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from base.errors import InvalidRequestError
-from decode_service.mailbox import Mailbox
-from decode_service.request import ServedRequest, StreamDelta
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.front_door.mailbox import Mailbox
 from serving.errors import QueueFullError
 from serving.registry import LiveCallRegistry
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from decode_service.openai_http.errors import error_body
+from decode_service.front_door.openai_http.errors import error_body
 
 logger = logging.getLogger(__name__)
 

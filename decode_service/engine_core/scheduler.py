@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from base.errors import ConfigError, InvalidRequestError
 from decode_service.config import DecodeServiceConfig
-from decode_service.policies import Rank, SchedulingPolicy
-from decode_service.prefill_stage import LocalPrefillStage, PrefillStage
-from decode_service.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
-from decode_service.step_record import ChunkKind
+from decode_service.engine_core.policies import Rank, SchedulingPolicy
+from decode_service.engine_core.prefill_stage import LocalPrefillStage, PrefillStage
+from decode_service.engine_core.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
+from decode_service.engine_core.step_record import ChunkKind
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
 from engine.sampler import SEED_MASK

@@ -33,17 +33,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 from base.auth import channel_credentials
 from decode_service.config import DecodeServiceConfig
-from decode_service.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
-from decode_service.remote_prefill.client import PrefillClient
-from decode_service.remote_prefill.pool import PrefillPool
-from decode_service.remote_prefill.transfer import (
+from decode_service.engine_core.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
+from decode_service.engine_core.remote_prefill.client import PrefillClient
+from decode_service.engine_core.remote_prefill.pool import PrefillPool
+from decode_service.engine_core.remote_prefill.transfer import (
     KVTransfer,
     PrefillCompleted,
     PrefillGaveUp,
     PrefillOutcome,
     PrefillTransferStats,
 )
-from decode_service.request import ServedRequest
+from decode_service.engine_core.request import ServedRequest
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
 from kv_transfer import PagedKV

@@ -31,7 +31,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:
     from decode_service.config import DecodeServiceConfig
-    from decode_service.grammar_compiler import GrammarCompiler
+    from decode_service.front_door.grammar_compiler import GrammarCompiler
     from engine.engine import Engine
     from engine.tokenizer import Tokenizer
 
@@ -283,7 +283,7 @@ class Constraints:
     def for_engine(cls, engine: Engine, config: DecodeServiceConfig) -> Constraints:
         """The server's constraints over `engine`'s vocabulary; a ConfigError when the reasoning parser
         cannot work with its tokenizer. Cheap: the compiler starts on the first constraint."""
-        from decode_service.grammar_compiler import GrammarCompiler
+        from decode_service.front_door.grammar_compiler import GrammarCompiler
 
         tokenizer = engine.tokenizer
         activate_after = reasoning_end_token_id(tokenizer, config.reasoning_parser)

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 
 from base.errors import TandemError
-from decode_service.request import ServedRequest, StreamDelta
-from decode_service.scheduler import ContinuousScheduler, StepPlan
-from decode_service.step_record import ChunkRecord, StepRecord
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.scheduler import ContinuousScheduler, StepPlan
+from decode_service.engine_core.step_record import ChunkRecord, StepRecord
 from engine.engine import Engine
 from engine.sequence import FinishReason
 from serving.engine_thread import Deliver, EngineThread

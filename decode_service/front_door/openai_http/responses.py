@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_service.openai_http.protocol import Endpoint, OpenAIRequest
+from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest
 from protos.tandem.v1 import generation_pb2 as pb
 
 # "abort" is vLLM's word for a request the server ended (drain, shutdown); OpenAI has none.

@@ -2,7 +2,7 @@
 
 Everything here is bounded by the request's size, not its content: counts and byte sizes against the
 server's limits (`RequestLimits`), the max_tokens cap, the number of choices, and the trusted gateway
-headers. What needs the tokenizer or the grammar compiler is `decode_service.validation`'s, run off
+headers. What needs the tokenizer or the grammar compiler is `decode_service.front_door.validation`'s, run off
 the loop; what the HTTP door must bound before it can even build a request (a chat's turns, a
 logit_bias's entries) it counts with the same `RequestLimits`.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from base.errors import InvalidRequestError
 from decode_service.config import DecodeServiceConfig
-from decode_service.request_limits import RequestLimits
+from decode_service.front_door.request_limits import RequestLimits
 from engine.engine import Engine
 from protos.tandem.v1 import generation_pb2 as pb
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
-from decode_service.request import ServedRequest
+from decode_service.engine_core.request import ServedRequest
 from engine.engine import TokenOutput
 from engine.model_runner import ScheduledChunk
 

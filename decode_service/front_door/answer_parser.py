@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from decode_service.constraints import ConstraintError
-from decode_service.reasoning import ReasoningParser, make_reasoning_parser
-from decode_service.tool_parsers import (
+from decode_service.front_door.constraints import ConstraintError
+from decode_service.front_door.reasoning import ReasoningParser, make_reasoning_parser
+from decode_service.front_door.tool_parsers import (
     TOOL_CALL_PARSERS,
     NamedCallParser,
     RequiredCallsParser,

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from decode_service.constraints import CompileTimeoutError, ConstraintError
+from decode_service.front_door.constraints import CompileTimeoutError, ConstraintError
 from engine.grammar import control_free_tokens
 from serving.errors import TierUnavailableError
 

@@ -20,18 +20,18 @@ import grpc
 
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
-from decode_service.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
-from decode_service.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
-from decode_service.choice_text import ChoiceText, TextPiece
 from decode_service.config import DecodeServiceConfig
-from decode_service.constraints import Constraints, may_compile
-from decode_service.engine_loop import EngineLoop
-from decode_service.mailbox import Mailbox
-from decode_service.request import ServedRequest, StreamDelta
-from decode_service.stream_interval import coalesce
-from decode_service.streams import StreamHub
-from decode_service.validation import build_sequence, skips_special_tokens
-from decode_service.validation_pool import ValidationPool
+from decode_service.engine_core.engine_loop import EngineLoop
+from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.stream_interval import coalesce
+from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
+from decode_service.front_door.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
+from decode_service.front_door.choice_text import ChoiceText, TextPiece
+from decode_service.front_door.constraints import Constraints, may_compile
+from decode_service.front_door.mailbox import Mailbox
+from decode_service.front_door.streams import StreamHub
+from decode_service.front_door.validation import build_sequence, skips_special_tokens
+from decode_service.front_door.validation_pool import ValidationPool
 from engine.engine import Engine
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from base.errors import ConfigError
-from decode_service.openai_http.connections import ConnectionLimits, GuardedHttpProtocol
+from decode_service.front_door.openai_http.connections import ConnectionLimits, GuardedHttpProtocol
 from serving.config import TLSConfig
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from base.errors import TandemError
-from decode_service.request import ServedRequest
+from decode_service.engine_core.request import ServedRequest
 from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVRangeError, PagedKV
 from protos.tandem.internal.v1 import prefill_pb2

@@ -13,8 +13,8 @@ import time
 import grpc
 
 from base.logs import log_event
-from decode_service.admission import tenant_and_priority
-from decode_service.generation import Generations
+from decode_service.front_door.admission import tenant_and_priority
+from decode_service.front_door.generation import Generations
 from engine.config import dtype_name
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode_service.remote_prefill.targets import PrefillTarget, resolve_target
+from decode_service.engine_core.remote_prefill.targets import PrefillTarget, resolve_target
 from kv_transfer import KVLayout, compatibility_hash
 from kv_transfer.errors import KVLayoutMismatchError
 from kv_transfer.grpc_method import CLIENT_CHANNEL_OPTIONS, PrefillStub

@@ -8,9 +8,9 @@ Two kinds, both fed each choice's answer text (after any reasoning was split off
   several separated by `;`) and `mistral` (`[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`). Each call
   is emitted once its JSON is complete; text that may be the start of a marker (`<tool_`) is held back
   until the next delta decides it, and flushed as text at the end. What does not parse as a call is text.
-- The grammar-enforced ones, whose format `decode_service.constraints` compiles: `required` (a JSON array
-  `[{"name": .., "arguments": {..}}, ..]`) and a named function (the arguments object itself). The
-  grammar guarantees the shape, so their arguments stream as they are generated.
+- The grammar-enforced ones, whose format `decode_service.front_door.constraints` compiles: `required`
+  (a JSON array `[{"name": .., "arguments": {..}}, ..]`) and a named function (the arguments object
+  itself). The grammar guarantees the shape, so their arguments stream as they are generated.
 
 Every call's first delta carries its index, id and name; later deltas add pieces of its arguments.
 """
@@ -23,7 +23,7 @@ import secrets
 import string
 from collections.abc import Callable
 
-from decode_service.reasoning import held_prefix_length
+from decode_service.front_door.reasoning import held_prefix_length
 from protos.tandem.v1 import generation_pb2 as pb
 
 _ALPHANUMERIC = string.ascii_letters + string.digits

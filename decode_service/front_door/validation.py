@@ -2,8 +2,8 @@
 
 What the request's fields get wrong is caught here, before the request reaches the scheduler, as an
 `InvalidRequestError` whose message names the field: INVALID_ARGUMENT over gRPC, 400 over HTTP.
-The cheap checks that come first, on the event loop, are `decode_service.admission`'s; the answer
-parsers a request asks for are `decode_service.answer_parser`'s.
+The cheap checks that come first, on the event loop, are `decode_service.front_door.admission`'s; the answer
+parsers a request asks for are `decode_service.front_door.answer_parser`'s.
 
 Defaults for unset fields follow what vLLM users expect: temperature 1.0, top_p 1.0, top_k off,
 min_p 0, no seed; `max_tokens` unset means "until the context is full", capped by the server's
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from base.errors import ConfigError, InvalidRequestError
-from decode_service.constraints import (
+from decode_service.engine_core.scheduler import check_fits_pool
+from decode_service.front_door.constraints import (
     ConstraintError,
     Constraints,
     Tool,
@@ -26,7 +27,6 @@ from decode_service.constraints import (
     parse_tools,
     tool_choice,
 )
-from decode_service.scheduler import check_fits_pool
 from engine.engine import Engine
 from engine.params import StoppingParams
 from engine.sequence import Sequence
