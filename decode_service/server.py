@@ -78,7 +78,9 @@ class DecodeServer(TierServer):
         stage = self.remote_prefill.stage if self.remote_prefill is not None else None
         self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
         self.events = EventLog(config.event_log_size)
-        capacity = engine.config.max_num_seqs + config.max_queue
+        # The front door knows the model by its facts alone (it will run where the weights are not).
+        facts = engine.facts
+        capacity = facts.max_num_seqs + config.max_queue
         self.registry = StreamHub(asyncio.get_running_loop(), capacity, config.max_stream_buffer)
         self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
         if self.remote_prefill is not None:
@@ -88,15 +90,15 @@ class DecodeServer(TierServer):
         self.registry.abort = self.engine_loop.abort
         # A batch's worth of constrained requests may wait for their first compile (then they are warm).
         self._validation = ValidationPool(
-            config.max_validation_queue, max(config.max_validation_queue, engine.config.max_num_seqs)
+            config.max_validation_queue, max(config.max_validation_queue, facts.max_num_seqs)
         )
         if config.chat_template is not None:
-            use_chat_template(engine, config.chat_template)
-        self.constraints = Constraints.for_engine(engine, config)
+            use_chat_template(facts, config.chat_template)
+        self.constraints = Constraints.for_model(facts, config)
         if self.constraints.compiler is not None:
             self.metrics.watch_grammar_compiler(self.constraints.compiler)
         self.generations = Generations(
-            engine, self.engine_loop, self.registry, config, self._validation, self.constraints
+            facts, self.engine_loop, self.registry, config, self._validation, self.constraints
         )
         servicer = GenerationServicer(self.generations, self.watchdog, server_version())
         self._serve(
@@ -109,7 +111,7 @@ class DecodeServer(TierServer):
         if config.http_port is not None:
             routes = OpenAIRoutes(
                 self.generations,
-                config.served_model_name or engine.model_name,
+                config.served_model_name or facts.model_name,
                 config.auth_token,
                 MAX_HTTP_BODY_BYTES,
                 lambda: self._http_serving,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarMask, GrammarState
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.model_facts import ModelFacts
 from engine.model_runner import ModelRunner, ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler, SamplerOutput, TokenHistory, argmax_suffices
@@ -115,9 +115,11 @@ class Engine:
         model.load_weights(state_dict)
         self.platform.specialize(model)
         self.model = model.eval()
-        self.block_size = config.cache.block_size
-        self.kv_dtype = config.kv_dtype
-        num_blocks = config.cache.resolve_num_blocks(model_config, self.kv_dtype)
+        # What the front door knows of this model; the pool, EOS and length rules below are its.
+        self.facts = ModelFacts.of(model_config, config, tokenizer, model_name)
+        self.block_size = self.facts.block_size
+        self.kv_dtype = self.facts.kv_dtype
+        num_blocks = self.facts.num_blocks
         self.kv_cache = KVCache.allocate(
             model_config, num_blocks, self.block_size, self.kv_dtype, self.device
         )
@@ -134,13 +136,8 @@ class Engine:
         self.sampler = Sampler()
         # Called with the seconds each step spent filling grammar masks (metrics); None: nobody listens.
         self.grammar_fill_observer: Callable[[float], None] | None = None
-        eos = set(model_config.eos_token_ids)
-        if tokenizer is not None:
-            eos |= set(tokenizer.eos_token_ids)
-        self.eos_token_ids = frozenset(eos)
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
+        self.eos_token_ids = self.facts.eos_token_ids
+        self.max_model_len = self.facts.max_model_len
         logger.info(
             "engine ready",
             extra={
@@ -177,31 +174,10 @@ class Engine:
         cache_salt: str = "",
         grammar: GrammarState | None = None,
     ) -> Sequence:
-        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`)."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt has no tokens")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}"
-            )
-        sampling.validate()
-        stopping.validate()
-        if len(prompt_token_ids) + stopping.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({stopping.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        return Sequence(
-            request_id or uuid.uuid4().hex,
-            prompt_token_ids,
-            sampling,
-            stopping,
-            cache_salt=cache_salt,
-            grammar=grammar,
-        )
+        """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`).
+
+        The checks are the facts' (`ModelFacts.make_sequence`): the front door runs them with no engine."""
+        return self.facts.make_sequence(prompt_token_ids, sampling, stopping, request_id, cache_salt, grammar)
 
     def fork(self, parent: Sequence, sampling: SamplingParams, share_kv: bool) -> Sequence:
         """Another completion of `parent`'s prompt (a choice of a request with n > 1).

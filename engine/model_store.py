@@ -170,14 +170,9 @@ def load_checkpoint(
     `model.embed_tokens.weight` (we report what is on disk and invent nothing). Tensors are cast to
     `dtype` when given. Raises ModelNotFoundError for a missing or unreadable checkpoint.
     """
-    from transformers import AutoConfig
-
     path = checkpoint_dir(Path(path))
     started = time.monotonic()
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot read config.json in {path}: {exc}") from exc
+    config = load_hf_config(path)
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_shards(path):
         try:
@@ -192,6 +187,19 @@ def load_checkpoint(
         state_dict.update(tensors)
     logger.info("loaded %d tensors from %s in %.2f s", len(state_dict), path, time.monotonic() - started)
     return config, state_dict
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """Read a checkpoint's Hugging Face config alone, without touching its weights (what a process that
+    only needs the model's facts, such as the decode front door, reads). Raises ModelNotFoundError for a
+    missing or unreadable checkpoint."""
+    from transformers import AutoConfig
+
+    path = checkpoint_dir(Path(path))
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot read config.json in {path}: {exc}") from exc
 
 
 def model_fingerprint(path: Path) -> str:

@@ -10,12 +10,11 @@ from types import SimpleNamespace
 import pytest
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 
-from base.errors import InvalidRequestError
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.engine_loop import EngineLoop
 from decode_service.engine_core.policies import make_policy
 from decode_service.engine_core.request import RequestState, ServedRequest, StreamDelta
-from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler, check_fits_pool
+from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler
 from decode_service.engine_core.step_record import StepRecord
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
@@ -408,15 +407,6 @@ def test_a_failing_forward_fails_its_requests_and_frees_their_blocks(hf_model, m
     harness.submit("b", prompts[1], 5)
     harness.run()
     assert harness.tokens["b"] == hf_greedy(hf_model, prompts[1], 5)
-
-
-def test_a_request_longer_than_the_whole_pool_is_refused_up_front(hf_model):
-    engine = engine_for(hf_model, block_size=8, num_blocks=4)
-    fits = engine.make_sequence(list(range(10)), GREEDY, StoppingParams(max_tokens=22))
-    check_fits_pool(engine, fits)
-    too_long = engine.make_sequence(list(range(10)), GREEDY, StoppingParams(max_tokens=23))
-    with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the server's pool has 4"):
-        check_fits_pool(engine, too_long)
 
 
 def test_a_failed_warm_up_is_reported_instead_of_ready(hf_model, monkeypatch):

@@ -31,6 +31,10 @@ RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 # The command line wires every layer together (`tandem bench` runs bench), so it alone may import up.
 CLI_MODULES = ("tandem/cli.py", "tandem/up*.py")
 
+# The modules that hold the model's weights or its KV cache: the decode front door must not need them,
+# so that it can run in a process that never loads them (it knows the model by `engine.model_facts`).
+WEIGHT_MODULES = ("engine.engine", "engine.model", "engine.model_runner", "engine.kv_cache")
+
 
 def product_packages() -> set[str]:
     """Top-level directories of the repository that are Python packages, tests aside."""
@@ -45,6 +49,15 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.lineno, node.module))
+    return found
+
+
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    """`imported_modules`, plus `package.name` for each `from package import name` (which may be a module)."""
+    found = imported_modules(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -90,3 +103,17 @@ def test_the_decode_engine_core_never_imports_its_front_door() -> None:
 def test_no_package_imports_upward_or_across() -> None:
     offences = offending_imports()
     assert not offences, "imports against the layering:\n" + "\n".join(offences)
+
+
+def test_the_decode_front_door_knows_the_model_only_by_its_facts() -> None:
+    """Type-only imports count too: an annotation is how a dependency on the engine creeps back in."""
+    front_door = ROOT / "decode_service" / "front_door"
+    offences = {
+        f"{path.relative_to(ROOT).as_posix()}:{line}: imports {weights}"
+        for path in sorted(front_door.rglob("*.py"))
+        for line, module in imported_names(path)
+        for weights in WEIGHT_MODULES
+        if module == weights or module.startswith(f"{weights}.")
+    }
+    assert list(front_door.rglob("*.py")), "the walk found no front door"
+    assert not offences, "the front door imports what holds the weights:\n" + "\n".join(sorted(offences))

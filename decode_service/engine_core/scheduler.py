@@ -46,21 +46,6 @@ class StepPlan:
         self.kinds.append(kind)
 
 
-def check_fits_pool(engine: Engine, seq: Sequence) -> None:
-    """Refuse a request that could not finish even with the whole KV pool to itself.
-
-    Preemption only helps when the victim can eventually run alone; a request longer than the pool
-    would preempt everyone and then itself, forever.
-    """
-    needed = engine.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
-    total = engine.num_blocks
-    if needed > total:
-        raise InvalidRequestError(
-            f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) needs "
-            f"{needed} KV blocks but the server's pool has {total}; lower max_tokens"
-        )
-
-
 class ContinuousScheduler:
     """Continuous batching with chunked prefill, policy-ordered admission and preemption."""
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from base.errors import InvalidRequestError
 from decode_service.config import DecodeServiceConfig
 from decode_service.front_door.request_limits import RequestLimits
-from engine.engine import Engine
+from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2 as pb
 
 
@@ -60,9 +60,9 @@ def check_max_tokens_cap(request: pb.GenerateRequest, max_tokens_cap: int) -> No
         )
 
 
-def num_choices(request: pb.GenerateRequest, engine: Engine) -> int:
+def num_choices(request: pb.GenerateRequest, model: ModelFacts) -> int:
     """How many completions the request asks for: n, with 0 (unset) meaning 1, at most max_num_seqs."""
-    limit = engine.config.max_num_seqs
+    limit = model.max_num_seqs
     if request.n < 0 or request.n > limit:
         raise InvalidRequestError(f"n must be in [1, {limit}] (this server's max_num_seqs), got {request.n}")
     return request.n or 1

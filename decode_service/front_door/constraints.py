@@ -32,7 +32,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 if TYPE_CHECKING:
     from decode_service.config import DecodeServiceConfig
     from decode_service.front_door.grammar_compiler import GrammarCompiler
-    from engine.engine import Engine
+    from engine.model_facts import ModelFacts
     from engine.tokenizer import Tokenizer
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -280,18 +280,18 @@ class Constraints:
                 self._warm.popitem(last=False)
 
     @classmethod
-    def for_engine(cls, engine: Engine, config: DecodeServiceConfig) -> Constraints:
-        """The server's constraints over `engine`'s vocabulary; a ConfigError when the reasoning parser
+    def for_model(cls, model: ModelFacts, config: DecodeServiceConfig) -> Constraints:
+        """The server's constraints over `model`'s vocabulary; a ConfigError when the reasoning parser
         cannot work with its tokenizer. Cheap: the compiler starts on the first constraint."""
         from decode_service.front_door.grammar_compiler import GrammarCompiler
 
-        tokenizer = engine.tokenizer
+        tokenizer = model.tokenizer
         activate_after = reasoning_end_token_id(tokenizer, config.reasoning_parser)
         if tokenizer is None:
             return cls(None)
         compiler = GrammarCompiler(
             tokenizer.hf,
-            engine.vocab_size,
+            model.vocab_size,
             tokenizer.eos_token_ids,
             config.structured_output_compile_timeout_s,
             config.grammar_cache_size,

@@ -32,7 +32,7 @@ from decode_service.front_door.mailbox import Mailbox
 from decode_service.front_door.streams import StreamHub
 from decode_service.front_door.validation import build_sequence, skips_special_tokens
 from decode_service.front_door.validation_pool import ValidationPool
-from engine.engine import Engine
+from engine.model_facts import ModelFacts
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.status import status_for
@@ -120,18 +120,19 @@ def _log_refused(request_id: str, error: Exception) -> None:
 
 
 class Generations:
-    """The way in for both front doors, over one engine loop and one registry of live streams."""
+    """The way in for both front doors, over one engine loop and one registry of live streams; the served
+    model is known by its facts (`model`), never by its engine."""
 
     def __init__(
         self,
-        engine: Engine,
+        model: ModelFacts,
         engine_loop: EngineLoop,
         hub: StreamHub,
         config: DecodeServiceConfig,
         validation: ValidationPool,
         constraints: Constraints | None = None,
     ) -> None:
-        self.engine = engine
+        self.model = model
         # Compiles the grammars of constrained requests; None: such requests are refused.
         self._constraints = constraints
         self.config = config
@@ -148,7 +149,7 @@ class Generations:
         over-capacity request costs nothing; the slot is given back if validation fails.
         """
         try:
-            check_limits(request, self.config.limits, self.engine.max_model_len)
+            check_limits(request, self.config.limits, self.model.max_model_len)
         except InvalidRequestError as exc:
             _log_refused("-", exc)  # the id itself may be what is too long
             raise
@@ -157,7 +158,7 @@ class Generations:
         try:
             self._hub.check_accepting()
             check_max_tokens_cap(request, self.config.max_tokens_cap)
-            n = num_choices(request, self.engine)
+            n = num_choices(request, self.model)
             parsers = answer_parser_factory(
                 request, self.config.tool_call_parser, self.config.reasoning_parser
             )
@@ -171,7 +172,7 @@ class Generations:
                 build_sequence,
                 request,
                 request_id,
-                self.engine,
+                self.model,
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
@@ -201,7 +202,7 @@ class Generations:
         self._engine_loop.submit(served)
         new_text = functools.partial(
             ChoiceText,
-            self.engine.tokenizer,
+            self.model.tokenizer,
             seq.token_ids[: seq.num_prompt_tokens],
             seq.stopping,
             skips_special_tokens(request, keeps_special_tokens(request, self.config.tool_call_parser)),

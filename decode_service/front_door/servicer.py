@@ -64,18 +64,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        engine = self._generations.engine
+        model = self._generations.model
         config = self._generations.config
         return pb.ModelInfo(
-            model_name=engine.model_name,
-            max_context_length=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            eos_token_ids=sorted(engine.eos_token_ids),
-            dtype=dtype_name(engine.dtype),
-            block_size=engine.block_size,
+            model_name=model.model_name,
+            max_context_length=model.max_model_len,
+            vocab_size=model.vocab_size,
+            eos_token_ids=sorted(model.eos_token_ids),
+            dtype=dtype_name(model.dtype),
+            block_size=model.block_size,
             mode=pb.SERVING_MODE_DISAGGREGATED if config.disaggregated else pb.SERVING_MODE_AGGREGATED,
             server_version=self._server_version,
-            prefix_caching=engine.config.enable_prefix_caching,
+            prefix_caching=model.enable_prefix_caching,
         )
 
     @staticmethod

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from base.errors import ConfigError, InvalidRequestError
-from decode_service.engine_core.scheduler import check_fits_pool
 from decode_service.front_door.constraints import (
     ConstraintError,
     Constraints,
@@ -27,7 +26,7 @@ from decode_service.front_door.constraints import (
     parse_tools,
     tool_choice,
 )
-from engine.engine import Engine
+from engine.model_facts import ModelFacts
 from engine.params import StoppingParams
 from engine.sequence import Sequence
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -59,7 +58,9 @@ def chat_message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
     return converted
 
 
-def prompt_token_ids(request: pb.GenerateRequest, engine: Engine, tools: SequenceOf[Tool] = ()) -> list[int]:
+def prompt_token_ids(
+    request: pb.GenerateRequest, model: ModelFacts, tools: SequenceOf[Tool] = ()
+) -> list[int]:
     """The prompt as token ids, from exactly one of prompt, token_ids and messages; chats show `tools`."""
     given = [
         name
@@ -77,7 +78,7 @@ def prompt_token_ids(request: pb.GenerateRequest, engine: Engine, tools: Sequenc
         raise ConstraintError("chat_template_kwargs_json", "needs a chat request (messages)")
     if given[0] == "token_ids":
         return list(request.token_ids)
-    tokenizer = engine.tokenizer
+    tokenizer = model.tokenizer
     if tokenizer is None:
         raise InvalidRequestError(f"this server has no tokenizer: send token_ids instead of {given[0]}")
     if given[0] == "prompt":
@@ -109,14 +110,14 @@ def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
 
 
 def stopping_params(
-    request: pb.GenerateRequest, num_prompt_tokens: int, engine: Engine, max_tokens_cap: int
+    request: pb.GenerateRequest, num_prompt_tokens: int, model: ModelFacts, max_tokens_cap: int
 ) -> StoppingParams:
     """StoppingParams; unset max_tokens fills the context up to `max_tokens_cap`. Validated."""
     proto = request.stopping
     if proto.HasField("max_tokens"):
         max_tokens = proto.max_tokens
     else:
-        max_tokens = max(1, min(engine.max_model_len - num_prompt_tokens, max_tokens_cap))
+        max_tokens = max(1, min(model.max_model_len - num_prompt_tokens, max_tokens_cap))
     params = StoppingParams(
         max_tokens=max_tokens,
         stop=tuple(proto.stop),
@@ -124,7 +125,7 @@ def stopping_params(
         ignore_eos=proto.ignore_eos,
         min_tokens=proto.min_tokens,
     )
-    params.validate(engine.vocab_size)
+    params.validate(model.vocab_size)
     return params
 
 
@@ -136,15 +137,16 @@ def cache_salt(request: pb.GenerateRequest, salt_tenant: str | None) -> str:
     return f"{len(salt_tenant)}:{salt_tenant}:{request.cache_salt}"
 
 
-def use_chat_template(engine: Engine, path: Path) -> None:
-    """Render this server's chats with the Jinja template in `path` (--chat-template), read now."""
-    if engine.tokenizer is None:
+def use_chat_template(model: ModelFacts, path: Path) -> None:
+    """Render this server's chats with the Jinja template in `path` (--chat-template), read now; set on the
+    tokenizer object, so whoever shares it with `model` (the engine that built it) renders the same."""
+    if model.tokenizer is None:
         raise ConfigError("--chat-template needs the model's tokenizer")
     try:
         template = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the chat template {path}: {exc}") from None
-    engine.tokenizer.set_chat_template(template)
+    model.tokenizer.set_chat_template(template)
 
 
 def rendered_tools(request: pb.GenerateRequest, tools: list[Tool]) -> list[Tool]:
@@ -164,7 +166,7 @@ def skips_special_tokens(request: pb.GenerateRequest, keep_special_tokens: bool)
 def build_sequence(
     request: pb.GenerateRequest,
     request_id: str,
-    engine: Engine,
+    model: ModelFacts,
     max_tokens_cap: int,
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
@@ -174,12 +176,27 @@ def build_sequence(
     Tokenizes text and chat prompts and compiles constraints (cached; bounded by the compiler's
     timeout), so call it off the event loop. Without `constraints` a constrained request is refused.
     """
-    sampling = sampling_params(request.sampling, engine.vocab_size)
+    sampling = sampling_params(request.sampling, model.vocab_size)
     tools = parse_tools(request)
     spec = grammar_spec(request, tools)
-    ids = prompt_token_ids(request, engine, rendered_tools(request, tools))
-    stopping = stopping_params(request, len(ids), engine, max_tokens_cap)
+    ids = prompt_token_ids(request, model, rendered_tools(request, tools))
+    stopping = stopping_params(request, len(ids), model, max_tokens_cap)
     grammar = (constraints or Constraints(None)).compile(spec, request, ids)
-    seq = engine.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar)
-    check_fits_pool(engine, seq)
+    seq = model.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar)
+    check_fits_pool(model, seq)
     return seq
+
+
+def check_fits_pool(model: ModelFacts, seq: Sequence) -> None:
+    """Refuse a request that could not finish even with the whole KV pool to itself.
+
+    Preemption only helps when the victim can eventually run alone; a request longer than the pool
+    would preempt everyone and then itself, forever.
+    """
+    needed = model.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
+    total = model.num_blocks
+    if needed > total:
+        raise InvalidRequestError(
+            f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) needs "
+            f"{needed} KV blocks but the server's pool has {total}; lower max_tokens"
+        )

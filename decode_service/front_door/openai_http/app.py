@@ -134,7 +134,7 @@ class OpenAIRoutes:
         self._max_body_bytes = max_body_bytes
         self._is_serving = is_serving
         self._created = int(time.time())
-        tokenizer = generations.engine.tokenizer
+        tokenizer = generations.model.tokenizer
         decode = tokenizer.decode if tokenizer is not None else None
         # Logprob entries name their tokens; a small cache keeps repeated tokens from re-decoding.
         self._token_text = lru_cache(maxsize=65536)(
@@ -158,14 +158,14 @@ class OpenAIRoutes:
             self._authorize(request)
         except UnauthorizedError as exc:
             return self._error(exc)
-        engine = self._generations.engine
+        model = self._generations.model
         card = {
             "id": self.model,
             "object": "model",
             "created": self._created,
             "owned_by": "tandem",
-            "root": engine.model_name,
-            "max_model_len": engine.max_model_len,
+            "root": model.model_name,
+            "max_model_len": model.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
 
