@@ -210,13 +210,21 @@ def test_tool_choice_none_and_auto_are_served(server, stream):
 
 
 def test_a_tool_result_turn(server):
-    first = create(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = create(server, tools=TOOLS, tool_choice=named, **SAMPLED)
     assistant = first.choices[0].message
     result = {"role": "tool", "tool_call_id": assistant.tool_calls[0].id, "content": '{"temperature": 21}'}
     messages = [*MESSAGES, assistant.model_dump(exclude_none=True), result]
     assert messages[1]["tool_calls"] and "content" not in messages[1]
+    # Seeded and past EOS: an unseeded answer once sampled EOS within its 8 tokens ("stop").
     answer = create(
-        server, messages=[*MESSAGES, assistant, result], tools=TOOLS, tool_choice="none", max_tokens=8
+        server,
+        messages=[*MESSAGES, assistant, result],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+        **SAMPLED,
     )
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
     again = create(server, messages=messages, tools=TOOLS, tool_choice="required", **GREEDY)
