@@ -12,6 +12,8 @@ counts):
 - `tandem-disaggregated`  a prefill server and a decode server;
 - `tandem-aggregated-int8`, `tandem-aggregated-int8-kv-int8`  the aggregated server with int8 weights
                    (`--quantization int8`), and with the int8 KV cache too (`--kv-cache-dtype int8`);
+- `tandem-aggregated-in-process`  the aggregated server with its engine core on a thread of the server
+                   process (`--engine-in-process`), the shape before issue 23;
 - `llama-server`   llama.cpp, `-np 16 -cb`, on the F32 GGUF of the same Q4_1 weights (needs
                    `python -m bench.llama_cpp_build` once);
 - `llama-server-q8_0`  the same on the Q8_0 GGUF (`--no-repack`), what CPU users of llama.cpp run.
@@ -52,14 +54,16 @@ SYSTEMS = (
     "tandem-disaggregated",
     "tandem-aggregated-int8",
     "tandem-aggregated-int8-kv-int8",
+    "tandem-aggregated-in-process",
     "llama-server",
     "llama-server-q8_0",
 )
-# The server flags of each precision mode of the aggregated server.
-PRECISION_FLAGS = {
+# The server flags of each variant of the aggregated server.
+AGGREGATED_FLAGS = {
     "tandem-aggregated": [],
     "tandem-aggregated-int8": ["--quantization", "int8"],
     "tandem-aggregated-int8-kv-int8": ["--quantization", "int8", "--kv-cache-dtype", "int8"],
+    "tandem-aggregated-in-process": ["--engine-in-process"],
 }
 SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "llama-server")
 BASELINE = "hf-static"
@@ -149,9 +153,9 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
     """Start system `name`; yields (backend kind, target, system description)."""
     from bench import servers
 
-    if name in ("tandem-static", "tandem-aggregated-http", *PRECISION_FLAGS):
+    if name in ("tandem-static", "tandem-aggregated-http", *AGGREGATED_FLAGS):
         batching = "static" if name == "tandem-static" else "continuous"
-        server_args = _tandem_server_args(args, batching) + PRECISION_FLAGS.get(name, [])
+        server_args = _tandem_server_args(args, batching) + AGGREGATED_FLAGS.get(name, [])
         http_port = servers.free_port() if name.endswith("-http") else None
         if http_port is not None:
             server_args += ["--http-port", str(http_port)]

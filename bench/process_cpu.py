@@ -45,6 +45,37 @@ def process_cpu_seconds(pid: int) -> float:
         raise ProcessCpuError(f"cannot read the CPU time of process {pid}: {exc}") from exc
 
 
+def descendants(pid: int) -> list[int]:
+    """The living processes `pid` started, and theirs (the decode server's engine-core process)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(text[text.rindex(")") + 2 :].split()[1])
+        parents.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and of every living process under it: a server's whole cost."""
+    total = process_cpu_seconds(pid)
+    for child in descendants(pid):
+        try:
+            total += process_cpu_seconds(child)
+        except ProcessCpuError:
+            continue  # exited meanwhile
+    return total
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, ThreadCpu]:
     """CPU seconds of each living thread of `pid`, by thread id (threads that exit meanwhile are skipped)."""
     threads = {}

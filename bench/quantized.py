@@ -46,7 +46,10 @@ LABELS = {
     "tandem-aggregated-int8-kv-int8": "tandem int8 + int8 KV",
     "llama-server": "llama-server F32",
     "llama-server-q8_0": "llama-server Q8_0",
+    "tandem-aggregated-in-process": "tandem fp32, engine in process",
 }
+# Known but not run by default: the engine-core shapes compared on the real model (issue 23).
+OPTIONAL_SYSTEMS = ("tandem-aggregated-in-process",)
 # The pair the ratios compare: tandem's 8-bit weights against llama.cpp's.
 TANDEM, PEER = "tandem-aggregated-int8", "llama-server-q8_0"
 MAX_START_LOAD = 1.0
@@ -69,9 +72,10 @@ def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> a
 
 def _systems(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = set(names) - set(SYSTEMS)
+    known = SYSTEMS + OPTIONAL_SYSTEMS
+    unknown = set(names) - set(known)
     if unknown:
-        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)})")
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
     return names
 
 

@@ -61,7 +61,8 @@ async def _serve(port: int, step_ms: float) -> None:
     from protos.tandem.v1 import generation_pb2 as pb
     from protos.tandem.v1 import generation_pb2_grpc
 
-    ticker = StepTicker(step_ms / 1000)
+    # 0: no steps, every stream writes back to back (the fastest this stack streams).
+    ticker = StepTicker(step_ms / 1000) if step_ms > 0 else None
 
     class BareGeneration(generation_pb2_grpc.GenerationServicer):
         async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -69,19 +70,27 @@ async def _serve(port: int, step_ms: float) -> None:
                 request_id=request.request_id, token_ids=[TOKEN_ID], text=TOKEN_TEXT
             )
             for _ in range(request.stopping.max_tokens):
-                await ticker.next_step()
+                if ticker is not None:
+                    await ticker.next_step()
                 await context.write(message)
+
+        async def GetModelInfo(
+            self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        ) -> pb.ModelInfo:
+            # What a benchmark client asks before it streams; the bare server serves no model.
+            return pb.ModelInfo(model_name="bare-grpc")
 
     server = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServicer_to_server(BareGeneration(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    ticking = asyncio.get_running_loop().create_task(ticker.run())
+    ticking = asyncio.get_running_loop().create_task(ticker.run()) if ticker is not None else None
     try:
         await server.wait_for_termination()
     finally:
-        ticking.cancel()
+        if ticking is not None:
+            ticking.cancel()
 
 
 async def _drive(target: str, streams: int, messages: int) -> int:
@@ -173,7 +182,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="the bare grpc.aio server of the gRPC write floor")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument(
-        "--step-ms", type=float, default=STEP_MS, help="time between two messages of a stream"
+        "--step-ms",
+        type=float,
+        default=STEP_MS,
+        help="time between two messages of a stream (0: back to back)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

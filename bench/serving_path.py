@@ -6,8 +6,9 @@ next to nothing.
 Writes a near-zero-cost model (3 layers of width 64, random weights, the real SmolLM2 tokenizer; see
 bench.near_zero_model), starts `tandem serve decode` on it in its own process, and sends `--streams`
 greedy requests of exactly `--output-len` tokens all at once, `--rounds` times after a warm-up. For each
-round it reads the server process's CPU seconds from the OS before and after (so the figure is the
-server's whole cost: engine thread, asyncio loop, gRPC threads) and reports:
+round it reads the CPU seconds of the server process and the processes under it (the engine core)
+from the OS before and after (so the figure is the server's whole cost: engine loop, asyncio loop,
+gRPC threads, both processes) and reports:
 
 - server CPU per token (µs; the same number is ms per 1,000 tokens) and per thread;
 - served tokens per second (wall clock: moves with the machine's load, unlike CPU time);
@@ -33,6 +34,7 @@ import math
 import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,13 +121,19 @@ def _backend(api: str, grpc_target: str, http_port: int | None) -> StreamingBack
 
 async def _measure_round(backend: StreamingBackend, requests: list[WorkloadRequest], pid: int) -> dict:
     from bench.metrics import compute_metrics
-    from bench.process_cpu import process_cpu_seconds, thread_cpu_delta, thread_cpu_seconds
+    from bench.process_cpu import descendants, thread_cpu_delta, thread_cpu_seconds, tree_cpu_seconds
     from bench.runner import run_load
 
-    threads_before, server_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    processes = [pid, *descendants(pid)]
+    threads_before = {p: thread_cpu_seconds(p) for p in processes}
+    server_before = tree_cpu_seconds(pid)
     load = await run_load(backend, requests, ArrivalProcess(math.inf), show_progress=False)
-    server_cpu_s = process_cpu_seconds(pid) - server_before
-    threads = thread_cpu_delta(threads_before, thread_cpu_seconds(pid), pid)
+    server_cpu_s = tree_cpu_seconds(pid) - server_before
+    threads = [
+        {**row, "process": "server" if p == pid else f"child {p}"}
+        for p in processes
+        for row in thread_cpu_delta(threads_before[p], thread_cpu_seconds(p), p)
+    ]
     tokens = sum(record.output_len for record in load.records)
     failed = [record.error for record in load.records if not record.ok]
     if failed:
@@ -140,7 +148,7 @@ async def _measure_round(backend: StreamingBackend, requests: list[WorkloadReque
         "server_cpu_us_per_token": round(1e6 * server_cpu_s / max(tokens, 1), 1),
         "server_cores_busy": round(server_cpu_s / load.duration_s, 2),
         "client_cpu_us_per_token": round(1e6 * load.client_cpu_s / max(tokens, 1), 1),
-        "server_threads_cpu_s": threads[:8],
+        "server_threads_cpu_s": sorted(threads, key=lambda row: row["cpu_s"], reverse=True)[:8],
         "ttft_ms_p50": metrics["ttft_ms"]["p50"],
         "itl_ms_p50": metrics["itl_ms"]["p50"],
     }
@@ -182,6 +190,39 @@ async def _drive(args: argparse.Namespace, backend: StreamingBackend, pid: int, 
     finally:
         await backend.close()
     return {"server": server_info, "rounds": rounds, "profile": profiles}
+
+
+def _bare_peer(args: argparse.Namespace, requests, warmups) -> dict:
+    """The same client and streams against a bare grpc.aio server that writes prebuilt one-token
+    messages back to back (bench.serving_bounds, `--step-ms 0`): the messages/s and CPU per message this
+    stack reaches with no serving work at all, measured like tandem's rounds."""
+    from bench.backends.tandem_grpc import TandemBackend
+    from bench.servers import ServerProcess, free_port, grpc_healthy, running, thread_env
+
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    server = ServerProcess(
+        "bare-grpc",
+        [sys.executable, "-m", "bench.serving_bounds", "--port", str(port), "--step-ms", "0"],
+        lambda: grpc_healthy(target),
+        thread_env(1),
+    )
+    with running(server):
+        driven = asyncio.run(
+            _drive(
+                argparse.Namespace(rounds=args.rounds, profile=False),
+                TandemBackend(target, "bare-grpc"),
+                server.pid,
+                requests,
+                warmups,
+            )
+        )
+    rounds = driven["rounds"]
+    return {
+        "msgs_per_s": _median(rounds, "served_tok_s"),
+        "cpu_us_per_message": _median(rounds, "server_cpu_us_per_token"),
+        "rounds": rounds,
+    }
 
 
 def split_server_cpu(server_cpu_us_per_token: float, floor: dict) -> dict[str, float]:
@@ -261,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
             driven = asyncio.run(
                 _drive(args, _backend(args.api, target, http_port), server.pid, requests, warmups)
             )
+        bare = _bare_peer(args, requests, warmups) if args.api == "grpc" else None
         floor = bounds = None
         if not args.no_floor:
             import torch
@@ -280,6 +322,16 @@ def run(args: argparse.Namespace) -> int:
         "served_tok_s": _median(rounds, "served_tok_s"),
         "client_cpu_us_per_token": _median(rounds, "client_cpu_us_per_token"),
     }
+    # A sized-down run may be shorter than the OS's CPU clock tick: then there is no ratio to give.
+    if bare is not None and args.stream_interval == 1 and bare["cpu_us_per_message"] > 0:
+        # One message per token on both sides: tandem's rate and cost per message against the bare
+        # server's, the issue's "serving path" targets (>= 0.7x the messages/s, <= 3x the CPU).
+        summary["bare_grpc_msgs_per_s"] = bare["msgs_per_s"]
+        summary["bare_grpc_cpu_us_per_message"] = bare["cpu_us_per_message"]
+        summary["msgs_per_s_vs_bare"] = round(summary["served_tok_s"] / bare["msgs_per_s"], 2)
+        summary["cpu_per_message_vs_bare"] = round(
+            summary["server_cpu_us_per_token"] / bare["cpu_us_per_message"], 2
+        )
     if floor is not None:
         summary.update(split_server_cpu(summary["server_cpu_us_per_token"], floor))
     if bounds is not None:
@@ -310,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         "rounds": rounds,
         "engine_floor": floor,
         "bounds": bounds,
+        "bare_grpc": bare,
         "profile": driven["profile"],
         "load_average_at_end": load_average(),
     }

@@ -22,7 +22,7 @@ produced, not per request. The ratio constrained / unconstrained at p50 and p90 
 From the server's /metrics, per phase: `tandem:structured_output_fill_seconds` (mask fill time per step
 that masked a row) and `tandem:structured_output_compile_seconds` (compiles: the first constrained round
 compiles each schema once, later rounds hit the cache). In this process: the compile service's cold and
-cached compile of each schema (decode_service.front_door.grammar_compiler), and the
+cached compile of each schema (decode_service.engine_core.grammar_compiler), and the
 jump-forward potential: each constrained answer is replayed through an xgrammar matcher, and a token
 counts as forced when it lies
 wholly inside the text `find_jump_forward_string()` returns before it, i.e. a jump-forward decoder could
@@ -307,7 +307,7 @@ def measure_compile(model_dir: Path) -> dict[str, Any]:
     warm-up compile that starts its worker process; and bare xgrammar in this process for reference."""
     import xgrammar as xgr
 
-    from decode_service.front_door.grammar_compiler import GrammarCompiler, compile_in_process
+    from decode_service.engine_core.grammar_compiler import GrammarCompiler, compile_in_process
 
     tokenizer, vocab_size, stop_ids = _tokenizer(model_dir)
     compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids, timeout_s=60.0, cache_size=len(CORPUS) + 1)
@@ -382,7 +382,7 @@ def jump_forward_potential(model_dir: Path, records: list[Record]) -> dict[str, 
     """Over every constrained answer: the share of tokens the grammar forced, overall and per schema."""
     import xgrammar as xgr
 
-    from decode_service.front_door.grammar_compiler import compile_in_process
+    from decode_service.engine_core.grammar_compiler import compile_in_process
 
     tokenizer, vocab_size, stop_ids = _tokenizer(model_dir)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)

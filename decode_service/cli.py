@@ -18,13 +18,19 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from decode_service.config import DecodeServiceConfig
-    from engine.engine import Engine
+    from engine.config import EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `tandem serve decode`."""
     add_engine_arguments(parser)
     add_server_arguments(parser, default_port=50051)
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core (scheduler, model steps, remote prefill) on a thread of the server "
+        "process instead of a process of its own, sharing the front door's GIL (default: own process)",
+    )
     parser.add_argument(
         "--http-port",
         type=int,
@@ -337,18 +343,29 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
+    """Start the engine core and the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
+    from decode_service.engine_core.process import CoreSpec
     from decode_service.server import serve
+    from engine.engine import Engine
     from engine.model_store import model_fingerprint
     from serving.flags import run_tier
 
     config = service_config_from_args(args)
 
-    def serve_decode(engine: Engine, model_dir: Path, metrics_registry: CollectorRegistry) -> Coroutine:
+    def serve_decode(
+        model_dir: Path, engine_config: EngineConfig, metrics_registry: CollectorRegistry
+    ) -> Coroutine:
+        fingerprint = model_fingerprint(model_dir) if config.disaggregated else None
+        if args.engine_in_process:
+            engine: Engine | CoreSpec = Engine.from_pretrained(model_dir, engine_config)
+        else:
+            engine = CoreSpec(
+                model_dir, engine_config, config, fingerprint, args.threads, args.log_level, args.log_format
+            )
         return serve(
             engine,
             config,
-            model_fingerprint=model_fingerprint(model_dir) if config.disaggregated else None,
+            model_fingerprint=fingerprint,
             metrics_registry=metrics_registry,
             max_concurrent_streams=args.max_concurrent_streams,
         )

@@ -3,11 +3,13 @@
 Two sources, each read where it is cheapest and exact:
 
 - Per-token and per-request series (TTFT, inter-token latency, end-to-end and queue time, token
-  counters, finish reasons) are observed on the engine thread from the deltas of each step, through
-  `observing(deliver)`, which wraps the engine loop's delivery callback. Every delta passes there,
-  including the final ABORT of a request whose client left, so nothing is missed or counted twice.
+  counters, finish reasons) are observed from the deltas of each step, through `observe(deltas)`: on
+  the engine thread before the deltas are grouped for streaming, or as an engine-core process's step
+  message arrives. Every delta passes there, including the final ABORT of a request whose client left,
+  so nothing is missed or counted twice.
 - Live state (running/waiting requests, KV usage, preemptions, KV-transfer counters) is read at
-  scrape time by a custom collector, so the gauges are never stale and the engine thread pays nothing.
+  scrape time from the engine core's `CoreStats`, so the gauges are never stale and the engine pays
+  nothing (a core in its own process sends its counters with each step).
 - Structured outputs: grammar compile seconds (each cache miss, timed by the compile service on a
   validation thread) and grammar mask seconds per engine step (fill + apply, timed by the engine only
   on steps that mask a row), both through observer callbacks, so unconstrained traffic pays nothing.
@@ -27,16 +29,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from decode_service.engine_core.remote_prefill.transfer import PrefillTransferStats
+from decode_service.engine_core.messages import CoreStats
 from decode_service.engine_core.request import ServedRequest, StreamDelta
-from decode_service.engine_core.scheduler import ContinuousScheduler
-from engine.engine import Engine
 from engine.sequence import FinishReason
 from serving.cache_metrics import prefix_cache_metrics
-from serving.engine_thread import Deliver
 
 if TYPE_CHECKING:
-    from decode_service.front_door.grammar_compiler import GrammarCompiler
+    from decode_service.engine_core.grammar_compiler import GrammarCompiler
 
 PREFIX = "tandem:"
 
@@ -51,98 +50,93 @@ GRAMMAR_FILL_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 
 
 
 class _LiveStateCollector(Collector):
-    """Gauges and counters read from the scheduler, the engine and the transfer counters at scrape time.
+    """Gauges and counters of the engine core's live state, read at scrape time from `stats()`: the
+    core's counters themselves in process (each an atomic read under the GIL, no lock), or the latest
+    ones an engine-core process sent with its last step."""
 
-    Reads happen on the HTTP thread while the engine thread runs; they are `len()` and number reads,
-    each atomic under the GIL, so a scrape sees a consistent-enough snapshot without taking a lock.
-    """
-
-    def __init__(self, scheduler: ContinuousScheduler, engine: Engine) -> None:
-        self._scheduler = scheduler
-        self._engine = engine
-        self.transfer: PrefillTransferStats | None = None
+    def __init__(self, stats: Callable[[], CoreStats]) -> None:
+        self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        scheduler = self._scheduler
+        stats = self._stats()
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_running",
             "Requests holding KV blocks: in the decode batch or being prefilled.",
-            value=len(scheduler.running) + len(scheduler.prefill_stage),
+            value=stats.num_running,
         )
         yield GaugeMetricFamily(
             f"{PREFIX}num_requests_waiting",
             "Requests queued for admission (holding no blocks).",
-            value=len(scheduler.waiting),
+            value=stats.num_waiting,
         )
         yield GaugeMetricFamily(
             f"{PREFIX}kv_cache_usage_perc",
             "Fraction of the KV block pool in use (0 to 1).",
-            value=self._engine.kv_usage,
+            value=stats.kv_usage,
         )
         yield CounterMetricFamily(
             f"{PREFIX}num_preemptions",
             "Preemptions: requests whose blocks were freed to make room.",
-            value=scheduler.num_preemptions,
+            value=stats.num_preemptions,
         )
-        yield from prefix_cache_metrics(self._engine)
-        yield from self._transfer_metrics()
+        yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        yield from _transfer_metrics(stats)
 
-    def _transfer_metrics(self) -> Iterator[Metric]:
-        """KV transfer from the prefill tier; all zero in aggregated mode (no counters to read)."""
-        stats = self.transfer
-        yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_bytes",
-            "KV cache bytes received from the prefill tier.",
-            value=stats.kv_bytes_received if stats else 0,
-        )
-        yield SummaryMetricFamily(
-            f"{PREFIX}kv_transfer_seconds",
-            "Remote prefills completed, and their total seconds from the Prefill call to the last KV block.",
-            count_value=stats.remote_prefills_completed if stats else 0,
-            sum_value=stats.transfer_seconds if stats else 0.0,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_blocks_skipped",
-            "KV blocks not transferred because this replica's prefix cache already held them.",
-            value=stats.kv_blocks_skipped if stats else 0,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}kv_transfer_failures",
-            "Prefill calls whose KV transfer failed (each attempt counts).",
-            value=stats.attempt_failures if stats else 0,
-        )
-        outcomes = CounterMetricFamily(
-            f"{PREFIX}prefills",
-            "Prompts prefilled, by where: remote, local, or remote given up.",
-            labels=["outcome"],
-        )
-        outcomes.add_metric(["remote"], stats.remote_prefills_completed if stats else 0)
-        outcomes.add_metric(["local"], stats.local_prefills if stats else 0)
-        outcomes.add_metric(["remote_failed"], stats.remote_prefills_failed if stats else 0)
-        yield outcomes
-        yield CounterMetricFamily(
-            f"{PREFIX}prefill_retries",
-            "Prefill calls retried on another replica.",
-            value=stats.retries if stats else 0,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}prefill_local_fallbacks",
-            "Prompts prefilled here because no prefill replica could.",
-            value=stats.fallbacks_local if stats else 0,
-        )
+
+def _transfer_metrics(stats: CoreStats) -> Iterator[Metric]:
+    """KV transfer from the prefill tier; all zero in aggregated mode."""
+    yield CounterMetricFamily(
+        f"{PREFIX}kv_transfer_bytes",
+        "KV cache bytes received from the prefill tier.",
+        value=stats.kv_transfer_bytes,
+    )
+    yield SummaryMetricFamily(
+        f"{PREFIX}kv_transfer_seconds",
+        "Remote prefills completed, and their total seconds from the Prefill call to the last KV block.",
+        count_value=stats.remote_prefills_completed,
+        sum_value=stats.kv_transfer_seconds,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}kv_transfer_blocks_skipped",
+        "KV blocks not transferred because this replica's prefix cache already held them.",
+        value=stats.kv_blocks_skipped,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}kv_transfer_failures",
+        "Prefill calls whose KV transfer failed (each attempt counts).",
+        value=stats.kv_transfer_failures,
+    )
+    outcomes = CounterMetricFamily(
+        f"{PREFIX}prefills",
+        "Prompts prefilled, by where: remote, local, or remote given up.",
+        labels=["outcome"],
+    )
+    outcomes.add_metric(["remote"], stats.remote_prefills_completed)
+    outcomes.add_metric(["local"], stats.local_prefills)
+    outcomes.add_metric(["remote_failed"], stats.remote_prefills_failed)
+    yield outcomes
+    yield CounterMetricFamily(
+        f"{PREFIX}prefill_retries",
+        "Prefill calls retried on another replica.",
+        value=stats.prefill_retries,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}prefill_local_fallbacks",
+        "Prompts prefilled here because no prefill replica could.",
+        value=stats.prefill_local_fallbacks,
+    )
 
 
 class DecodeMetrics:
     """The decode tier's metrics over one scheduler and engine, in their own registry.
 
-    `observe(deltas)` must be called from one thread only (the engine thread, via `observing`): it
+    `observe(deltas)` must be called from one thread only (the engine thread, or the event loop): it
     keeps each live request's last token time to measure inter-token latency without a lock.
     """
 
     def __init__(
         self,
-        scheduler: ContinuousScheduler,
-        engine: Engine,
+        stats: Callable[[], CoreStats],
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -211,27 +205,11 @@ class DecodeMetrics:
             buckets=GRAMMAR_FILL_BUCKETS,
             registry=self.registry,
         )
-        # The engine times its mask work only when someone listens; this server's registry does.
-        engine.grammar_fill_observer = self.structured_output_fill_seconds.observe
-        self._live = _LiveStateCollector(scheduler, engine)
-        self.registry.register(self._live)
-
-    def watch_prefill_transfer(self, counters: PrefillTransferStats) -> None:
-        """Export the KV-transfer counters of disaggregated prefill; one call where the server makes them."""
-        self._live.transfer = counters
+        self.registry.register(_LiveStateCollector(stats))
 
     def watch_grammar_compiler(self, compiler: GrammarCompiler) -> None:
         """Time the compile service's real compiles (cache hits cost nothing and are not observed)."""
         compiler.compile_observer = self.structured_output_compile_seconds.observe
-
-    def observing(self, deliver: Deliver[StreamDelta]) -> Deliver[StreamDelta]:
-        """`deliver`, preceded by observing each step's deltas; give it to the engine loop."""
-
-        def observe_then_deliver(deltas: list[StreamDelta]) -> None:
-            self.observe(deltas)
-            deliver(deltas)
-
-        return observe_then_deliver
 
     def observe(self, deltas: list[StreamDelta]) -> None:
         """Account for one step's deltas: new tokens, first tokens, finished requests."""

@@ -1,24 +1,31 @@
-"""The decode server: the Generation service and its engine loop, on the shared `serving.server` shell.
+"""The decode server: the front door (gRPC and HTTP APIs, streams) over an engine core, on the shared
+`serving.server` shell.
 
-It adds to the shell the continuous batcher (scheduler, policy, stream interval, metrics), the
-OpenAI-compatible HTTP API when `config.http_port` is set (on this loop, over the same `Generations`
-as the gRPC service) and, when `config.prefill` names a prefill tier, remote prefill (both started
-before the engine thread, closed after it).
+The engine core (scheduler, engine loop, remote prefill; `decode_service.engine_core`) runs in a
+process of its own when the server is given a `CoreSpec` (what `tandem serve decode` does), or on a
+thread of this process when given an `Engine` (tests, in-process benchmarks, `--engine-in-process`).
+Either way the front door sees the same interface and the same deltas; the OpenAI-compatible HTTP API
+runs when `config.http_port` is set (on this loop, over the same `Generations` as the gRPC service).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
 
 from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.engine_loop import EngineLoop
-from decode_service.engine_core.policies import make_policy
+from decode_service.engine_core.messages import CoreStats
+from decode_service.engine_core.process import CoreSpec, EngineProcess
 from decode_service.engine_core.remote_prefill.stage import RemotePrefill
-from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler
+from decode_service.engine_core.request import StreamDelta
+from decode_service.engine_core.scheduler import ContinuousScheduler
+from decode_service.engine_core.step_record import StepRecord
 from decode_service.engine_core.stream_interval import StreamIntervalBuffer
 from decode_service.front_door.constraints import Constraints
 from decode_service.front_door.generation import Generations
@@ -31,6 +38,7 @@ from decode_service.front_door.validation import use_chat_template
 from decode_service.front_door.validation_pool import ValidationPool
 from decode_service.metrics import DecodeMetrics
 from engine.engine import Engine
+from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
 from serving.event_log import EventLog
 from serving.open_files import open_file_limit
@@ -48,57 +56,75 @@ class DecodeServer(TierServer):
     `model_fingerprint` is required, for the compatibility handshake). Create and use it inside a
     running asyncio loop.
 
-    In-process observers (tests, benchmarks) read `events` (per-step batch composition),
-    `scheduler`, `registry` (live streams) and `engine_loop`; none of it is exposed over the public API.
+    With an in-process core, observers (tests, benchmarks) read `events` (per-step batch composition),
+    `scheduler` and `engine_loop`; with a core process they are None, apart from `engine_loop` (the
+    process's handle). `registry` holds the live streams. None of it is exposed over the public API.
     """
 
     tier = "decode"
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | CoreSpec,
         config: DecodeServiceConfig,
         *,
         metrics_registry: CollectorRegistry | None = None,
         max_concurrent_streams: int | None = None,
         model_fingerprint: str | None = None,
     ) -> None:
-        super().__init__(engine, config, max_concurrent_streams=max_concurrent_streams)
+        if config.disaggregated and model_fingerprint is None:
+            raise ConfigError("disaggregated prefill needs the model fingerprint to check replicas")
+        if isinstance(engine, Engine):
+            model = engine.facts
+        else:
+            model = ModelFacts.load(engine.model_dir, engine.engine_config)
+        super().__init__(model.model_name, config, max_concurrent_streams=max_concurrent_streams)
         self.config: DecodeServiceConfig = config
-        policy = make_policy(
-            config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second, config.max_idle_tenants
-        )
-        scheduler_type = StaticScheduler if config.batching == "static" else ContinuousScheduler
-        # Disaggregated: the prefill tier's KV must match ours, and the model fingerprint is half of that.
-        self.remote_prefill: RemotePrefill | None = None
-        if config.disaggregated:
-            if model_fingerprint is None:
-                raise ConfigError("disaggregated prefill needs the model fingerprint to check replicas")
-            self.remote_prefill = RemotePrefill(engine, config, model_fingerprint)
-        stage = self.remote_prefill.stage if self.remote_prefill is not None else None
-        self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
-        self.events = EventLog(config.event_log_size)
-        # The front door knows the model by its facts alone (it will run where the weights are not).
-        facts = engine.facts
-        capacity = facts.max_num_seqs + config.max_queue
+        # The in-process engine (tests and benchmarks read its cache); None with a core process.
+        self.engine = engine if isinstance(engine, Engine) else None
+        capacity = model.max_num_seqs + config.max_queue
         self.registry = StreamHub(asyncio.get_running_loop(), capacity, config.max_stream_buffer)
-        self.metrics = DecodeMetrics(self.scheduler, engine, metrics_registry)
-        if self.remote_prefill is not None:
-            self.metrics.watch_prefill_transfer(self.remote_prefill.stats)
+        self._core_stats = CoreStats
+        self.metrics = DecodeMetrics(lambda: self._core_stats(), metrics_registry)
         batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver_threadsafe)
-        self.engine_loop = EngineLoop(engine, self.scheduler, self.metrics.observing(batched), self.events)
+
+        def observe_then_deliver(deltas: list[StreamDelta]) -> None:
+            self.metrics.observe(deltas)
+            batched(deltas)
+
+        self.core: EngineCore | None = None
+        self.scheduler: ContinuousScheduler | None = None
+        self.events: EventLog[StepRecord] | None = None
+        self.remote_prefill: RemotePrefill | None = None
+        if isinstance(engine, Engine):
+            self.core = EngineCore(engine, config, observe_then_deliver, model_fingerprint)
+            # The engine times its mask work only when someone listens; this server's registry does.
+            engine.grammar_fill_observer = self.metrics.structured_output_fill_seconds.observe
+            self.engine_loop: EngineProcess | EngineLoop = self.core.loop
+            self.scheduler, self.events = self.core.scheduler, self.core.events
+            self.remote_prefill = self.core.remote_prefill
+            self._core_stats = self.core.stats
+        else:
+            process = EngineProcess(
+                replace(engine, model_fingerprint=model_fingerprint),
+                observe_then_deliver,
+                self.fail,
+                self.metrics.structured_output_fill_seconds.observe,
+            )
+            self.engine_loop = process
+            self._core_stats = lambda: process.stats
         self.registry.abort = self.engine_loop.abort
         # A batch's worth of constrained requests may wait for their first compile (then they are warm).
         self._validation = ValidationPool(
-            config.max_validation_queue, max(config.max_validation_queue, facts.max_num_seqs)
+            config.max_validation_queue, max(config.max_validation_queue, model.max_num_seqs)
         )
         if config.chat_template is not None:
-            use_chat_template(facts, config.chat_template)
-        self.constraints = Constraints.for_model(facts, config)
+            use_chat_template(model, config.chat_template)
+        self.constraints = Constraints.for_model(model, config)
         if self.constraints.compiler is not None:
             self.metrics.watch_grammar_compiler(self.constraints.compiler)
         self.generations = Generations(
-            facts, self.engine_loop, self.registry, config, self._validation, self.constraints
+            model, self.engine_loop, self.registry, config, self._validation, self.constraints
         )
         servicer = GenerationServicer(self.generations, self.watchdog, server_version())
         self._serve(
@@ -111,7 +137,7 @@ class DecodeServer(TierServer):
         if config.http_port is not None:
             routes = OpenAIRoutes(
                 self.generations,
-                config.served_model_name or facts.model_name,
+                config.served_model_name or model.model_name,
                 config.auth_token,
                 MAX_HTTP_BODY_BYTES,
                 lambda: self._http_serving,
@@ -133,17 +159,21 @@ class DecodeServer(TierServer):
         self._http_serving = False
         return await super().drain(grace_seconds)
 
+    def fail(self, reason: str) -> None:
+        self._http_serving = False
+        super().fail(reason)
+
     async def _start_dependencies(self) -> None:
         if self.http is not None:
             # Bound before warm-up like the gRPC port; /health says 503 until the engine is ready.
             self.http_port = await self.http.start()
             logger.info("OpenAI-compatible HTTP API on %s:%d", self.config.host, self.http_port)
-        if self.remote_prefill is not None:
-            await self.remote_prefill.start()
+        if self.core is not None:
+            await self.core.start_dependencies()
 
     async def _close_dependencies(self) -> None:
-        if self.remote_prefill is not None:
-            await self.remote_prefill.close()
+        if self.core is not None:
+            await self.core.close_dependencies()
         if self.http is not None:
             await self.http.stop()
 
@@ -153,14 +183,15 @@ class DecodeServer(TierServer):
 
     def _serving_details(self) -> str:
         mode = "aggregated"
-        if self.remote_prefill is not None:
+        if self.config.disaggregated:
             # Not "on host:port": scripts read the serving port from the first "on host:port" of this line.
             mode = f"disaggregated, prefill tier at {self.config.prefill}"
-        return f"{mode}; {self.config.batching} batching, {self.config.policy} policy"
+        where = "in this process" if self.core is not None else "in its own process"
+        return f"{mode}; {self.config.batching} batching, {self.config.policy} policy; engine core {where}"
 
 
 async def serve(
-    engine: Engine,
+    engine: Engine | CoreSpec,
     config: DecodeServiceConfig,
     *,
     metrics_registry: CollectorRegistry | None = None,

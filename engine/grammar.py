@@ -42,7 +42,9 @@ class GrammarState:
     """One sequence's matcher over a compiled grammar.
 
     `allowed_tokens` (a bitmask row, see `control_free_tokens`) further restricts what the grammar
-    allows; `activate_after` keeps the grammar dormant until that token has been generated.
+    allows; `activate_after` keeps the grammar dormant until that token has been generated. `source`
+    (xgrammar kind, text) is what it was compiled from, so an engine in another process can compile it
+    again.
     """
 
     def __init__(
@@ -50,16 +52,18 @@ class GrammarState:
         compiled: xgr.CompiledGrammar,
         activate_after: int | None = None,
         allowed_tokens: torch.Tensor | None = None,
+        source: tuple[str, str] | None = None,
     ) -> None:
         self.compiled = compiled
         self.activate_after = activate_after
         self.allowed_tokens = allowed_tokens
+        self.source = source
         self.active = activate_after is None
         self._matcher = xgr.GrammarMatcher(compiled)
 
     def fork(self) -> GrammarState:
         """A fresh state at the grammar's start (another choice of the same request)."""
-        return GrammarState(self.compiled, self.activate_after, self.allowed_tokens)
+        return GrammarState(self.compiled, self.activate_after, self.allowed_tokens, self.source)
 
     @property
     def is_terminated(self) -> bool:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
 
-    from engine.engine import Engine
+    from engine.config import EngineConfig
     from prefill_service.config import PrefillServiceConfig
 
 
@@ -55,15 +55,18 @@ def service_config_from_args(args: argparse.Namespace) -> PrefillServiceConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
+    from engine.engine import Engine
     from engine.model_store import model_fingerprint
     from prefill_service.server import serve
     from serving.flags import run_tier
 
     config = service_config_from_args(args)
 
-    def serve_prefill(engine: Engine, model_dir: Path, metrics_registry: CollectorRegistry) -> Coroutine:
+    def serve_prefill(
+        model_dir: Path, engine_config: EngineConfig, metrics_registry: CollectorRegistry
+    ) -> Coroutine:
         return serve(
-            engine,
+            Engine.from_pretrained(model_dir, engine_config),
             model_fingerprint(model_dir),
             config,
             metrics_registry=metrics_registry,

@@ -55,7 +55,8 @@ class _LiveStateCollector(Collector):
             "Fraction of the prefill KV pool in use (0 to 1), including computed KV not yet sent.",
             value=self._engine.kv_usage,
         )
-        yield from prefix_cache_metrics(self._engine)
+        blocks = self._engine.block_manager
+        yield from prefix_cache_metrics(blocks.num_queried_tokens, blocks.num_hit_tokens)
 
 
 class PrefillMetrics:

@@ -49,11 +49,12 @@ class PrefillServer(TierServer):
         max_concurrent_streams: int | None = None,
     ) -> None:
         super().__init__(
-            engine,
+            engine.model_name,
             config,
             max_concurrent_streams=max_concurrent_streams,
             max_message_bytes=MAX_GRPC_MESSAGE_BYTES,
         )
+        self.engine = engine
         self.layout = engine_kv_layout(engine)
         model_fingerprint = engine_fingerprint(engine, model_fingerprint)
         if self.layout.block_bytes() > MAX_MESSAGE_BYTES:

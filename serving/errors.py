@@ -1,6 +1,8 @@
 """Service-level refusals: why a server does not take a call now. The engine never raises these;
 `serving.status` maps them to gRPC status codes at each tier's edge."""
 
+import grpc
+
 from base.errors import TandemError
 
 
@@ -18,3 +20,12 @@ class TierUnavailableError(TandemError):
 
 class StreamStalledError(TandemError):
     """The client read nothing for longer than the server waits (maps to DEADLINE_EXCEEDED)."""
+
+
+class RelayedStatusError(TandemError):
+    """An error another process of this server met and already mapped to a status (the decode engine
+    core's, relayed to the front door): it keeps that status and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

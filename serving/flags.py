@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.config import EngineConfig
-    from engine.engine import Engine
     from serving.config import TLSConfig
 
 # Per connection: generous for a real caller's concurrency (a decode replica multiplexes all its
@@ -186,15 +185,16 @@ def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-ServeFn = Callable[["Engine", Path, "CollectorRegistry"], Coroutine[Any, Any, int]]
+ServeFn = Callable[[Path, "EngineConfig", "CollectorRegistry"], Coroutine[Any, Any, int]]
 
 
 def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
-    """Set up logging and threads, load the model, then serve until SIGTERM/SIGINT; the exit status.
+    """Set up logging and threads, find the model, then serve until SIGTERM/SIGINT; the exit status.
 
     The tier has built (and so checked) its own config before calling this, so a bad flag fails before
-    the slow model load. `serve(engine, model_dir, metrics_registry)` is the tier's coroutine that runs
-    its server until the signal and returns the exit status.
+    the slow model load. `serve(model_dir, engine_config, metrics_registry)` is the tier's coroutine
+    that loads the model where its engine runs, runs its server until the signal and returns the exit
+    status.
     """
     import asyncio
 
@@ -202,7 +202,6 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     from prometheus_client import CollectorRegistry, start_http_server
 
     from base.logs import set_log_prompts, use_log_format
-    from engine.engine import Engine
     from engine.model_store import resolve_model
     from serving.open_files import raise_open_file_limit
     from serving.parent_watch import stop_with_parent
@@ -219,5 +218,4 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     metrics_registry = CollectorRegistry()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
-    engine = Engine.from_pretrained(model_dir, engine_config)
-    return asyncio.run(serve(engine, model_dir, metrics_registry))
+    return asyncio.run(serve(model_dir, engine_config, metrics_registry))

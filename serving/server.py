@@ -16,6 +16,7 @@ import logging
 import signal
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,9 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from base.auth import BearerTokenInterceptor, server_credentials
-from engine.engine import Engine
 from serving.config import ServerConfig
-from serving.engine_thread import EngineThread
 from serving.malformed import MalformedRequestInterceptor
 from serving.registry import LiveCallRegistry
 from serving.stalls import StallWatchdog
@@ -45,6 +44,17 @@ def server_version() -> str:
         return "unknown"
 
 
+class EngineRunner(Protocol):
+    """The lifecycle of what runs a tier's engine: an `EngineThread`, or the decode tier's engine-core
+    process (`decode_service.engine_core.process`)."""
+
+    def start(self, warm_up: bool = True) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def stop(self, timeout: float | None = 10.0) -> None: ...
+
+
 class TierServer:
     """One replica's gRPC server around one engine thread and one live-call registry.
 
@@ -56,19 +66,19 @@ class TierServer:
 
     tier = "tandem"
 
-    engine_loop: EngineThread
+    engine_loop: EngineRunner
     registry: LiveCallRegistry
 
     def __init__(
         self,
-        engine: Engine,
+        model_name: str,
         config: ServerConfig,
         *,
         max_concurrent_streams: int | None = None,
         max_message_bytes: int | None = None,
     ) -> None:
         config.validate()
-        self.engine = engine
+        self.model_name = model_name
         self.config = config
         self.health = HealthServicer()
         interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
@@ -90,6 +100,9 @@ class TierServer:
         self._health_services: tuple[str, ...] = ("",)
         self.port = 0
         self._stopped = False
+        # Set by `fail`: a part the server cannot serve without is gone, and why.
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
 
     def _serve(self, service_name: str, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
         """Add the tier's servicer; health reports on it, and reflection lists it."""
@@ -129,7 +142,7 @@ class TierServer:
         logger.info(
             "%s server serving %s on %s:%d (%s%s)",
             self.tier,
-            self.engine.model_name,
+            self.model_name,
             self.config.host,
             self.port,
             self._serving_details(),
@@ -167,6 +180,16 @@ class TierServer:
         self._closed()
         logger.info("%s server stopped", self.tier)
 
+    def fail(self, reason: str) -> None:
+        """A part the server cannot serve without died (the decode engine core's process): NOT_SERVING
+        at once; `serve_until_signalled` then stops the server and exits non-zero, so the pod restarts."""
+        if self.failed.is_set():
+            return
+        self.failure = reason
+        self.failed.set()
+        self.registry.begin_drain()
+        asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for service in self._health_services:
             await self.health.set(service, status)
@@ -188,7 +211,8 @@ class TierServer:
 
 
 async def serve_until_signalled(server: TierServer) -> int:
-    """Run `server` until the first SIGTERM or SIGINT, drain it, and return the exit status (0).
+    """Run `server` until the first SIGTERM or SIGINT, drain it, and return the exit status (0); or
+    until it fails (`TierServer.fail`): then stop it and return 1.
 
     Draining rather than stopping is what lets Kubernetes roll a tier without failing requests:
     health turns NOT_SERVING, new calls get UNAVAILABLE, running ones finish within the grace.
@@ -211,6 +235,14 @@ async def serve_until_signalled(server: TierServer) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await stop_requested.wait()
+    stopping = asyncio.ensure_future(stop_requested.wait())
+    failing = asyncio.ensure_future(server.failed.wait())
+    await asyncio.wait((stopping, failing), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    failing.cancel()
+    if server.failed.is_set():
+        logger.error("%s server failed: %s; stopping", server.tier, server.failure)
+        await server.stop()
+        return 1
     await server.drain()
     return 0

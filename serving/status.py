@@ -6,7 +6,13 @@ import grpc
 
 from base.errors import InvalidRequestError, OutOfBlocksError
 from kv_transfer import IncompatibleKVError
-from serving.errors import DrainingError, QueueFullError, StreamStalledError, TierUnavailableError
+from serving.errors import (
+    DrainingError,
+    QueueFullError,
+    RelayedStatusError,
+    StreamStalledError,
+    TierUnavailableError,
+)
 
 # First match wins, so more specific classes go first.
 _STATUS_BY_ERROR: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
@@ -26,6 +32,8 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     Errors raised on purpose carry messages written for the caller; anything else is a bug, reported
     as INTERNAL without internals (the server log has the traceback).
     """
+    if isinstance(error, RelayedStatusError):
+        return error.code, str(error)
     for error_type, code in _STATUS_BY_ERROR:
         if isinstance(error, error_type):
             return code, str(error)

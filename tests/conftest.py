@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
+import socket  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -179,6 +180,18 @@ def real_model_dir() -> Path:
         return fetch_default_model()
     except ModelNotFoundError as exc:
         pytest.skip(f"the default model cannot be fetched (offline?): {exc}")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now (for subprocess servers that need one up front)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:

@@ -11,8 +11,8 @@ import pytest
 import xgrammar as xgr
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
+from decode_service.engine_core.grammar_compiler import GrammarCompiler, clean_error_message
 from decode_service.front_door.constraints import CompileTimeoutError, ConstraintError
-from decode_service.front_door.grammar_compiler import GrammarCompiler, clean_error_message
 from engine.tokenizer import Tokenizer
 
 # Compiles in about 1 s on a 2-core Xeon (xgrammar 0.2.9, the tiny vocabulary): far past SLOW_TIMEOUT_S.
@@ -157,7 +157,7 @@ def test_the_worker_exits_when_its_server_process_dies(tokenizer: Tokenizer, tmp
     script.write_text(
         "import sys, time\n"
         "from engine.tokenizer import Tokenizer\n"
-        "from decode_service.front_door.grammar_compiler import GrammarCompiler\n"
+        "from decode_service.engine_core.grammar_compiler import GrammarCompiler\n"
         "if __name__ == '__main__':\n"
         f"    tok = Tokenizer.from_pretrained({str(Path(tokenizer.hf.name_or_path))!r})\n"
         f"    c = GrammarCompiler(tok.hf, {TINY_VOCAB_SIZE}, {list(TINY_EOS_TOKEN_IDS)}, 30, 4)\n"

@@ -11,16 +11,17 @@ import asyncio
 import threading
 import urllib.request
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import grpc
 import pytest
 from conftest import random_prompts, save_tiny_model
-from prometheus_client import start_http_server
+from prometheus_client import generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.messages import CoreStats
+from decode_service.metrics import DecodeMetrics
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -192,20 +193,41 @@ def test_gauges_read_live_state_at_scrape_time(decode):
     assert value(samples, "tandem:kv_cache_usage_perc") > 0
 
 
-def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
-    counters = SimpleNamespace(
-        local_prefills=2,
+def test_the_core_counters_are_exported_as_read_at_scrape_time():
+    stats = CoreStats(
+        num_running=3,
+        num_waiting=4,
+        kv_usage=0.5,
+        num_preemptions=6,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        kv_transfer_bytes=123456,
         remote_prefills_completed=5,
-        remote_prefills_failed=1,
-        fallbacks_local=1,
-        attempt_failures=3,
-        retries=2,
-        kv_bytes_received=123456,
+        kv_transfer_seconds=0.75,
         kv_blocks_skipped=7,
-        transfer_seconds=0.75,
+        kv_transfer_failures=3,
+        local_prefills=2,
+        remote_prefills_failed=1,
+        prefill_retries=2,
+        prefill_local_fallbacks=1,
     )
-    decode.server.metrics.watch_prefill_transfer(counters)
-    samples = decode.scrape()
+    metrics = DecodeMetrics(lambda: stats)
+
+    def scrape():
+        text = generate_latest(metrics.registry).decode()
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    samples = scrape()
+    assert value(samples, "tandem:num_requests_running") == 3
+    assert value(samples, "tandem:num_requests_waiting") == 4
+    assert value(samples, "tandem:kv_cache_usage_perc") == 0.5
+    assert value(samples, "tandem:num_preemptions_total") == 6
+    assert value(samples, "tandem:prefix_cache_queries_total") == 100
+    assert value(samples, "tandem:prefix_cache_hits_total") == 40
     assert value(samples, "tandem:kv_transfer_bytes_total") == 123456
     assert value(samples, "tandem:kv_transfer_failures_total") == 3
     assert value(samples, "tandem:kv_transfer_seconds_count") == 5
@@ -216,8 +238,8 @@ def test_prefill_transfer_counters_are_exported_through_the_collector(decode):
     assert value(samples, "tandem:prefill_retries_total") == 2
     assert value(samples, "tandem:prefill_local_fallbacks_total") == 1
     assert value(samples, "tandem:kv_transfer_blocks_skipped_total") == 7
-    counters.kv_bytes_received += 1000
-    assert value(decode.scrape(), "tandem:kv_transfer_bytes_total") == 124456
+    stats.kv_transfer_bytes += 1000
+    assert value(scrape(), "tandem:kv_transfer_bytes_total") == 124456
 
 
 def test_two_servers_in_one_process_keep_separate_registries(decode, model_dir):

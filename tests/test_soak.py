@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import save_tiny_model, wait_until
+from conftest import free_ports, save_tiny_model, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -53,17 +53,6 @@ HTTP_READ_TIMEOUT_S = 2.0
 HTTP_MAX_CONNECTIONS = 200
 SLOWLORIS_CONNECTIONS = 300
 START_TIMEOUT_S = 300.0
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 class Tier:

@@ -16,6 +16,7 @@ from conftest import engine_for, random_prompts, tiny_hf_model
 from test_decode_scheduler import Harness
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
+from decode_service.engine_core.messages import CoreStats
 from decode_service.engine_core.request import ServedRequest
 from decode_service.metrics import DecodeMetrics
 from engine.grammar import GrammarState
@@ -63,9 +64,15 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
         tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer, grammar_jump_forward=False
     )
     harness = Harness(engine)
-    metrics = DecodeMetrics(harness.scheduler, engine)
-    harness.loop._deliver = metrics.observing(harness.loop._deliver)
-    assert engine.grammar_fill_observer is not None
+    metrics = DecodeMetrics(CoreStats)
+    engine.grammar_fill_observer = metrics.structured_output_fill_seconds.observe
+    deliver = harness.loop._deliver
+
+    def observe_then_deliver(deltas):
+        metrics.observe(deltas)
+        deliver(deltas)
+
+    harness.loop._deliver = observe_then_deliver
 
     for i, prompt in enumerate(random_prompts(3, 1, min_len=3, max_len=12, vocab=TINY_VOCAB_SIZE)):
         harness.submit(f"free{i}", prompt, 6)
@@ -90,10 +97,9 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
 
 
 def test_compile_time_is_observed_per_compile_not_per_cache_hit(tokenizer):
-    from decode_service.front_door.grammar_compiler import GrammarCompiler
+    from decode_service.engine_core.grammar_compiler import GrammarCompiler
 
-    engine = engine_for(tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer)
-    metrics = DecodeMetrics(Harness(engine).scheduler, engine)
+    metrics = DecodeMetrics(CoreStats)
     compiler = GrammarCompiler(
         tokenizer.hf, TINY_VOCAB_SIZE, TINY_EOS_TOKEN_IDS, timeout_s=60.0, cache_size=8
     )

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
+from conftest import free_ports, save_tiny_model
 from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -120,17 +119,6 @@ def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-up-model")
     save_tiny_model(directory, 9)
     return directory
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def tandem_command() -> list[str]:

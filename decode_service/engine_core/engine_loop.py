@@ -4,10 +4,8 @@ Handlers talk to it through `submit` and `abort`, a remote prefill stage through
 wait in the stage until the step collects them); each step delivers every request's delta at once.
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
-It is a thread of the server process, not a process of its own as in vLLM v1: sharing the GIL with the
-event loop costs the engine CPU, but a process would add a serialization hop per step and would have to
-take over what the event loop does for the engine today (validation and tokenization, the remote
-prefill's KV cache writes, metrics). The measurements are in `bench/README.md`, "Serving path".
+It runs on a thread of the server process (`--engine-in-process`, tests) or of the engine-core process
+(`engine_core.process`); the front door reaches either through `EngineClient`.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from base.errors import TandemError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
@@ -26,6 +25,17 @@ from serving.engine_thread import Deliver, EngineThread
 from serving.event_log import EventLog
 
 logger = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    """What the front door asks of an engine core: `EngineLoop` in this process, `EngineProcess` in
+    another. Each call is queued and applied at the core's next step."""
+
+    def submit(self, request: ServedRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class ServedRequest:
     # ranking charges only the tokens admission would actually compute (an estimate: blocks may be
     # evicted before admission). Set by the scheduler at enqueue and at preemption.
     expected_cached_tokens: int = 0
+    # The front door's number for this submission when the core runs in a process of its own: echoed
+    # in every delta, so a delta never reaches a newer request that reused the id (`engine_core.process`).
+    submission: int = 0
 
     @property
     def request_id(self) -> str:

@@ -25,13 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from base.errors import ConfigError, InvalidRequestError
+from base.errors import ConfigError
+from decode_service.engine_core.grammar_compiler import CompileTimeoutError, ConstraintError
 from engine.grammar import GrammarState
 from protos.tandem.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:
     from decode_service.config import DecodeServiceConfig
-    from decode_service.front_door.grammar_compiler import GrammarCompiler
+    from decode_service.engine_core.grammar_compiler import GrammarCompiler
     from engine.model_facts import ModelFacts
     from engine.tokenizer import Tokenizer
 
@@ -40,18 +41,6 @@ TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 REASONING_END_TOKENS = {"deepseek_r1": "</think>", "qwen3": "</think>"}
 # Grammar kinds whose output is compact JSON, which never holds a raw control character.
 JSON_KINDS = ("json_schema", "json_object")
-
-
-class ConstraintError(InvalidRequestError):
-    """A constraint or tool definition that cannot be enforced; `field` is the request field at fault."""
-
-    def __init__(self, field: str, detail: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {detail}")
-
-
-class CompileTimeoutError(ConstraintError):
-    """A constraint that xgrammar did not compile within the server's bound."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +272,7 @@ class Constraints:
     def for_model(cls, model: ModelFacts, config: DecodeServiceConfig) -> Constraints:
         """The server's constraints over `model`'s vocabulary; a ConfigError when the reasoning parser
         cannot work with its tokenizer. Cheap: the compiler starts on the first constraint."""
-        from decode_service.front_door.grammar_compiler import GrammarCompiler
+        from decode_service.engine_core.grammar_compiler import GrammarCompiler
 
         tokenizer = model.tokenizer
         activate_after = reasoning_end_token_id(tokenizer, config.reasoning_parser)
@@ -329,7 +318,7 @@ class Constraints:
             self._remember_compiled(constraint_fingerprint(request))
         allowed = self.compiler.control_free_tokens if spec.kind in JSON_KINDS else None
         activate_after = None if self._reasoning_closed(prompt_ids) else self.activate_after
-        return GrammarState(compiled, activate_after, allowed)
+        return GrammarState(compiled, activate_after, allowed, (spec.kind, spec.spec))
 
     def _reasoning_closed(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends right after the reasoning's end: a template that turns thinking off

@@ -21,7 +21,7 @@ import grpc
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 from decode_service.config import DecodeServiceConfig
-from decode_service.engine_core.engine_loop import EngineLoop
+from decode_service.engine_core.engine_loop import EngineClient
 from decode_service.engine_core.request import ServedRequest, StreamDelta
 from decode_service.engine_core.stream_interval import coalesce
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
@@ -126,7 +126,7 @@ class Generations:
     def __init__(
         self,
         model: ModelFacts,
-        engine_loop: EngineLoop,
+        engine_loop: EngineClient,
         hub: StreamHub,
         config: DecodeServiceConfig,
         validation: ValidationPool,
@@ -226,7 +226,7 @@ class Generation:
         served: ServedRequest,
         mailbox: Mailbox[StreamDelta],
         hub: StreamHub,
-        engine_loop: EngineLoop,
+        engine_loop: EngineClient,
         arrival: float,
         new_text: Callable[[], ChoiceText],
         new_parser: ParserFactory | None = None,

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from decode_service.front_door.constraints import CompileTimeoutError, ConstraintError
+from base.errors import InvalidRequestError
 from engine.grammar import control_free_tokens
 from serving.errors import TierUnavailableError
 
@@ -53,6 +53,18 @@ def clean_error_message(message: str) -> str:
     """xgrammar's error without its source location, shortened: what the client can act on."""
     text = _XGRAMMAR_PREFIX.sub("", message.strip())
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+class ConstraintError(InvalidRequestError):
+    """A constraint or tool definition that cannot be enforced; `field` is the request field at fault."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {detail}")
+
+
+class CompileTimeoutError(ConstraintError):
+    """A constraint that xgrammar did not compile within the server's bound."""
 
 
 def compile_in_process(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> xgr.CompiledGrammar:

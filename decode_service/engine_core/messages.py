@@ -1,0 +1,141 @@
+"""What crosses between the front door and an engine core in a process of its own, as msgpack.
+
+In: one `Commands` per batch of submissions, aborts and stop-string stops (whatever the event loop
+gathered since its last flush). Out: one `StepOut` per engine step carrying every request's new tokens
+and the core's live counters, plus `Ready` or `StartFailed` once at start. msgspec encodes them as
+arrays of plain values; nothing is pickled, so a message can carry no code.
+
+Each submission carries a `submission` number the front door gave it; the core echoes it in every
+delta, so a delta is routed to the request that was submitted, never to a newer one that reused its id.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.params import SamplingParams, StoppingParams
+
+
+class GrammarSource(msgspec.Struct, array_like=True, frozen=True):
+    """A constraint as the core compiles it again (its own compile cache): xgrammar kind and source."""
+
+    kind: str
+    source: str
+    # Token after which the grammar applies (a reasoning model's end of thinking); None: at once.
+    activate_after: int | None
+    # Whether JSON kinds also forbid the tokenizer's control tokens (as the front door's compile did).
+    control_free: bool
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    submission: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    cache_salt: str
+    grammar: GrammarSource | None
+    priority: int
+    tenant: str
+    arrival_time: float | None
+    n: int
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class StopAt(msgspec.Struct, tag="stop_at", array_like=True):
+    """The front door matched stop string `stop` in choice `index`'s text."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Abort what is live (each request gets its final ABORT delta), then exit."""
+
+
+Command = Submit | Abort | StopAt | Shutdown
+
+
+class Commands(msgspec.Struct, array_like=True):
+    commands: list[Command]
+
+
+class Failure(msgspec.Struct, array_like=True, frozen=True):
+    """An error the core met on a request: the gRPC status it maps to, and the message for the caller."""
+
+    code: str
+    message: str
+
+
+class RequestState(msgspec.Struct, array_like=True):
+    """What the front door reports about a request, as the core last saw it (timings are monotonic
+    seconds: both processes read the same clock)."""
+
+    num_cached_tokens: int
+    matched_stop: int | str | None
+    admitted_time: float | None
+    prefill_done_time: float | None
+    first_token_time: float | None
+    num_preemptions: int
+    forked: bool
+
+
+class Delta(msgspec.Struct, array_like=True):
+    submission: int
+    index: int
+    token_ids: list[int]
+    # (token id, logprob, [(alternative id, its logprob), ...]) per token, when asked for.
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]]
+    finish_reason: str | None
+    error: Failure | None
+    state: RequestState
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The core's live counters, read at each step; the front door's metrics export the latest."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_transfer_bytes: int = 0
+    remote_prefills_completed: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_blocks_skipped: int = 0
+    kv_transfer_failures: int = 0
+    local_prefills: int = 0
+    remote_prefills_failed: int = 0
+    prefill_retries: int = 0
+    prefill_local_fallbacks: int = 0
+
+
+class StepOut(msgspec.Struct, tag="step", array_like=True):
+    deltas: list[Delta]
+    stats: CoreStats
+    # Seconds each step since the last message spent filling grammar masks (only steps that masked).
+    grammar_fill_seconds: list[float]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The core loaded its model and ran its warm-up forward."""
+
+    num_blocks: int
+
+
+class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
+    """The core could not start (model load, warm-up); the server exits naming it."""
+
+    message: str
+
+
+CoreMessage = StepOut | Ready | StartFailed
+
+command_encoder = msgspec.msgpack.Encoder()
+commands_decoder = msgspec.msgpack.Decoder(Commands)
+core_message_decoder = msgspec.msgpack.Decoder(CoreMessage)

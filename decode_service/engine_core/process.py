@@ -1,0 +1,509 @@
+"""The engine core in a process of its own, and the front door's handle on it.
+
+The server process keeps gRPC, HTTP, validation, tokenization, the streams and their text; the core
+process loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill) with its own
+GIL. Between them, two pipes carrying `engine_core.messages`: one `Commands` per batch of submissions
+and aborts, one `StepOut` per engine step with every request's new tokens.
+
+`EngineProcess` has the engine loop's interface (`submit`, `abort`, `stop_at_string`; `start`,
+`wait_ready`, `stop`), so the front door and the server shell use either alike. Its commands and
+replies run on the server's event loop: commands gathered during one loop iteration leave in one
+message, and the step messages are read as the pipe becomes readable.
+
+Lifecycle: the core ignores SIGINT and SIGTERM (the server drains, then sends `Shutdown`), and dies
+with the server (parent-death signal, and end of file on its command pipe). If the core dies first,
+every live request ends at once with UNAVAILABLE and `on_exit` tells the server, which turns
+NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a process whose gRPC
+threads run is unsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+
+from base.errors import TandemError
+from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.core import EngineCore
+from decode_service.engine_core.grammar_compiler import compile_in_process
+from decode_service.engine_core.messages import (
+    Abort,
+    Commands,
+    CoreStats,
+    Delta,
+    Failure,
+    GrammarSource,
+    Ready,
+    RequestState,
+    Shutdown,
+    StartFailed,
+    StepOut,
+    StopAt,
+    Submit,
+    command_encoder,
+    commands_decoder,
+    core_message_decoder,
+)
+from decode_service.engine_core.request import ServedRequest, StreamDelta, TokenLogprobs
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.grammar import GrammarState, control_free_tokens
+from engine.sequence import FinishReason, Sequence
+from serving.engine_thread import Deliver
+from serving.errors import RelayedStatusError, TierUnavailableError
+from serving.status import status_for
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core process needs to build its engine and core; handed over once, at spawn."""
+
+    model_dir: Path
+    engine_config: EngineConfig
+    config: DecodeServiceConfig
+    model_fingerprint: str | None = None
+    threads: int | None = None
+    log_level: int = logging.INFO
+    log_format: str = "text"
+
+
+class EngineProcess:
+    """The front door's handle on an engine core process; use it on the server's event loop.
+
+    `deliver` gets each step's deltas (on the event loop), `observe_grammar_fill` the seconds each step
+    spent filling grammar masks, `on_exit` a reason when the core dies while the server runs.
+    """
+
+    def __init__(
+        self,
+        spec: CoreSpec,
+        deliver: Deliver[StreamDelta],
+        on_exit: Callable[[str], None],
+        observe_grammar_fill: Callable[[float], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self._deliver = deliver
+        self._on_exit = on_exit
+        self._observe_fill = observe_grammar_fill
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._commands: Connection | None = None
+        self._replies: Connection | None = None
+        self._pending: list[Submit | Abort | StopAt | Shutdown] = []
+        self._live: weakref.WeakValueDictionary[int, ServedRequest] = weakref.WeakValueDictionary()
+        self._choices: weakref.WeakKeyDictionary[ServedRequest, dict[int, ServedRequest]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._next_submission = 0
+        self._ready = threading.Event()
+        self._start_error: str | None = None
+        self._stopping = False
+        self._exited = False
+        self.stats = CoreStats()
+        self.num_blocks = 0
+
+    # -- the engine loop's interface ---------------------------------------------------------------
+
+    def submit(self, request: ServedRequest) -> None:
+        self._next_submission += 1
+        seq = request.seq
+        self._live[self._next_submission] = request
+        grammar = None
+        if seq.grammar is not None and seq.grammar.source is not None:
+            kind, source = seq.grammar.source
+            grammar = GrammarSource(
+                kind, source, seq.grammar.activate_after, seq.grammar.allowed_tokens is not None
+            )
+        self._send(
+            Submit(
+                self._next_submission,
+                seq.request_id,
+                seq.token_ids[: seq.num_prompt_tokens],
+                seq.sampling,
+                seq.stopping,
+                seq.cache_salt,
+                grammar,
+                request.priority,
+                request.tenant,
+                request.arrival_time,
+                request.n,
+            )
+        )
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))
+
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
+        self._send(StopAt(request_id, index, stop))
+
+    def start(self, warm_up: bool = True) -> None:
+        """Spawn the core; it loads the model, warms up, then says it is ready (see `wait_ready`)."""
+        self._loop = asyncio.get_running_loop()
+        context = multiprocessing.get_context("spawn")
+        commands_in, commands_out = context.Pipe(duplex=False)
+        replies_in, replies_out = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=run_core,
+            args=(self.spec, warm_up, commands_in, replies_out),
+            name="tandem-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        # Our copies of the child's ends go, so that its death is an end of file here.
+        commands_in.close()
+        replies_out.close()
+        self._commands, self._replies = commands_out, replies_in
+        self._loop.add_reader(replies_in.fileno(), self._read)
+        logger.info("engine core process started (pid %d)", self._process.pid)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the core is ready; raises why it could not start (model load, warm-up)."""
+        ready = self._ready.wait(timeout)
+        if self._start_error is not None:
+            raise RelayedStatusError(grpc.StatusCode.UNAVAILABLE, self._start_error)
+        return ready
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Ask the core to end every live request and exit; kill it if it has not within `timeout`.
+
+        Called off the event loop (the server awaits it in a thread): the loop keeps reading the final
+        ABORT deltas meanwhile."""
+        self._stopping = True
+        process = self._process
+        if process is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._send, Shutdown())
+        process.join(timeout)
+        if process.is_alive():
+            logger.warning("engine core did not stop within %s s; killing it", timeout)
+            process.kill()
+            process.join(5.0)
+
+    # -- commands ------------------------------------------------------------------------------------
+
+    def _send(self, command: Submit | Abort | StopAt | Shutdown) -> None:
+        """Queue a command; the commands of one loop iteration leave together."""
+        if not self._pending and self._loop is not None:
+            self._loop.call_soon(self._flush)
+        self._pending.append(command)
+
+    def _flush(self) -> None:
+        commands, self._pending = self._pending, []
+        if not commands or self._commands is None or self._exited:
+            return
+        try:
+            self._commands.send_bytes(command_encoder.encode(Commands(commands)))
+        except OSError:
+            self._core_exited()
+
+    # -- replies -------------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        replies = self._replies
+        assert replies is not None
+        try:
+            while replies.poll():
+                self._handle(core_message_decoder.decode(replies.recv_bytes()))
+        except (EOFError, OSError):
+            self._core_exited()
+
+    def _handle(self, message: StepOut | Ready | StartFailed) -> None:
+        if isinstance(message, StepOut):
+            self.stats = message.stats
+            if self._observe_fill is not None:
+                for seconds in message.grammar_fill_seconds:
+                    self._observe_fill(seconds)
+            deltas = [delta for delta in map(self._stream_delta, message.deltas) if delta is not None]
+            if deltas:
+                self._deliver(deltas)
+        elif isinstance(message, Ready):
+            self.num_blocks = message.num_blocks
+            self._ready.set()
+        else:
+            self._start_error = message.message
+            self._ready.set()
+
+    def _stream_delta(self, delta: Delta) -> StreamDelta | None:
+        """The delta as the front door's streams know it, on its own copy of the request (None: the
+        stream is gone)."""
+        owner = self._live.get(delta.submission)
+        if owner is None:
+            return None
+        request = owner if delta.index == 0 else self._choice(owner, delta.index)
+        state = delta.state
+        seq = request.seq
+        seq.num_cached_tokens = state.num_cached_tokens
+        seq.matched_stop = state.matched_stop
+        request.admitted_time = state.admitted_time
+        request.prefill_done_time = state.prefill_done_time
+        request.first_token_time = state.first_token_time
+        request.num_preemptions = state.num_preemptions
+        request.forked = state.forked
+        error = None
+        if delta.error is not None:
+            error = RelayedStatusError(grpc.StatusCode[delta.error.code], delta.error.message)
+        return StreamDelta(
+            request,
+            delta.token_ids,
+            [TokenLogprobs(token_id, logprob, top) for token_id, logprob, top in delta.logprobs],
+            _FINISH_REASONS[delta.finish_reason] if delta.finish_reason is not None else None,
+            error,
+        )
+
+    def _choice(self, owner: ServedRequest, index: int) -> ServedRequest:
+        """Choice `index` of `owner`'s request (n > 1), made on its first delta."""
+        choices = self._choices.setdefault(owner, {})
+        choice = choices.get(index)
+        if choice is None:
+            seq = owner.seq
+            copy = Sequence(
+                seq.request_id,
+                seq.token_ids[: seq.num_prompt_tokens],
+                seq.sampling,
+                seq.stopping,
+                seq.arrival_time,
+                seq.cache_salt,
+                seq.grammar,
+            )
+            choice = choices[index] = replace(owner, seq=copy, index=index, parent=owner, n=owner.n)
+        return choice
+
+    def _core_exited(self) -> None:
+        if self._exited:
+            return
+        self._exited = True
+        if self._loop is not None and self._replies is not None:
+            self._loop.remove_reader(self._replies.fileno())
+        process = self._process
+        if process is not None:
+            process.join(1.0)
+        code = process.exitcode if process is not None else None
+        if not self._ready.is_set():
+            self._start_error = f"the engine core process exited (code {code}) before it was ready"
+            self._ready.set()
+            return
+        if self._stopping:
+            return
+        reason = f"the engine core process exited (code {code})"
+        logger.error("%s; ending every live request", reason)
+        error = TierUnavailableError(f"{reason}; retry on another replica")
+        deltas = [StreamDelta(owner, error=error) for owner in list(self._live.values())]
+        if deltas:
+            self._deliver(deltas)
+        self._on_exit(reason)
+
+
+# -- the core process --------------------------------------------------------------------------------
+
+
+def run_core(spec: CoreSpec, warm_up: bool, commands: Connection, replies: Connection) -> None:
+    """The core process's entry: serve commands until `Shutdown` or the server's end, then exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    from base.logs import use_log_format
+
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    use_log_format(spec.log_format)
+    if spec.threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    asyncio.run(_serve_core(spec, warm_up, commands, replies))
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # elsewhere than Linux: the end of file on the command pipe still ends the core
+
+
+async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, replies: Connection) -> None:
+    sender = _StepSender(replies)
+    try:
+        engine = Engine.from_pretrained(spec.model_dir, spec.engine_config)
+        engine.grammar_fill_observer = sender.grammar_fill_seconds.append
+        core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint)
+        sender.stats = core.stats
+        grammars = _Grammars(engine, spec.config)
+        await core.start_dependencies()
+        core.loop.start(warm_up=warm_up)
+        await asyncio.to_thread(core.loop.wait_ready)
+    except Exception as exc:
+        logger.exception("engine core could not start")
+        sender.write(StartFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    sender.write(Ready(engine.num_blocks))
+    logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
+    await asyncio.to_thread(_apply_commands, commands, core, grammars, sender)
+    await asyncio.to_thread(core.loop.stop)
+    await core.close_dependencies()
+
+
+def _apply_commands(commands: Connection, core: EngineCore, grammars: _Grammars, sender: _StepSender) -> None:
+    """Read command batches and hand them to the engine loop until `Shutdown` or end of file."""
+    loop = core.loop
+    while True:
+        try:
+            batch = commands_decoder.decode(commands.recv_bytes())
+        except (EOFError, OSError):
+            logger.info("the server is gone; stopping the engine core")
+            return
+        for command in batch.commands:
+            if isinstance(command, Submit):
+                try:
+                    loop.submit(_served_request(command, grammars))
+                except Exception as exc:
+                    sender.fail_submission(command, exc)
+            elif isinstance(command, Abort):
+                loop.abort(command.request_id)
+            elif isinstance(command, StopAt):
+                loop.stop_at_string(command.request_id, command.index, command.stop)
+            else:
+                return
+
+
+def _served_request(command: Submit, grammars: _Grammars) -> ServedRequest:
+    grammar = grammars.state(command.grammar) if command.grammar is not None else None
+    seq = Sequence(
+        command.request_id,
+        command.prompt_token_ids,
+        command.sampling,
+        command.stopping,
+        command.arrival_time,
+        command.cache_salt,
+        grammar,
+    )
+    return ServedRequest(
+        seq,
+        priority=command.priority,
+        tenant=command.tenant,
+        arrival_time=command.arrival_time,
+        n=command.n,
+        submission=command.submission,
+    )
+
+
+class _Grammars:
+    """The core's own compiles of the front door's constraints, on the command thread, cached.
+
+    The front door compiled each one already, in its worker within the compile timeout, so these
+    compile in-thread: a daemonic process cannot start a worker of its own, and a constraint repeated
+    by agent traffic costs a cache hit.
+    """
+
+    def __init__(self, engine: Engine, config: DecodeServiceConfig) -> None:
+        self._tokenizer = engine.tokenizer
+        self._vocab_size = engine.vocab_size
+        self._cache_size = config.grammar_cache_size
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._control_free: torch.Tensor | None = None
+
+    def state(self, source: GrammarSource) -> GrammarState:
+        import xgrammar as xgr
+
+        if self._tokenizer is None:
+            raise TandemError("the engine core has no tokenizer to compile grammars with")
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer.hf,
+                vocab_size=self._vocab_size,
+                stop_token_ids=sorted(self._tokenizer.eos_token_ids),
+            )
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            self._control_free = control_free_tokens(info)
+        key = (source.kind, source.source)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = compile_in_process(self._compiler, source.kind, source.source)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        allowed = self._control_free if source.control_free else None
+        return GrammarState(compiled, source.activate_after, allowed, key)
+
+
+class _StepSender:
+    """The engine loop's `deliver` in the core process: each step's deltas and counters, as one message."""
+
+    def __init__(self, replies: Connection) -> None:
+        self._replies = replies
+        self._lock = threading.Lock()
+        self.stats: Callable[[], CoreStats] = CoreStats
+        self.grammar_fill_seconds: list[float] = []
+
+    def send(self, deltas: list[StreamDelta]) -> None:
+        fills, self.grammar_fill_seconds = self.grammar_fill_seconds, []
+        self.write(StepOut([_delta(d) for d in deltas], self.stats(), fills))
+
+    def fail_submission(self, command: Submit, error: Exception) -> None:
+        code, message = status_for(error)
+        state = RequestState(0, None, None, None, None, 0, False)
+        self.write(
+            StepOut(
+                [Delta(command.submission, 0, [], [], None, Failure(code.name, message), state)],
+                self.stats(),
+                [],
+            )
+        )
+
+    def write(self, message: StepOut | Ready | StartFailed) -> None:
+        data = command_encoder.encode(message)
+        with self._lock:
+            try:
+                self._replies.send_bytes(data)
+            except OSError:
+                logger.info("the server is gone; dropped a step message")
+
+
+def _delta(delta: StreamDelta) -> Delta:
+    request = delta.request
+    seq = request.seq
+    error = None
+    if delta.error is not None:
+        code, message = status_for(delta.error)
+        error = Failure(code.name, message)
+    return Delta(
+        request.stream_owner.submission,
+        request.index,
+        delta.token_ids,
+        [(lp.token_id, lp.logprob, lp.top) for lp in delta.logprobs],
+        delta.finish_reason.value if delta.finish_reason is not None else None,
+        error,
+        RequestState(
+            seq.num_cached_tokens,
+            seq.matched_stop,
+            request.admitted_time,
+            request.prefill_done_time,
+            request.first_token_time,
+            request.num_preemptions,
+            request.forked,
+        ),
+    )

@@ -1,0 +1,266 @@
+"""The decode engine core in a process of its own: the same answers as in process, across the boundary
+(aborts, stop strings, choices), and the lifecycle Kubernetes relies on.
+
+The answer tests run a `DecodeServer` given a `CoreSpec` on this test's event-loop thread, so the core
+is a real spawned process; the lifecycle tests run `tandem serve decode` as a subprocess, as a pod would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from conftest import free_ports, hf_greedy, random_prompts, save_tiny_model, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_tokenizer import TINY_VOCAB_SIZE
+
+from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.process import CoreSpec, EngineProcess
+from decode_service.server import DecodeServer
+from engine.config import CacheConfig, EngineConfig
+from protos.tandem.v1 import generation_pb2 as pb
+from protos.tandem.v1 import generation_pb2_grpc
+
+MAX_MODEL_LEN = 256
+
+
+class ProcessServer:
+    """A DecodeServer whose engine core is a spawned process, on its own event-loop thread."""
+
+    def __init__(self, model_dir, **config_kwargs) -> None:
+        engine_config = EngineConfig(
+            cache=CacheConfig(block_size=8, num_blocks=256),
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+        )
+        config = DecodeServiceConfig(host="127.0.0.1", port=0, **config_kwargs)
+        self.spec = CoreSpec(model_dir, engine_config, config, threads=1)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: DecodeServer = self.call(self._create(config))
+        self.port = self.call(self.server.start(), timeout=120)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def _create(self, config: DecodeServiceConfig) -> DecodeServer:
+        return DecodeServer(self.spec, config)
+
+    def call(self, coroutine, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @property
+    def core(self) -> EngineProcess:
+        assert isinstance(self.server.engine_loop, EngineProcess)
+        return self.server.engine_loop
+
+    def idle(self) -> bool:
+        stats = self.core.stats
+        return stats.num_running == 0 and stats.kv_usage == 0.0 and len(self.server.registry) == 0
+
+    def close(self) -> None:
+        self.channel.close()
+        self.call(self.server.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("engine_process_model")
+    return directory, save_tiny_model(directory, 31)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    running = ProcessServer(model[0])
+    yield running
+    running.close()
+
+
+def greedy(token_ids, max_tokens, **kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=list(token_ids),
+        sampling=pb.SamplingParams(temperature=0.0, **kwargs),
+        stopping=pb.StoppingParams(ignore_eos=True, max_tokens=max_tokens),
+    )
+
+
+def test_the_core_is_another_process(server):
+    assert server.core.spec.model_dir == server.spec.model_dir
+    assert server.server.scheduler is None and server.server.engine is None
+    pid = server.core._process.pid
+    assert pid != os.getpid() and os.path.exists(f"/proc/{pid}")
+
+
+def test_greedy_answers_match_hf_across_the_boundary(server, model):
+    hf = model[1]
+    prompts = random_prompts(8, 5, min_len=1, max_len=40, vocab=TINY_VOCAB_SIZE)
+    for index, prompt in enumerate(prompts):
+        max_tokens = 1 + (index * 5) % 17
+        responses = list(server.stub.Generate(greedy(prompt, max_tokens, logprobs=2), timeout=60))
+        tokens = [t for r in responses for t in r.token_ids]
+        assert tokens == hf_greedy(hf, prompt, max_tokens), index
+        assert all(len(lp.top) == 2 for r in responses for lp in r.logprobs)
+        last = responses[-1]
+        assert last.finish_reason == pb.LENGTH and last.usage.completion_tokens == max_tokens
+        assert last.usage.prompt_tokens == len(prompt) and last.timings.first_token_seconds > 0
+    assert wait_until(server.idle)
+
+
+def test_choices_and_stop_strings_cross_the_boundary(server, model):
+    hf = model[1]
+    prompt = random_prompts(1, 9, min_len=12, max_len=12, vocab=TINY_VOCAB_SIZE)[0]
+    expected = hf_greedy(hf, prompt, 12)
+    request = greedy(prompt, 12)
+    request.n = 3
+    by_choice: dict[int, list[int]] = {}
+    for response in server.stub.Generate(request, timeout=60):
+        by_choice.setdefault(response.index, []).extend(response.token_ids)
+    assert by_choice == {0: expected, 1: expected, 2: expected}
+
+    text = "".join(r.text for r in server.stub.Generate(greedy(prompt, 12), timeout=60))
+    stop = text[len(text) // 2 :][:2]
+    assert stop, text
+    stopped = greedy(prompt, 12)
+    stopped.stopping.stop.append(stop)
+    responses = list(server.stub.Generate(stopped, timeout=60))
+    assert "".join(r.text for r in responses) == text[: text.index(stop)]
+    assert responses[-1].finish_reason == pb.STOP and responses[-1].stop_string == stop
+    assert wait_until(server.idle)
+
+
+def test_constrained_answers_are_enforced_by_the_core(server):
+    """The core compiles the front door's constraint again from its source (its own cache)."""
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(server.spec.model_dir)
+    for regex in (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)"):
+        request = pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content="Answer.")],
+            sampling=pb.SamplingParams(temperature=1.0, seed=3),
+            stopping=pb.StoppingParams(max_tokens=40),
+            structured_output=pb.StructuredOutput(regex=regex),
+        )
+        responses = list(server.stub.Generate(request, timeout=120))
+        text = tokenizer.decode([t for r in responses for t in r.token_ids])
+        assert responses[-1].finish_reason == pb.STOP and re.fullmatch(regex, text), text
+    assert wait_until(server.idle)
+
+
+def test_a_cancelled_stream_frees_the_core_blocks(server):
+    stream = server.stub.Generate(greedy([5, 6, 7], MAX_MODEL_LEN - 8), timeout=60)
+    next(stream)
+    assert wait_until(lambda: server.core.stats.kv_usage > 0)
+    stream.cancel()
+    assert wait_until(server.idle)
+    # The server goes on serving, and an abort does not leak into the next request with its id.
+    request = greedy([5, 6, 7], 3)
+    request.request_id = "reused"
+    assert sum(len(r.token_ids) for r in server.stub.Generate(request, timeout=60)) == 3
+
+
+# -- lifecycle, on `tandem serve decode` subprocesses ----------------------------------------------
+
+
+class Serve:
+    """`tandem serve decode` on the tiny model, its log collected."""
+
+    def __init__(self, model_dir) -> None:
+        self.port, self.metrics_port = free_ports(2)
+        command = [
+            sys.executable, "-m", "tandem.cli", "serve", "decode", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", "--block-size", "8",
+            "--kv-cache-memory", "4MiB", "--max-model-len", str(MAX_MODEL_LEN),
+            "--drain-grace-seconds", "30",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        assert wait_until(self.serving, timeout=120), "".join(self.log)
+
+    def serving(self) -> bool:
+        assert self.process.poll() is None, "".join(self.log)
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def core_pid(self) -> int:
+        found = [re.search(r"engine core process started \(pid (\d+)\)", line) for line in self.log]
+        pids = [int(match.group(1)) for match in found if match]
+        assert len(pids) == 1, "".join(self.log)
+        return pids[0]
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers until reaped; its state says it is dead.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[1].startswith("Z")
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_ends_every_stream_and_the_server_exits_non_zero(model):
+    serve = Serve(model[0])
+    try:
+        core = serve.core_pid()
+        streams = [
+            serve.stub.Generate(greedy([3 + i, 4, 5], MAX_MODEL_LEN - 8), timeout=60) for i in range(3)
+        ]
+        for stream in streams:
+            next(stream)
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        for stream in streams:
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in stream:
+                    pass
+            assert ended.value.code() is grpc.StatusCode.UNAVAILABLE, ended.value
+            assert "engine core process exited" in ended.value.details()
+        # Ended by the pipe's end of file, not by a timeout: well within a second on an idle machine.
+        assert time.monotonic() - killed < 5
+        assert serve.process.wait(60) == 1, "".join(serve.log)
+        assert _gone(core)
+        assert any("engine core process exited" in line for line in serve.log)
+    finally:
+        serve.close()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_through_both_processes(model):
+    serve = Serve(model[0])
+    try:
+        core = serve.core_pid()
+        stream = serve.stub.Generate(greedy([7, 8, 9], 40), timeout=60)
+        first = next(stream)
+        serve.process.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        tokens = [t for r in [first, *rest] for t in r.token_ids]
+        assert len(tokens) == 40 and rest[-1].finish_reason == pb.LENGTH
+        assert serve.process.wait(60) == 0, "".join(serve.log)
+        assert wait_until(lambda: _gone(core), timeout=30)
+    finally:
+        serve.close()
