@@ -145,6 +145,9 @@ def test_constrained_answers_are_enforced_by_the_core(server):
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(server.spec.model_dir)
+    fills = server.server.metrics.structured_output_fill_seconds
+    fills_before = fill_count(fills)
+    constrained_tokens = 0
     for regex in (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)"):
         request = pb.GenerateRequest(
             messages=[pb.ChatMessage(role="user", content="Answer.")],
@@ -155,7 +158,15 @@ def test_constrained_answers_are_enforced_by_the_core(server):
         responses = list(server.stub.Generate(request, timeout=120))
         text = tokenizer.decode([t for r in responses for t in r.token_ids])
         assert responses[-1].finish_reason == pb.STOP and re.fullmatch(regex, text), text
+        constrained_tokens += sum(len(r.token_ids) for r in responses)
     assert wait_until(server.idle)
+    # Every step that masked a token reached the front door's metric, not only the first message's.
+    assert fill_count(fills) - fills_before >= constrained_tokens
+
+
+def fill_count(histogram) -> float:
+    samples = [s for metric in histogram.collect() for s in metric.samples]
+    return next(s.value for s in samples if s.name.endswith("_count"))
 
 
 def test_a_cancelled_stream_frees_the_core_blocks(server):

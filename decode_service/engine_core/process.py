@@ -348,7 +348,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     sender = _StepSender(replies)
     try:
         engine = Engine.from_pretrained(spec.model_dir, spec.engine_config)
-        engine.grammar_fill_observer = sender.grammar_fill_seconds.append
+        engine.grammar_fill_observer = sender.observe_grammar_fill
         core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint)
         sender.stats = core.stats
         grammars = _Grammars(engine, spec.config)
@@ -458,6 +458,10 @@ class _StepSender:
         self._lock = threading.Lock()
         self.stats: Callable[[], CoreStats] = CoreStats
         self.grammar_fill_seconds: list[float] = []
+
+    def observe_grammar_fill(self, seconds: float) -> None:
+        """The engine's observer of a step's mask fill; `send` takes them with the step's deltas."""
+        self.grammar_fill_seconds.append(seconds)
 
     def send(self, deltas: list[StreamDelta]) -> None:
         fills, self.grammar_fill_seconds = self.grammar_fill_seconds, []
