@@ -10,8 +10,9 @@ from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 
 
-def request(request_id: str) -> ServedRequest:
-    return ServedRequest(Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=9), None))
+def request(request_id: str, index: int = 0) -> ServedRequest:
+    seq = Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=9), None)
+    return ServedRequest(seq, index=index)
 
 
 def token(req: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
@@ -51,6 +52,28 @@ def test_interval_one_passes_every_step_through():
     buffer(step)
     buffer([token(a, 2)])
     assert sent[0] is step and len(sent) == 2
+
+
+def test_first_tokens_go_out_at_once_when_the_sequence_holds_only_the_prompt():
+    """The front door's copy of a request in the process shape: its sequence never gets the tokens."""
+    sent: list[list[StreamDelta]] = []
+    buffer = StreamIntervalBuffer(3, sent.append)
+    a = request("a")
+    buffer([StreamDelta(a, token_ids=[7])])
+    buffer([StreamDelta(a, token_ids=[8])])
+    assert [[d.token_ids for d in step] for step in sent] == [[[7]]]
+
+
+def test_choices_sharing_an_id_are_held_apart():
+    sent: list[list[StreamDelta]] = []
+    buffer = StreamIntervalBuffer(2, sent.append)
+    first = request("a")
+    second = request("a", index=1)
+    buffer([token(first, 1), token(second, 5)])
+    buffer([token(first, 2), token(second, 6)])
+    buffer([token(first, 3), token(second, 7)])
+    flat = [(d.request.index, d.token_ids) for step in sent for d in step]
+    assert flat == [(0, [1]), (1, [5]), (0, [2, 3]), (1, [6, 7])]
 
 
 def summary(deltas: list[StreamDelta]) -> list[tuple]:

@@ -13,7 +13,7 @@ TTFT and completion times do not change.
 
 from __future__ import annotations
 
-from decode_service.engine_core.request import StreamDelta
+from decode_service.engine_core.request import ServedRequest, StreamDelta
 from serving.engine_thread import Deliver
 
 
@@ -53,13 +53,18 @@ def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
 class StreamIntervalBuffer:
     """Wraps the engine loop's `deliver`: holds each request's deltas until `interval` tokens are due.
 
-    Called on the engine thread only, like the `deliver` it wraps.
+    Called on the engine thread only, like the `deliver` it wraps. What was sent is tracked here, not
+    read from the request's sequence: with the engine core in another process, the front door's copy of
+    a sequence holds only its prompt.
     """
 
     def __init__(self, interval: int, deliver: Deliver[StreamDelta]) -> None:
         self.interval = interval
         self._deliver = deliver
-        self._held: dict[str, StreamDelta] = {}
+        # By request object, not id: the choices of an `n` request share their id.
+        self._held: dict[ServedRequest, StreamDelta] = {}
+        # Requests (choices) that got their first tokens and have not ended.
+        self._started: set[ServedRequest] = set()
 
     def __call__(self, deltas: list[StreamDelta]) -> None:
         if self.interval == 1:
@@ -67,15 +72,17 @@ class StreamIntervalBuffer:
             return
         ready = []
         for delta in deltas:
-            request_id = delta.request.request_id
-            held = self._held.pop(request_id, None)
-            if held is not None and held.request is delta.request:
+            request = delta.request
+            held = self._held.pop(request, None)
+            if held is not None:
                 delta = merge(held, delta)
-            # Nothing of this request was sent yet exactly when this delta carries all its output.
-            first = bool(delta.token_ids) and len(delta.token_ids) == delta.request.seq.num_output_tokens
-            if delta.is_last or first or len(delta.token_ids) >= self.interval:
+            if delta.is_last:
+                self._started.discard(request)
+                ready.append(delta)
+            elif (delta.token_ids and request not in self._started) or len(delta.token_ids) >= self.interval:
+                self._started.add(request)
                 ready.append(delta)
             else:
-                self._held[request_id] = delta
+                self._held[request] = delta
         if ready:
             self._deliver(ready)
