@@ -41,7 +41,7 @@ class EngineThread(ABC, Generic[CommandT, EventT, RecordT]):
 
     thread_name = "engine"
 
-    def __init__(self, engine: Engine, deliver: Deliver[EventT], event_log: EventLog[RecordT]) -> None:
+    def __init__(self, engine: Engine, deliver: Deliver[EventT], event_log: EventLog[RecordT] | None) -> None:
         self.engine = engine
         self.events = event_log
         self._deliver = deliver

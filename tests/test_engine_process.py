@@ -96,6 +96,11 @@ def greedy(token_ids, max_tokens, **kwargs) -> pb.GenerateRequest:
     )
 
 
+def sample_count(histogram) -> float:
+    samples = [s for metric in histogram.collect() for s in metric.samples]
+    return next(s.value for s in samples if s.name.endswith("_count"))
+
+
 def test_the_core_is_another_process(server):
     assert server.core.spec.model_dir == server.spec.model_dir
     assert server.server.scheduler is None and server.server.engine is None
@@ -105,6 +110,8 @@ def test_the_core_is_another_process(server):
 
 def test_greedy_answers_match_hf_across_the_boundary(server, model):
     hf = model[1]
+    queue_times = server.server.metrics.request_queue_time
+    queued_before = sample_count(queue_times)
     prompts = random_prompts(8, 5, min_len=1, max_len=40, vocab=TINY_VOCAB_SIZE)
     for index, prompt in enumerate(prompts):
         max_tokens = 1 + (index * 5) % 17
@@ -116,6 +123,9 @@ def test_greedy_answers_match_hf_across_the_boundary(server, model):
         assert last.finish_reason == pb.LENGTH and last.usage.completion_tokens == max_tokens
         assert last.usage.prompt_tokens == len(prompt) and last.timings.first_token_seconds > 0
     assert wait_until(server.idle)
+    # The core's request state reached the front door with each first token (the queue time is observed
+    # there only when the admission time is known).
+    assert sample_count(queue_times) - queued_before == len(prompts)
 
 
 def test_choices_and_stop_strings_cross_the_boundary(server, model):
@@ -146,7 +156,7 @@ def test_constrained_answers_are_enforced_by_the_core(server):
 
     tokenizer = Tokenizer.from_pretrained(server.spec.model_dir)
     fills = server.server.metrics.structured_output_fill_seconds
-    fills_before = fill_count(fills)
+    fills_before = sample_count(fills)
     constrained_tokens = 0
     for regex in (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)"):
         request = pb.GenerateRequest(
@@ -161,12 +171,7 @@ def test_constrained_answers_are_enforced_by_the_core(server):
         constrained_tokens += sum(len(r.token_ids) for r in responses)
     assert wait_until(server.idle)
     # Every step that masked a token reached the front door's metric, not only the first message's.
-    assert fill_count(fills) - fills_before >= constrained_tokens
-
-
-def fill_count(histogram) -> float:
-    samples = [s for metric in histogram.collect() for s in metric.samples]
-    return next(s.value for s in samples if s.name.endswith("_count"))
+    assert sample_count(fills) - fills_before >= constrained_tokens
 
 
 def test_a_cancelled_stream_frees_the_core_blocks(server):

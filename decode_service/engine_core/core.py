@@ -34,7 +34,10 @@ class EngineCore:
         config: DecodeServiceConfig,
         deliver: Deliver[StreamDelta],
         model_fingerprint: str | None = None,
+        record_steps: bool = True,
     ) -> None:
+        """`record_steps`: keep the flight recorder of step records (`events`), which tests and the
+        occupancy benchmark read in this process; a core in a process of its own has no reader for it."""
         self.engine = engine
         policy = make_policy(
             config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second, config.max_idle_tenants
@@ -48,7 +51,7 @@ class EngineCore:
             self.remote_prefill = RemotePrefill(engine, config, model_fingerprint)
         stage = self.remote_prefill.stage if self.remote_prefill is not None else None
         self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
-        self.events: EventLog[StepRecord] = EventLog(config.event_log_size)
+        self.events: EventLog[StepRecord] | None = EventLog(config.event_log_size) if record_steps else None
         self.loop = EngineLoop(engine, self.scheduler, deliver, self.events)
 
     async def start_dependencies(self) -> None:

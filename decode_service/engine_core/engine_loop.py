@@ -61,8 +61,9 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, S
         engine: Engine,
         scheduler: ContinuousScheduler,
         deliver: Deliver[StreamDelta],
-        event_log: EventLog[StepRecord],
+        event_log: EventLog[StepRecord] | None,
     ) -> None:
+        """`event_log`: where each step's record goes; None records nothing (no one could read it)."""
         super().__init__(engine, deliver, event_log)
         self.scheduler = scheduler
         scheduler.prefill_stage.set_wakeup(self.wake)
@@ -103,7 +104,8 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, S
                 deltas.extend(self.scheduler.fail_step(plan, exc))
             else:
                 deltas.extend(self.scheduler.complete_step(outputs))
-            self._record(plan, deltas)
+            if self.events is not None:
+                self._record(plan, deltas)
         if deltas:
             self._deliver_safely(deltas)
         return bool(plan.chunks or plan.preempted)

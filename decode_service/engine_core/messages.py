@@ -92,7 +92,9 @@ class Delta(msgspec.Struct, array_like=True):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]]
     finish_reason: str | None
     error: Failure | None
-    state: RequestState
+    # Only on a choice's first and last deltas, the ones whose readers need it (time to first token,
+    # usage, timings, stop, the finish log): the steps between carry tokens alone.
+    state: RequestState | None
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -254,21 +254,24 @@ class EngineProcess:
             return None
         request = owner if delta.index == 0 else self._choice(owner, delta.index)
         state = delta.state
-        seq = request.seq
-        seq.num_cached_tokens = state.num_cached_tokens
-        seq.matched_stop = state.matched_stop
-        request.admitted_time = state.admitted_time
-        request.prefill_done_time = state.prefill_done_time
-        request.first_token_time = state.first_token_time
-        request.num_preemptions = state.num_preemptions
-        request.forked = state.forked
+        if state is not None:
+            seq = request.seq
+            seq.num_cached_tokens = state.num_cached_tokens
+            seq.matched_stop = state.matched_stop
+            request.admitted_time = state.admitted_time
+            request.prefill_done_time = state.prefill_done_time
+            request.first_token_time = state.first_token_time
+            request.num_preemptions = state.num_preemptions
+            request.forked = state.forked
         error = None
         if delta.error is not None:
             error = RelayedStatusError(grpc.StatusCode[delta.error.code], delta.error.message)
         return StreamDelta(
             request,
             delta.token_ids,
-            [TokenLogprobs(token_id, logprob, top) for token_id, logprob, top in delta.logprobs],
+            [TokenLogprobs(token_id, logprob, top) for token_id, logprob, top in delta.logprobs]
+            if delta.logprobs
+            else [],
             _FINISH_REASONS[delta.finish_reason] if delta.finish_reason is not None else None,
             error,
         )
@@ -349,7 +352,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     try:
         engine = Engine.from_pretrained(spec.model_dir, spec.engine_config)
         engine.grammar_fill_observer = sender.observe_grammar_fill
-        core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint)
+        core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint, record_steps=False)
         sender.stats = core.stats
         grammars = _Grammars(engine, spec.config)
         await core.start_dependencies()
@@ -494,14 +497,9 @@ def _delta(delta: StreamDelta) -> Delta:
     if delta.error is not None:
         code, message = status_for(delta.error)
         error = Failure(code.name, message)
-    return Delta(
-        request.stream_owner.submission,
-        request.index,
-        delta.token_ids,
-        [(lp.token_id, lp.logprob, lp.top) for lp in delta.logprobs],
-        delta.finish_reason.value if delta.finish_reason is not None else None,
-        error,
-        RequestState(
+    state = None
+    if delta.is_last or seq.num_output_tokens == len(delta.token_ids):
+        state = RequestState(
             seq.num_cached_tokens,
             seq.matched_stop,
             request.admitted_time,
@@ -509,5 +507,13 @@ def _delta(delta: StreamDelta) -> Delta:
             request.first_token_time,
             request.num_preemptions,
             request.forked,
-        ),
+        )
+    return Delta(
+        request.stream_owner.submission,
+        request.index,
+        delta.token_ids,
+        [(lp.token_id, lp.logprob, lp.top) for lp in delta.logprobs] if delta.logprobs else [],
+        delta.finish_reason.value if delta.finish_reason is not None else None,
+        error,
+        state,
     )
