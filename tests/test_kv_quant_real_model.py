@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -102,15 +103,19 @@ def test_int8_kv_agrees_with_full_precision_disaggregated(real_model_dir, expect
     channel = grpc.insecure_channel(f"127.0.0.1:{decode_port}")
     try:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        got = []
-        for i, prompt in enumerate(prompts):
+
+        def reply(i: int) -> list[int]:
             request = pb.GenerateRequest(
                 request_id=f"held-out-{i}",
-                token_ids=prompt,
+                token_ids=prompts[i],
                 sampling=pb.SamplingParams(temperature=0.0),
                 stopping=pb.StoppingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
             )
-            got.append([t for r in stub.Generate(request, timeout=300) for t in r.token_ids])
+            return [t for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+
+        # All at once, as the full-precision replies were made (one batch), not one prompt at a time.
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(reply, range(len(prompts))))
         stats = decode.remote_prefill.stats
         assert stats.remote_prefills_completed == len(prompts) and stats.local_prefills == 0
         model = decode_engine.model_config
