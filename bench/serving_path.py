@@ -135,6 +135,7 @@ async def _measure_round(backend: StreamingBackend, requests: list[WorkloadReque
         for row in thread_cpu_delta(threads_before[p], thread_cpu_seconds(p), p)
     ]
     tokens = sum(record.output_len for record in load.records)
+    messages = sum(len(record.chunk_tokens) for record in load.records)
     failed = [record.error for record in load.records if not record.ok]
     if failed:
         logger.warning("%d requests failed, e.g. %s", len(failed), failed[0])
@@ -146,6 +147,9 @@ async def _measure_round(backend: StreamingBackend, requests: list[WorkloadReque
         "served_tok_s": round(tokens / load.duration_s, 1),
         "server_cpu_s": round(server_cpu_s, 3),
         "server_cpu_us_per_token": round(1e6 * server_cpu_s / max(tokens, 1), 1),
+        # Above 1 when writers fell behind and sent the tokens that piled up in one message.
+        "tokens_per_message": round(tokens / max(messages, 1), 3),
+        "server_cpu_us_per_message": round(1e6 * server_cpu_s / max(messages, 1), 1),
         "server_cores_busy": round(server_cpu_s / load.duration_s, 2),
         "client_cpu_us_per_token": round(1e6 * load.client_cpu_s / max(tokens, 1), 1),
         "server_threads_cpu_s": sorted(threads, key=lambda row: row["cpu_s"], reverse=True)[:8],
@@ -260,8 +264,8 @@ def _measure_bounds(args: argparse.Namespace, model_dir: Path, step_ms: float) -
     return bounds
 
 
-def _median(rounds: list[dict], key: str) -> float:
-    return round(statistics.median(r[key] for r in rounds), 1)
+def _median(rounds: list[dict], key: str, digits: int = 1) -> float:
+    return round(statistics.median(r[key] for r in rounds), digits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -321,11 +325,15 @@ def run(args: argparse.Namespace) -> int:
         "server_cpu_us_per_token": _median(rounds, "server_cpu_us_per_token"),
         "served_tok_s": _median(rounds, "served_tok_s"),
         "client_cpu_us_per_token": _median(rounds, "client_cpu_us_per_token"),
+        "tokens_per_message": _median(rounds, "tokens_per_message", digits=3),
+        "server_cpu_us_per_message": _median(rounds, "server_cpu_us_per_message"),
     }
     # A sized-down run may be shorter than the OS's CPU clock tick: then there is no ratio to give.
     if bare is not None and args.stream_interval == 1 and bare["cpu_us_per_message"] > 0:
-        # One message per token on both sides: tandem's rate and cost per message against the bare
-        # server's, the "serving path" targets (>= 0.7x the messages/s, <= 3x the CPU).
+        # Tandem's tokens/s and CPU per token against the bare server's messages/s and CPU per message,
+        # the "serving path" targets (>= 0.7x the messages/s, <= 3x the CPU). The bare server
+        # sends one token per message; tandem does too unless a writer fell behind, which
+        # `tokens_per_message` shows (above 1, a message carried several and its cost was shared).
         summary["bare_grpc_msgs_per_s"] = bare["msgs_per_s"]
         summary["bare_grpc_cpu_us_per_message"] = bare["cpu_us_per_message"]
         summary["msgs_per_s_vs_bare"] = round(summary["served_tok_s"] / bare["msgs_per_s"], 2)
