@@ -127,8 +127,6 @@ class StepOut(msgspec.Struct, tag="step", array_like=True):
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     """The core loaded its model and ran its warm-up forward."""
 
-    num_blocks: int
-
 
 class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
     """The core could not start (model load, warm-up); the server exits naming it."""

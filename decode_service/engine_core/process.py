@@ -122,7 +122,6 @@ class EngineProcess:
         self._stopping = False
         self._exited = False
         self.stats = CoreStats()
-        self.num_blocks = 0
 
     # -- the engine loop's interface ---------------------------------------------------------------
 
@@ -240,7 +239,6 @@ class EngineProcess:
             if deltas:
                 self._deliver(deltas)
         elif isinstance(message, Ready):
-            self.num_blocks = message.num_blocks
             self._ready.set()
         else:
             self._start_error = message.message
@@ -362,7 +360,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
         logger.exception("engine core could not start")
         sender.write(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    sender.write(Ready(engine.num_blocks))
+    sender.write(Ready())
     logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
     await asyncio.to_thread(_apply_commands, commands, core, grammars, sender)
     await asyncio.to_thread(core.loop.stop)
