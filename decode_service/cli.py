@@ -159,7 +159,7 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """Bounds on what one request or one client may cost; each refusal names its flag."""
-    from decode_service.front_door.request_limits import RequestLimits
+    from decode_service.front_door.admission import RequestLimits
 
     defaults = RequestLimits()
     group = parser.add_argument_group("request limits")
@@ -294,7 +294,7 @@ def _add_prefill_arguments(parser: argparse.ArgumentParser) -> None:
 def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
     """The validated DecodeServiceConfig the flags describe (reads the auth token file, if any)."""
     from decode_service.config import DecodeServiceConfig, parse_tenant_weights
-    from decode_service.front_door.request_limits import RequestLimits
+    from decode_service.front_door.admission import RequestLimits
     from serving.flags import server_settings_from_args
 
     config = DecodeServiceConfig(

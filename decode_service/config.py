@@ -17,7 +17,7 @@ from decode_service.engine_core.remote_prefill.targets import (
     PrefillTargetError,
     parse_prefill_targets,
 )
-from decode_service.front_door.request_limits import RequestLimits
+from decode_service.front_door.admission import RequestLimits
 from serving.config import ServerConfig
 
 BATCHING_MODES = ("continuous", "static")
@@ -33,7 +33,7 @@ class DecodeServiceConfig(ServerConfig):
     `max_num_seqs + max_queue` live requests and refuses more with RESOURCE_EXHAUSTED.
     `max_tokens_cap` is the default `max_tokens` when a request leaves it unset (further capped by
     what the context has left). `stream_interval` tokens go in one stream message (see
-    `decode_service.engine_core.stream_interval`). A request preempted `max_preemptions` times ranks
+    `decode_service.front_door.streams`). A request preempted `max_preemptions` times ranks
     ahead of every request that was not, so it is never the victim again while others are (bounded thrash).
 
     `cache_salt_by_tenant` folds each request's tenant (from `tenant_header` when set) into its

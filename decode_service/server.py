@@ -26,16 +26,14 @@ from decode_service.engine_core.remote_prefill.stage import RemotePrefill
 from decode_service.engine_core.request import StreamDelta
 from decode_service.engine_core.scheduler import ContinuousScheduler
 from decode_service.engine_core.step_record import StepRecord
-from decode_service.engine_core.stream_interval import StreamIntervalBuffer
 from decode_service.front_door.constraints import Constraints
 from decode_service.front_door.generation import Generations
 from decode_service.front_door.openai_http.app import OpenAIRoutes
 from decode_service.front_door.openai_http.connections import ConnectionLimits
 from decode_service.front_door.openai_http.server import HttpServer
 from decode_service.front_door.servicer import GenerationServicer
-from decode_service.front_door.streams import StreamHub
-from decode_service.front_door.validation import use_chat_template
-from decode_service.front_door.validation_pool import ValidationPool
+from decode_service.front_door.streams import StreamHub, StreamIntervalBuffer
+from decode_service.front_door.validation import ValidationPool, use_chat_template
 from decode_service.metrics import DecodeMetrics
 from engine.engine import Engine
 from engine.model_facts import ModelFacts

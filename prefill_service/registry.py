@@ -2,14 +2,14 @@
 events to each job's mailbox.
 
 The shared part (drain, wait-until-empty, one wake-up per engine step) is
-`serving.registry.LiveCallRegistry`.
+`serving.live_calls.LiveCallRegistry`.
 """
 
 from __future__ import annotations
 
 from prefill_service.job import Admitted, JobEvent, PrefillJob
 from serving.errors import QueueFullError
-from serving.registry import LiveCallRegistry
+from serving.live_calls import LiveCallRegistry
 
 
 class JobRegistry(LiveCallRegistry[int, PrefillJob, tuple[PrefillJob, JobEvent]]):

@@ -26,7 +26,7 @@ from prefill_service.validation import build_job
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
 from serving.errors import StreamStalledError
-from serving.stalls import StallWatchdog
+from serving.live_calls import StallWatchdog
 from serving.status import status_for
 
 logger = logging.getLogger(__name__)

@@ -25,9 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from base.auth import BearerTokenInterceptor, server_credentials
 from serving.config import ServerConfig
+from serving.live_calls import LiveCallRegistry, StallWatchdog
 from serving.malformed import MalformedRequestInterceptor
-from serving.registry import LiveCallRegistry
-from serving.stalls import StallWatchdog
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from test_disagg_serving import LoopThread
 from test_openai_api import MODEL, Server, http_call
 
 from base.logs import TextFormatter, log_event
-from decode_service.front_door.request_limits import RequestLimits
-from decode_service.front_door.validation_pool import SHORT_PROMPT_BYTES
+from decode_service.front_door.admission import RequestLimits
+from decode_service.front_door.validation import SHORT_PROMPT_BYTES
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_store import model_fingerprint

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from serving.errors import StreamStalledError
-from serving.stalls import StallWatchdog
+from serving.live_calls import StallWatchdog
 
 
 class _Context:

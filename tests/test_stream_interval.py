@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from base.errors import InvalidRequestError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
-from decode_service.engine_core.stream_interval import StreamIntervalBuffer, coalesce
+from decode_service.front_door.streams import StreamIntervalBuffer, coalesce
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 

@@ -13,8 +13,7 @@ from base.errors import InvalidRequestError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
 from decode_service.front_door.choice_text import ChoiceText
 from decode_service.front_door.generation import Generation
-from decode_service.front_door.mailbox import Mailbox
-from decode_service.front_door.streams import StreamHub
+from decode_service.front_door.streams import Mailbox, StreamHub
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason, Sequence
 from serving.errors import QueueFullError

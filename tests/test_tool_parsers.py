@@ -10,7 +10,7 @@ import random
 import pytest
 
 from decode_service import config
-from decode_service.front_door.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
+from decode_service.front_door.choice_text import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.front_door.constraints import ConstraintError
 from decode_service.front_door.reasoning import REASONING_PARSERS, make_reasoning_parser
 from decode_service.front_door.tool_parsers import (

@@ -5,17 +5,38 @@ and the stop strings matched against it, are made here in the front door, so an 
 detokenizes (and, with the engine in a process of its own, only token ids cross between the two).
 When a stop string matches, the front door ends the choice for its client at once and has the engine
 stop it; a token or two the engine made meanwhile are dropped.
+
+Then the text is split into (answer text, reasoning text, tool-call deltas), for both front doors:
+`Generation` runs one `AnswerParser` per choice on its text deltas when the request needs one: a
+server `--reasoning-parser` on a chat request, or tools with a `tool_choice` that calls them. Every
+other request never builds one and its messages are sent as the engine made them.
+
+Which tool parser applies: `tool_choice` auto (or unset, with tools) uses the server's
+`--tool-call-parser` and is refused without one, as vLLM refuses it; required and a named function use the
+formats their grammar enforces; none parses nothing. An answer that made calls and stopped ends with
+finish reason TOOL_CALLS whatever the choice, named included (OpenAI says "stop" for a named choice): one
+rule, "the answer holds calls", is what agent loops test, on both APIs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
+from decode_service.front_door.constraints import ConstraintError
+from decode_service.front_door.reasoning import ReasoningParser, make_reasoning_parser
+from decode_service.front_door.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolParser,
+)
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.params import StoppingParams
 from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
+from protos.tandem.v1 import generation_pb2 as pb
 
 
 @dataclass
@@ -83,3 +104,91 @@ class ChoiceText:
             return tail
         text, _ = self._matcher.feed(tail)
         return text + self._matcher.flush()
+
+
+Parsed = tuple[str, str, list[pb.ToolCallDelta]]  # (answer text, reasoning text, tool-call deltas)
+
+
+class AnswerParser:
+    """One choice's parser: `feed` each text delta, `finish` once at the end."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+
+    @property
+    def made_calls(self) -> bool:
+        return self._tools is not None and self._tools.num_calls > 0
+
+    def feed(self, text: str) -> Parsed:
+        reasoning = ""
+        if self._reasoning is not None:
+            text, reasoning = self._reasoning.feed(text)
+        if self._tools is None or not text:
+            return text, reasoning, []
+        text, calls = self._tools.feed(text)
+        return text, reasoning, calls
+
+    def finish(self) -> Parsed:
+        """What was held back, flushed: unfinished markers become text, a whole unclosed call a call."""
+        text, reasoning = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        if self._tools is None:
+            return text, reasoning, []
+        text, calls = self._tools.feed(text) if text else ("", [])
+        rest, more_calls = self._tools.finish()
+        return text + rest, reasoning, calls + more_calls
+
+
+def _tool_parser_factory(
+    request: pb.GenerateRequest, tool_call_parser: str | None
+) -> Callable[[], ToolParser] | None:
+    if not request.tools:
+        return None
+    choice = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if choice == "function_name":
+        return partial(NamedCallParser, request.tool_choice.function_name)
+    mode = request.tool_choice.mode if choice == "mode" else pb.TOOL_CHOICE_AUTO
+    if mode == pb.TOOL_CHOICE_REQUIRED:
+        return RequiredCallsParser
+    if mode == pb.TOOL_CHOICE_NONE:
+        return None
+    if tool_call_parser is None:
+        raise ConstraintError(
+            "tool_choice",
+            "auto (the default when tools are given) needs a server started with --tool-call-parser; "
+            "send tool_choice required, none or a named function instead",
+        )
+    return TOOL_CALL_PARSERS[tool_call_parser]
+
+
+def keeps_special_tokens(request: pb.GenerateRequest, tool_call_parser: str | None) -> bool:
+    """Whether `request`'s tool parser reads a control token (mistral's [TOOL_CALLS]) that the text would
+    otherwise leave out, as vLLM turns skip_special_tokens off for such parsers."""
+    try:
+        parser = _tool_parser_factory(request, tool_call_parser)
+    except ConstraintError:
+        return False
+    return isinstance(parser, type) and parser.reads_special_tokens
+
+
+def answer_parser_factory(
+    request: pb.GenerateRequest, tool_call_parser: str | None, reasoning_parser: str | None
+) -> Callable[[], AnswerParser] | None:
+    """What makes each choice's parser, or None when the request's text passes through untouched.
+
+    Cheap, no tokenizing: call it before the request takes a slot. Raises `ConstraintError` for auto tool
+    choice on a server without a tool-call parser. Reasoning is parsed on chat requests only: a raw
+    prompt's answer is returned as written, as vLLM's completions API does.
+    """
+    tools = _tool_parser_factory(request, tool_call_parser)
+    reasoning = reasoning_parser if reasoning_parser is not None and request.messages else None
+    if tools is None and reasoning is None:
+        return None
+
+    def make() -> AnswerParser:
+        return AnswerParser(
+            make_reasoning_parser(reasoning) if reasoning is not None else None,
+            tools() if tools is not None else None,
+        )
+
+    return make

@@ -23,15 +23,17 @@ from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fi
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.engine_loop import EngineClient
 from decode_service.engine_core.request import ServedRequest, StreamDelta
-from decode_service.engine_core.stream_interval import coalesce
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
-from decode_service.front_door.answer_parser import AnswerParser, answer_parser_factory, keeps_special_tokens
-from decode_service.front_door.choice_text import ChoiceText, TextPiece
+from decode_service.front_door.choice_text import (
+    AnswerParser,
+    ChoiceText,
+    TextPiece,
+    answer_parser_factory,
+    keeps_special_tokens,
+)
 from decode_service.front_door.constraints import Constraints, may_compile
-from decode_service.front_door.mailbox import Mailbox
-from decode_service.front_door.streams import StreamHub
-from decode_service.front_door.validation import build_sequence, skips_special_tokens
-from decode_service.front_door.validation_pool import ValidationPool
+from decode_service.front_door.streams import Mailbox, StreamHub, coalesce
+from decode_service.front_door.validation import ValidationPool, build_sequence, skips_special_tokens
 from engine.model_facts import ModelFacts
 from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
@@ -338,7 +340,7 @@ class Generation:
         return response
 
     def _parse(self, text: str, last: bool, response: pb.GenerateResponse) -> None:
-        """Split the message's text into answer text, reasoning and tool calls (see `answer_parser`)."""
+        """Split the message's text into answer text, reasoning and tool calls (see `choice_text`)."""
         parser = self._parsers.get(response.index)
         if parser is None:
             parser = self._parsers[response.index] = self._new_parser()

@@ -1,6 +1,6 @@
 """Reasoning parsers: split what a reasoning model writes into its reasoning and its answer.
 
-The front door runs them on each choice's text deltas (see `answer_parser`), so the engine knows nothing
+The front door runs them on each choice's text deltas (see `choice_text`), so the engine knows nothing
 of them. The semantics are vLLM's (`--reasoning-parser`):
 
 - `deepseek_r1`: the DeepSeek-R1 distills' chat template opens `<think>` in the prompt, so everything the

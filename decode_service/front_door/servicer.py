@@ -19,7 +19,7 @@ from engine.config import dtype_name
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
 from serving.errors import StreamStalledError
-from serving.stalls import StallWatchdog
+from serving.live_calls import StallWatchdog
 from serving.status import status_for
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,29 @@
-"""The event-loop side of live requests: a stream's mailbox, and the duplicate-id and capacity checks.
+"""The event-loop side of live requests: each stream's mailbox, how its tokens group into messages,
+and the duplicate-id and capacity checks.
 
 The shared part (drain, wait-until-empty, one wake-up per engine step) is
-`serving.registry.LiveCallRegistry`.
+`serving.live_calls.LiveCallRegistry`.
 
 Capacity counts work, not connections: a request takes a slot when it is reserved (before its prompt
 is tokenized) and gives it back when the engine is done with it, even if its client has not read the
 last messages yet. What such a client can still hold is bounded by `max_buffer` undelivered messages
 per stream: past it the request is aborted (its blocks freed) and its stream ends with
 RESOURCE_EXHAUSTED; the stall watchdog ends the call itself.
+
+A stream's `Mailbox` is not an `asyncio.Queue`: a stream has exactly one reader, which always wants
+everything waiting (to merge it into as few messages as it can), and one engine step puts one delta
+into each of up to hundreds of mailboxes. A put is a list append, plus a wake-up only when the reader
+is actually waiting, and a take hands over the list itself; a Queue pays its bookkeeping
+(unfinished-task count, getter and putter deques, one `get_nowait` per item) on every delta, on the
+event loop every stream shares.
+
+How tokens group into messages: `coalesce` (always on, at the edge) merges whatever a stream has
+waiting when its writer wakes up, so a writer that fell behind catches up in one message instead of
+one per token. `StreamIntervalBuffer` (`--stream-interval`, like vLLM's) holds each request's tokens
+until `interval` of them are ready, even when the writer keeps up: every stream message costs the
+event loop, the network and the client some work, so with many streams or a slow link this divides
+that by `interval`. The first token and the last message (finish, abort or error) always go out at
+once, so TTFT and completion times do not change.
 """
 
 from __future__ import annotations
@@ -15,12 +31,118 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from base.errors import InvalidRequestError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
-from decode_service.front_door.mailbox import Mailbox
+from serving.engine_thread import Deliver
 from serving.errors import QueueFullError
-from serving.registry import LiveCallRegistry
+from serving.live_calls import LiveCallRegistry
+
+ItemT = TypeVar("ItemT")
+
+
+class Mailbox(Generic[ItemT]):
+    """Items in arrival order, for one reader at a time; used on the event loop only."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[ItemT] = []
+        # The reader's future while it waits for an empty mailbox to get an item.
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: ItemT) -> None:
+        """Add `item`; wakes the reader if it is waiting."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # done: the reader was cancelled while it waited
+                waiter.set_result(None)
+
+    async def take_all(self) -> list[ItemT]:
+        """Every item waiting, oldest first; waits for one when there is none."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
+def merge(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
+    """One delta carrying both, in order; the later one's end (finish or error) wins."""
+    return StreamDelta(
+        earlier.request,
+        token_ids=earlier.token_ids + later.token_ids,
+        logprobs=earlier.logprobs + later.logprobs,
+        finish_reason=later.finish_reason,
+        error=later.error,
+    )
+
+
+def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """`deltas` in arrival order with each choice's consecutive run merged into one delta.
+
+    Costs no latency: only deltas that are already waiting merge. An error is never merged into the
+    tokens before it, so those tokens still reach the client before the stream fails.
+    """
+    if len(deltas) < 2:
+        return deltas
+    merged: list[StreamDelta] = []
+    open_at: dict[int, int] = {}  # id(request) -> index in `merged` of its delta still taking tokens
+    for delta in deltas:
+        at = open_at.get(id(delta.request))
+        if at is not None and delta.error is None:
+            merged[at] = merge(merged[at], delta)
+        else:
+            open_at[id(delta.request)] = len(merged)
+            merged.append(delta)
+        if merged[open_at[id(delta.request)]].is_last:
+            del open_at[id(delta.request)]
+    return merged
+
+
+class StreamIntervalBuffer:
+    """Wraps the engine loop's `deliver`: holds each request's deltas until `interval` tokens are due.
+
+    Called on one thread only (the engine thread, or the one reading the engine core's messages), like
+    the `deliver` it wraps. What was sent is tracked here, not
+    read from the request's sequence: with the engine core in another process, the front door's copy of
+    a sequence holds only its prompt.
+    """
+
+    def __init__(self, interval: int, deliver: Deliver[StreamDelta]) -> None:
+        self.interval = interval
+        self._deliver = deliver
+        # By request object, not id: the choices of an `n` request share their id.
+        self._held: dict[ServedRequest, StreamDelta] = {}
+        # Requests (choices) that got their first tokens and have not ended.
+        self._started: set[ServedRequest] = set()
+
+    def __call__(self, deltas: list[StreamDelta]) -> None:
+        if self.interval == 1:
+            self._deliver(deltas)
+            return
+        ready = []
+        for delta in deltas:
+            request = delta.request
+            held = self._held.pop(request, None)
+            if held is not None:
+                delta = merge(held, delta)
+            if delta.is_last:
+                self._started.discard(request)
+                ready.append(delta)
+            elif (delta.token_ids and request not in self._started) or len(delta.token_ids) >= self.interval:
+                self._started.add(request)
+                ready.append(delta)
+            else:
+                self._held[request] = delta
+        if ready:
+            self._deliver(ready)
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
 from base.errors import InvalidRequestError
-from decode_service.front_door.admission import tenant_and_priority
+from decode_service.front_door.admission import RequestLimits, tenant_and_priority
 from decode_service.front_door.generation import Generation, Generations
 from decode_service.front_door.openai_http.errors import (
     BodyTooLargeError,
@@ -33,7 +33,6 @@ from decode_service.front_door.openai_http.errors import (
 from decode_service.front_door.openai_http.fields import FieldError
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
-from decode_service.front_door.request_limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from decode_service.front_door.admission import RequestLimits
 from decode_service.front_door.openai_http.agent_fields import (
     CONSTRAINT_FIELDS,
     chat_tools,
@@ -39,7 +40,6 @@ from decode_service.front_door.openai_http.fields import (
     number,
     string,
 )
-from decode_service.front_door.request_limits import RequestLimits
 from engine.sampler import SEED_MASK
 from protos.tandem.v1 import generation_pb2 as pb
 
