@@ -30,6 +30,10 @@ class IncrementalDetokenizer:
     tail ends in U+FFFD the token completed no character yet, so nothing is emitted and the offsets
     stay put until a later token completes it.
 
+    A fast tokenizer runs that scheme in Rust (`Tokenizer.decode_stream`: one call per token instead
+    of two decodes and their list copies); the window here is still kept, for `flush` and for a
+    stream that gives up (it raises when a decoding is not an extension of the text before it).
+
     For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2, SmolLM2) the concatenated deltas equal
     `tokenizer.decode(generated_ids)` (plus `flush()` if the sequence stopped inside a character).
     For SentencePiece tokenizers the first delta keeps the leading space that decoding the generated
@@ -46,6 +50,7 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             # A prompt cut inside a character would make the first delta start mid-character.
             context = []
+        self._step = tokenizer.decode_stream(context, skip_special_tokens)
         self._tokens = context
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -60,16 +65,31 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated token and return the text it completes (possibly "")."""
         self._tokens.append(token_id)
+        if self._step is not None:
+            try:
+                text = self._step(token_id)
+            except Exception:
+                self._step = None  # its state is lost: the window carries on from here
+                return self._add_by_window()
+            if text:
+                self._emitted()
+            return text or ""
+        return self._add_by_window()
+
+    def _add_by_window(self) -> str:
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._tokens[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             # A skipped special token, or a character still missing bytes: wait for more tokens.
             return ""
-        # The tokens just emitted become the next window's context; drop what lies before them.
+        self._emitted()
+        return new_text[len(prefix_text) :]
+
+    def _emitted(self) -> None:
+        """The tokens just emitted become the next window's context; drop what lies before them."""
         del self._tokens[: self._read_offset]
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
-        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Text held back at the end of the sequence (a character left incomplete, shown as U+FFFD)."""

@@ -7,13 +7,15 @@ as Llama 3 list their extra end-of-turn tokens (the engine adds config.json's `e
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from base.errors import ConfigError, InvalidRequestError, ModelNotFoundError
@@ -74,9 +76,9 @@ class Tokenizer:
         self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_token_ids: frozenset[int] = frozenset()
     ) -> None:
         self._hf = hf_tokenizer
-        # The incremental detokenizer decodes twice per generated token; the fast tokenizer's Rust decode
-        # called directly costs a fraction of `PreTrainedTokenizerFast.decode`, which adds only Python
-        # wrapping, unless it post-processes with clean_up_tokenization_spaces.
+        # The fast tokenizer's Rust decode called directly costs a fraction of
+        # `PreTrainedTokenizerFast.decode`, which adds only Python wrapping, unless it post-processes
+        # with clean_up_tokenization_spaces; the same holds for its streaming decoder (`decode_stream`).
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
         self._rust_decode = backend.decode if backend is not None and not cleans_up else None
@@ -170,6 +172,17 @@ class Tokenizer:
         if self._rust_decode is not None:
             return self._rust_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(
+        self, context: Sequence[int], skip_special_tokens: bool = True
+    ) -> Callable[[int], str | None] | None:
+        """A step function that turns generated ids, one at a time, into the text each completes (None
+        while a character is incomplete or for a skipped special token), with `context` decoded as its
+        left context; None when this tokenizer has no Rust decoder to stream with (see `decode`)."""
+        if self._rust_decode is None:
+            return None
+        stream = DecodeStream(list(context), skip_special_tokens)
+        return functools.partial(stream.step, self._hf.backend_tokenizer)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

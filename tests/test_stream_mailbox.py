@@ -76,6 +76,9 @@ class _TagTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(f"<{token_id}>" for token_id in token_ids)
 
+    def decode_stream(self, context: list[int], skip_special_tokens: bool = True) -> None:
+        return None  # no Rust stream: the detokenizer's window decodes
+
 
 class _EngineLoop:
     """Records the aborts and stops a stream sends to the engine."""

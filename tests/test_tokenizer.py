@@ -40,16 +40,55 @@ def tokenizer(tiny_dir: Path) -> Tokenizer:
     return Tokenizer.from_pretrained(tiny_dir)
 
 
-class CountingTokenizer(Tokenizer):
-    """Records how many ids each decode call gets, to check the detokenizer's window stays short."""
+class WindowTokenizer(Tokenizer):
+    """A tokenizer without a Rust decode stream (a slow tokenizer's case): the detokenizer's own window
+    decodes every token."""
 
     def __init__(self, inner: Tokenizer) -> None:
         super().__init__(inner.hf)
+
+    def decode_stream(self, context, skip_special_tokens: bool = True) -> None:
+        return None
+
+
+class CountingTokenizer(WindowTokenizer):
+    """Records how many ids each decode call gets, to check the detokenizer's window stays short."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        super().__init__(inner)
         self.decode_lengths: list[int] = []
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         self.decode_lengths.append(len(token_ids))
         return super().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+class BreakingStreamTokenizer(Tokenizer):
+    """Its decode stream raises at the `fail_at`-th token, as a Rust stream does when a decoding is not an
+    extension of the text before it."""
+
+    def __init__(self, inner: Tokenizer, fail_at: int) -> None:
+        super().__init__(inner.hf)
+        self.fail_at = fail_at
+
+    def decode_stream(self, context, skip_special_tokens: bool = True):
+        step = super().decode_stream(context, skip_special_tokens)
+        calls = 0
+
+        def breaking(token_id: int) -> str | None:
+            nonlocal calls
+            calls += 1
+            if calls == self.fail_at:
+                raise ValueError("Invalid prefix encountered")
+            return step(token_id)
+
+        return breaking
+
+
+@pytest.fixture(scope="module", params=["stream", "window"])
+def detok_tokenizer(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> Tokenizer:
+    """The tiny tokenizer as the detokenizer meets it: with its Rust decode stream, or without one."""
+    return tokenizer if request.param == "stream" else WindowTokenizer(tokenizer)
 
 
 def stream(tokenizer: Tokenizer, prompt: list[int], generated: list[int], **kwargs) -> list[str]:
@@ -174,18 +213,18 @@ def test_chat_template_missing_is_invalid_request(tiny_dir: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("text", [ENGLISH, CJK, EMOJI, MIXED])
-def test_incremental_deltas_round_trip(tokenizer: Tokenizer, text: str) -> None:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}])
-    generated = tokenizer.encode(text)
-    deltas = stream(tokenizer, prompt, generated)
+def test_incremental_deltas_round_trip(detok_tokenizer: Tokenizer, text: str) -> None:
+    prompt = detok_tokenizer.apply_chat_template([{"role": "user", "content": "Say something."}])
+    generated = detok_tokenizer.encode(text)
+    deltas = stream(detok_tokenizer, prompt, generated)
     assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
-    assert "".join(deltas) == tokenizer.decode(generated) == text
+    assert "".join(deltas) == detok_tokenizer.decode(generated) == text
 
 
-def test_partial_characters_are_held_back(tokenizer: Tokenizer) -> None:
-    generated = tokenizer.encode("🚀")
+def test_partial_characters_are_held_back(detok_tokenizer: Tokenizer) -> None:
+    generated = detok_tokenizer.encode("🚀")
     assert len(generated) > 1
-    deltas = stream(tokenizer, [], generated)
+    deltas = stream(detok_tokenizer, [], generated)
     assert deltas[:-1] == [""] * (len(generated) - 1)
     assert deltas[-1] == "🚀"
 
@@ -195,34 +234,34 @@ def test_partial_characters_are_held_back(tokenizer: Tokenizer) -> None:
     text=st.text(alphabet=st.sampled_from(list("ab xyz.,!\n東京日本首都😀🎉👍🏽éñ")), max_size=40),
     prompt_text=st.text(alphabet=st.sampled_from(list("ab 東🎉")), max_size=6),
 )
-def test_incremental_round_trip_property(tokenizer: Tokenizer, text: str, prompt_text: str) -> None:
-    generated = tokenizer.encode(text)
-    deltas = stream(tokenizer, tokenizer.encode(prompt_text), generated)
+def test_incremental_round_trip_property(detok_tokenizer: Tokenizer, text: str, prompt_text: str) -> None:
+    generated = detok_tokenizer.encode(text)
+    deltas = stream(detok_tokenizer, detok_tokenizer.encode(prompt_text), generated)
     assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
     assert "".join(deltas) == text
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(generated=st.lists(st.integers(0, TINY_VOCAB_SIZE - 1), max_size=30))
-def test_arbitrary_ids_concatenate_to_decode(tokenizer: Tokenizer, generated: list[int]) -> None:
+def test_arbitrary_ids_concatenate_to_decode(detok_tokenizer: Tokenizer, generated: list[int]) -> None:
     # Model output need not be valid UTF-8; add() plus flush() still reproduce decode() exactly.
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(detok_tokenizer, [])
     text = "".join(detok.add(token_id) for token_id in generated) + detok.flush()
-    assert text == tokenizer.decode(generated)
+    assert text == detok_tokenizer.decode(generated)
 
 
-def test_flush_releases_an_unfinished_character(tokenizer: Tokenizer) -> None:
-    generated = tokenizer.encode("ok🚀")[:-1]
-    detok = IncrementalDetokenizer(tokenizer, [])
+def test_flush_releases_an_unfinished_character(detok_tokenizer: Tokenizer) -> None:
+    generated = detok_tokenizer.encode("ok🚀")[:-1]
+    detok = IncrementalDetokenizer(detok_tokenizer, [])
     deltas = [detok.add(token_id) for token_id in generated]
     assert "".join(deltas) == "ok"
-    assert detok.flush() == tokenizer.decode(generated)[len("ok") :] == REPLACEMENT_CHAR
+    assert detok.flush() == detok_tokenizer.decode(generated)[len("ok") :] == REPLACEMENT_CHAR
 
 
-def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:
-    generated = tokenizer.encode("Hi<|im_end|> there")
-    assert "".join(stream(tokenizer, [], generated)) == "Hi there"
-    kept = stream(tokenizer, [], generated, skip_special_tokens=False)
+def test_special_tokens_skipped_or_kept(detok_tokenizer: Tokenizer) -> None:
+    generated = detok_tokenizer.encode("Hi<|im_end|> there")
+    assert "".join(stream(detok_tokenizer, [], generated)) == "Hi there"
+    kept = stream(detok_tokenizer, [], generated, skip_special_tokens=False)
     assert "".join(kept) == "Hi<|im_end|> there"
 
 
@@ -234,6 +273,22 @@ def test_decode_window_stays_short(tokenizer: Tokenizer) -> None:
     assert text == MIXED * 8
     assert len(generated) > 300
     assert max(counting.decode_lengths) <= 12
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 5])
+def test_a_stream_that_gives_up_hands_over_to_the_window(tokenizer: Tokenizer, fail_at: int) -> None:
+    generated = tokenizer.encode(MIXED)
+    deltas = stream(BreakingStreamTokenizer(tokenizer, fail_at), tokenizer.encode("Say: "), generated)
+    assert all(REPLACEMENT_CHAR not in delta for delta in deltas)
+    assert "".join(deltas) == MIXED
+
+
+def test_the_stream_and_the_window_give_the_same_deltas(tokenizer: Tokenizer) -> None:
+    generated = tokenizer.encode(MIXED + "<|im_end|>" + MIXED)
+    prompt = tokenizer.encode("Say: 日本")
+    for skip in (True, False):
+        fast = stream(tokenizer, prompt, generated, skip_special_tokens=skip)
+        assert fast == stream(WindowTokenizer(tokenizer), prompt, generated, skip_special_tokens=skip)
 
 
 # --- StopStringMatcher ----------------------------------------------------------------------------
