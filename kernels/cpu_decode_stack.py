@@ -8,11 +8,12 @@ stream the previous token. The stack runs the same C++ kernels in the same order
 what the per-op path computes, with the GIL released from the first layer to the last.
 
 It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
-fp32, int8 or fp8 e4m3 KV cache), every token a decode, and for fp32 weights at most
-`cpu_linear.GEMV_MAX_ROWS` tokens (beyond it oneDNN's linears win, which the stack does not run). With int8
-weights it takes decode steps of any size, running the int8 GEMV or GEMM by row count as `Int8Linear`
-does (`int8_linear.GEMV_MAX_ROWS`). Prefill chunks, other dtypes and GPUs keep the per-op path, which
-stays the reference.
+fp32, int8 or fp8 e4m3 KV cache) and every token a decode. Each linear runs by row count as its module
+does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows and on oneDNN over the blocked
+weight beyond (`CpuLinear`; without oneDNN linears the stack takes only steps the GEMV serves), int8
+weights on the int8 GEMV or GEMM (`Int8Linear`, `int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a
+small model the per-op path's Python was over a fifth of the forward (bench/README.md, "CPU kernels").
+Prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_linear, int8_linear
+from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
 
@@ -53,8 +55,10 @@ class CpuDecodeStack:
         self._scale = first.scale
         self._eps = layers[0].input_layernorm.eps
         self._layers = [self._weights_of(layer) for layer in layers]
-        int8 = isinstance(layers[0].self_attn.qkv_proj, Int8Linear)
-        self._max_rows = None if int8 else cpu_linear.GEMV_MAX_ROWS
+        first_linear = layers[0].self_attn.qkv_proj
+        # Any row count when every linear has a kernel past the GEMV (int8 GEMM, oneDNN); else the GEMV's.
+        large = isinstance(first_linear, Int8Linear) or isinstance(first_linear, CpuLinear)
+        self._max_rows = None if large else cpu_linear.GEMV_MAX_ROWS
 
     def _weights_of(self, layer: nn.Module) -> object:
         attn, mlp = layer.self_attn, layer.mlp
@@ -68,6 +72,8 @@ class CpuDecodeStack:
             weights[f"{name}_bias"] = None if bias is None else bias.detach()
             if isinstance(linear, Int8Linear):
                 weights[name], weights[f"{name}_scale"] = linear.qweight, linear.scale
+            elif isinstance(linear, CpuLinear):
+                weights[name], weights[f"{name}_blocked"] = linear.weight, linear.blocked_weight
             else:
                 weights[name] = linear.weight.detach()
         return self._extension.DecoderLayerWeights(**weights)
@@ -102,5 +108,6 @@ class CpuDecodeStack:
             kv_cache.k_scales,
             kv_cache.v_scales,
             kv_cache.rotation,
+            cpu_linear.GEMV_MAX_ROWS,
             int8_linear.GEMV_MAX_ROWS,
         )

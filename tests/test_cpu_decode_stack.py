@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import engine_for, random_prompts, tiny_hf_model
 
-from base.settings import CPU_DECODE_STACK_ENV
+from base.settings import CPU_DECODE_STACK_ENV, ONEDNN_LINEAR_ENV
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from kernels import cpu_linear
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
+from kernels.cpu_linear import GEMV_MAX_ROWS
 
 
 def engine_with_prompts(
@@ -45,10 +45,18 @@ def forward_both_ways(engine, chunks) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("kind", "heads", "kv_heads", "head_dim", "num_seqs"),
-    [("llama", 4, 2, 64, 1), ("llama", 6, 1, 128, 5), ("qwen2", 4, 2, 64, 3), ("qwen2", 2, 2, 80, 16)],
+    [
+        ("llama", 4, 2, 64, 1),
+        ("llama", 6, 1, 128, 5),
+        ("qwen2", 4, 2, 64, 3),
+        ("qwen2", 2, 2, 80, 16),
+        ("llama", 4, 2, 64, 40),  # past the GEMV's rows: oneDNN over the blocked weights
+        ("qwen2", 4, 2, 64, 24),
+    ],
 )
 def test_decode_step_equals_the_per_layer_path(extension, kind, heads, kv_heads, head_dim, num_seqs):
-    """Same kernels in the same order: equal to the last bit, with and without qkv bias, GQA/MQA/MHA."""
+    """Same kernels in the same order: equal to the last bit, with and without qkv bias, GQA/MQA/MHA,
+    on the GEMV's rows and past them."""
     engine, seqs = engine_with_prompts(kind, heads, kv_heads, head_dim, num_seqs, seed=num_seqs)
     assert engine.model.decode_stack is not None
     for _ in range(3):
@@ -86,8 +94,12 @@ class StackSpy:
         return self.stack(hidden, *args)
 
 
-def test_only_few_row_decode_only_steps_take_the_stack(extension):
-    engine, seqs = engine_with_prompts("llama", 4, 2, 64, cpu_linear.GEMV_MAX_ROWS + 1, seed=3)
+@pytest.mark.parametrize(("onednn", "rows_taken"), [(True, [2, GEMV_MAX_ROWS + 1]), (False, [2])])
+def test_only_decode_only_steps_take_the_stack(extension, monkeypatch, onednn, rows_taken):
+    """Any decode-only step with oneDNN linears; without them (nn.Linear) only what the GEMV serves."""
+    if not onednn:
+        monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
+    engine, seqs = engine_with_prompts("llama", 4, 2, 64, GEMV_MAX_ROWS + 1, seed=3)
     spy = StackSpy(engine.model.decode_stack)
     engine.model.decode_stack = spy
     engine.step([ScheduledChunk(seq, 1) for seq in seqs[:2]])
@@ -95,7 +107,7 @@ def test_only_few_row_decode_only_steps_take_the_stack(extension):
     mixed = engine.make_sequence([5, 6, 7], SamplingParams(), StoppingParams(max_tokens=2))
     engine.allocate(mixed, 4)
     engine.step([ScheduledChunk(seqs[0], 1), ScheduledChunk(mixed, 3)])  # a prefill chunk beside a decode
-    assert spy.rows == [2]
+    assert spy.rows == rows_taken
 
 
 def test_not_built_for_bf16_or_when_disabled(extension, monkeypatch):

@@ -41,16 +41,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
                              std::optional<torch::Tensor> down_bias, std::optional<torch::Tensor> qkv_scale,
                              std::optional<torch::Tensor> o_scale, std::optional<torch::Tensor> gate_up_scale,
-                             std::optional<torch::Tensor> down_scale) {
+                             std::optional<torch::Tensor> down_scale, std::optional<torch::Tensor> qkv_blocked,
+                             std::optional<torch::Tensor> o_blocked, std::optional<torch::Tensor> gate_up_blocked,
+                             std::optional<torch::Tensor> down_blocked) {
              return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
                                         qkv_bias, o_bias, gate_up_bias, down_bias,
-                                        qkv_scale, o_scale, gate_up_scale, down_scale};
+                                        qkv_scale, o_scale, gate_up_scale, down_scale,
+                                        qkv_blocked, o_blocked, gate_up_blocked, down_blocked};
            }),
            arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
            arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"),
            // int8 linears: a scale per output row (fp32 linears have none).
            arg("qkv_scale") = pybind11::none(), arg("o_scale") = pybind11::none(),
-           arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none());
+           arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none(),
+           // fp32 linears: the oneDNN blocked weight, for steps past the GEMV's rows.
+           arg("qkv_blocked") = pybind11::none(), arg("o_blocked") = pybind11::none(),
+           arg("gate_up_blocked") = pybind11::none(), arg("down_blocked") = pybind11::none());
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());

@@ -8,20 +8,42 @@
 // whole stack. The per-op torch path stays the reference and serves everything else: prefill chunks,
 // other dtypes, GPUs. A quantized KV cache (int8, fp8 e4m3) comes with one scale cache per layer and the
 // rotation its keys are stored in (applied to keys and queries after RoPE, as the model does).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include "kernels.h"
 
 namespace {
 
+// oneDNN's inner product over a weight reordered into its blocked layout, the op `CpuLinear` calls past
+// the GEMV's rows. Called boxed: its C++ signature has changed between torch releases, its schema has not.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked,
+                            const std::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  stack.emplace_back(blocked);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 // The kernel the layer's module runs for its weight's kind and these rows: the int8 GEMV up to
-// `int8_gemv_max_rows` rows and the int8 GEMM beyond, or the fp32 GEMV (the stack takes fp32 steps only as
-// small as that GEMV serves).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
-                     const std::optional<torch::Tensor>& bias, int64_t int8_gemv_max_rows) {
-  if (!scale.has_value()) return linear_gemv(x, weight, bias);
-  if (x.size(0) <= int8_gemv_max_rows) return linear_int8_gemv(x, weight, *scale, bias);
-  return linear_int8_gemm(x, weight, *scale, bias);
+// `int8_gemv_max_rows` rows and the int8 GEMM beyond; the fp32 GEMV up to `gemv_max_rows` rows and oneDNN
+// over the blocked weight beyond (the stack takes larger fp32 steps only when it has that weight).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& blocked,
+                     const std::optional<torch::Tensor>& scale, const std::optional<torch::Tensor>& bias,
+                     int64_t gemv_max_rows, int64_t int8_gemv_max_rows) {
+  if (scale.has_value()) {
+    if (x.size(0) <= int8_gemv_max_rows) return linear_int8_gemv(x, weight, *scale, bias);
+    return linear_int8_gemm(x, weight, *scale, bias);
+  }
+  if (x.size(0) <= gemv_max_rows || !blocked.has_value()) return linear_gemv(x, weight, bias);
+  return onednn_linear(x, *blocked, bias);
 }
 
 }  // namespace
@@ -31,7 +53,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
     double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-    std::optional<torch::Tensor> rotation, int64_t int8_gemv_max_rows) {
+    std::optional<torch::Tensor> rotation, int64_t gemv_max_rows, int64_t int8_gemv_max_rows) {
   TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
               "one K and one V cache per layer");
   const bool quantized = !k_scales.empty();
@@ -48,7 +70,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
     auto [normed, sum] = rms_norm(hidden, w.input_norm, eps, residual);
-    auto qkv = linear(normed, w.qkv, w.qkv_scale, w.qkv_bias, int8_gemv_max_rows);
+    auto qkv = linear(normed, w.qkv, w.qkv_blocked, w.qkv_scale, w.qkv_bias, gemv_max_rows,
+          int8_gemv_max_rows);
     auto q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -58,10 +81,13 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
     write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);
     auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale);
-    auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_scale, w.o_bias, int8_gemv_max_rows);
+    auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_blocked, w.o_scale, w.o_bias, gemv_max_rows,
+          int8_gemv_max_rows);
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);
-    auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_scale, w.gate_up_bias, int8_gemv_max_rows);
-    hidden = linear(silu_and_mul(gate_up), w.down, w.down_scale, w.down_bias, int8_gemv_max_rows);
+    auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_blocked, w.gate_up_scale, w.gate_up_bias, gemv_max_rows,
+          int8_gemv_max_rows);
+    hidden = linear(silu_and_mul(gate_up), w.down, w.down_blocked, w.down_scale, w.down_bias, gemv_max_rows,
+          int8_gemv_max_rows);
     residual = attn_sum;
   }
   return {hidden, *residual};

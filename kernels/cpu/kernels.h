@@ -51,14 +51,17 @@ struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
   std::optional<torch::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
+  // fp32 linears: the weight reordered into oneDNN's blocked layout, for steps past the GEMV's rows.
+  std::optional<torch::Tensor> qkv_blocked, o_blocked, gate_up_blocked, down_blocked;
 };
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
 // [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;
-// int8_gemv_max_rows: the most rows an int8 linear runs on the GEMV (the GEMM beyond), as `Int8Linear` does.
+// gemv_max_rows / int8_gemv_max_rows: the most rows an fp32 / int8 linear runs on its GEMV (oneDNN / the int8
+// GEMM beyond), as `CpuLinear` and `Int8Linear` do.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
     double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-    std::optional<torch::Tensor> rotation, int64_t int8_gemv_max_rows);
+    std::optional<torch::Tensor> rotation, int64_t gemv_max_rows, int64_t int8_gemv_max_rows);
