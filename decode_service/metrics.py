@@ -214,13 +214,18 @@ class DecodeMetrics:
     def observe(self, deltas: list[StreamDelta]) -> None:
         """Account for one step's deltas: new tokens, first tokens, finished requests."""
         now = self._clock()
+        num_tokens = 0
         for delta in deltas:
             if delta.token_ids:
-                self._observe_tokens(delta.request, len(delta.token_ids), now)
+                num_tokens += len(delta.token_ids)
+                self._observe_tokens(delta.request, now)
             if delta.is_last:
                 self._observe_end(delta, now)
+        # One increment per step: each takes the counter's lock.
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
 
-    def _observe_tokens(self, request: ServedRequest, num_tokens: int, now: float) -> None:
+    def _observe_tokens(self, request: ServedRequest, now: float) -> None:
         previous = self._last_token_time.get(request)
         if previous is None:
             arrival = request.arrival_time if request.arrival_time is not None else now
@@ -233,7 +238,6 @@ class DecodeMetrics:
                 self.structured_output_requests.inc()
         else:
             self.inter_token_latency.observe(max(0.0, now - previous))
-        self.generation_tokens.inc(num_tokens)
         self._last_token_time[request] = now
 
     def _observe_end(self, delta: StreamDelta, now: float) -> None:
