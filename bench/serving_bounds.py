@@ -35,18 +35,28 @@ TOKEN_TEXT = " word"
 STEP_MS = 5.0
 
 
+def _spin(seconds: float) -> None:
+    """Hold the CPU for `seconds`: the work a real server does per message, without its side effects."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class StepTicker:
     """Releases every waiting stream once per `period_s`, as the engine thread delivers one token to
     every stream once per decode step: writes then come in bursts of one message per stream, as they
     do in the real server, rather than back to back on each stream (which gRPC batches better)."""
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, work_s: float = 0.0) -> None:
         self._period_s = period_s
+        # CPU spent once per step before the streams are released (`--work-us` x streams, `--work-first`).
+        self.work_s = work_s
         self._step = asyncio.Event()
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._period_s)
+            _spin(self.work_s)
             step, self._step = self._step, asyncio.Event()
             step.set()
 
@@ -54,7 +64,9 @@ class StepTicker:
         await self._step.wait()
 
 
-async def _serve(port: int, step_ms: float) -> None:
+async def _serve(
+    port: int, step_ms: float, work_us: float = 0.0, work_first: bool = False, streams: int = 128
+) -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
 
@@ -63,6 +75,11 @@ async def _serve(port: int, step_ms: float) -> None:
 
     # 0: no steps, every stream writes back to back (the fastest this stack streams).
     ticker = StepTicker(step_ms / 1000) if step_ms > 0 else None
+    # `work_us` per message, spent by each stream before its write or, with `work_first`, by the ticker
+    # for every stream at once before the step's writes.
+    work_s = work_us / 1e6
+    if ticker is not None and work_first:
+        ticker.work_s, work_s = work_s * streams, 0.0
 
     class BareGeneration(generation_pb2_grpc.GenerationServicer):
         async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -72,6 +89,7 @@ async def _serve(port: int, step_ms: float) -> None:
             for _ in range(request.stopping.max_tokens):
                 if ticker is not None:
                     await ticker.next_step()
+                _spin(work_s)
                 await context.write(message)
 
         async def GetModelInfo(
@@ -187,9 +205,16 @@ def main() -> None:
         default=STEP_MS,
         help="time between two messages of a stream (0: back to back)",
     )
+    parser.add_argument("--work-us", type=float, default=0.0, help="CPU µs spent per message")
+    parser.add_argument(
+        "--work-first",
+        action="store_true",
+        help="spend every stream's --work-us before the step's writes, not before each (needs --step-ms)",
+    )
+    parser.add_argument("--streams", type=int, default=128, help="streams a step releases (for --work-first)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(args.port, args.step_ms))
+    asyncio.run(_serve(args.port, args.step_ms, args.work_us, args.work_first, args.streams))
 
 
 if __name__ == "__main__":

@@ -130,6 +130,53 @@ def test_a_stream_past_its_buffer_is_aborted_and_fails_after_what_it_holds():
     asyncio.run(scenario())
 
 
+def test_the_writers_one_step_woke_all_build_their_messages_before_any_returns_them():
+    """So that the step's writes leave together, not spaced by each writer's building time."""
+
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        requests = [served("a"), served("b"), served("c")]
+        generations = [open_stream(hub, request, engine_loop) for request in requests]
+        order: list[tuple[str, str]] = []
+
+        async def writer(generation: Generation) -> None:
+            responses = await generation.next_responses()
+            order.append(("write", responses[0].request_id))
+
+        writers = [asyncio.ensure_future(writer(generation)) for generation in generations]
+        await asyncio.sleep(0)  # every writer waits on its mailbox
+        built = Generation._respond
+
+        def respond(self: Generation, delta: StreamDelta):
+            order.append(("build", self.request_id))
+            return built(self, delta)
+
+        Generation._respond = respond  # type: ignore[method-assign]
+        try:
+            hub._dispatch([token(request, 7) for request in requests])
+            await asyncio.gather(*writers)
+        finally:
+            Generation._respond = built  # type: ignore[method-assign]
+        assert order == [
+            ("build", "a"),
+            ("build", "b"),
+            ("build", "c"),
+            ("write", "a"),
+            ("write", "b"),
+            ("write", "c"),
+        ]
+        # A writer that finds its messages after the step's writers were released does not wait.
+        hub._dispatch([token(requests[0], 8)])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [list(m.token_ids) for m in await generations[0].next_responses()] == [[8]]
+        for generation in generations:
+            generation.close()
+
+    asyncio.run(scenario())
+
+
 def test_next_responses_merges_what_waits_and_ends_after_every_choice():
     async def scenario() -> None:
         engine_loop = _EngineLoop()

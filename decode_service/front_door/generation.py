@@ -287,6 +287,7 @@ class Generation:
                     responses.append(response)
                 if self._finished:
                     break
+        await self._hub.step_built()
         return responses
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
