@@ -26,7 +26,8 @@ TOKENIZER_FILES = (
 
 @dataclass(frozen=True)
 class NearZeroModelSpec:
-    """Shape of the generated model; `vocab_size` None takes the tokenizer model's vocabulary."""
+    """Shape of the generated model; `vocab_size` None (or one above the tokenizer's) takes the tokenizer
+    model's vocabulary."""
 
     num_layers: int = 3
     hidden_size: int = 64
@@ -66,7 +67,7 @@ def write_near_zero_model(directory: Path, tokenizer_model: Path, spec: NearZero
 
     source = json.loads((tokenizer_model / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=spec.vocab_size or source["vocab_size"],
+        vocab_size=min(spec.vocab_size or source["vocab_size"], source["vocab_size"]),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,

@@ -127,6 +127,8 @@ def serving_section(args: argparse.Namespace, sizes: Sizes, scratch: Path) -> tu
             *("--api", api, "--streams", str(sizes.serving_streams)),
             *("--output-len", str(sizes.serving_output_len), "--rounds", str(sizes.serving_rounds)),
             *("--label", f"perf-report-{api}", "--result-file", str(result_file)),
+            # The whole vocabulary, as the recorded "before" was measured.
+            *("--vocab-size", "0"),
         ]
         if args.quick or api != "grpc":
             argv.append("--no-floor")  # the split is the gRPC run's explanation; once is enough

@@ -3,12 +3,12 @@ next to nothing.
 
     tandem bench serving-path [--streams 128 --output-len 128 --stream-interval 1 --profile]
 
-Writes a near-zero-cost model (3 layers of width 64, random weights, the real SmolLM2 tokenizer; see
-bench.near_zero_model), starts `tandem serve decode` on it in its own process, and sends `--streams`
-greedy requests of exactly `--output-len` tokens all at once, `--rounds` times after a warm-up. For each
-round it reads the CPU seconds of the server process and the processes under it (the engine core)
-from the OS before and after (so the figure is the server's whole cost: engine loop, asyncio loop,
-gRPC threads, both processes) and reports:
+Writes a near-zero-cost model (3 layers of width 64, a vocabulary of the real SmolLM2 tokenizer's first
+1,024 ids, random weights; see bench.near_zero_model), starts `tandem serve decode` on it in its own
+process, and sends `--streams` greedy requests of exactly `--output-len` tokens all at once, `--rounds`
+times after a warm-up. For each round it reads the CPU seconds of the server process and the processes
+under it (the engine core) from the OS before and after (so the figure is the server's whole cost:
+engine loop, asyncio loop, gRPC threads, both processes) and reports:
 
 - server CPU per token (µs; the same number is ms per 1,000 tokens) and per thread;
 - served tokens per second (wall clock: moves with the machine's load, unlike CPU time);
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESULT_FILE = Path("bench/results/serving_path.json")
 PROMPT_LEN = 16
 KV_CACHE_MEMORY = "64MiB"
+# The model's default vocabulary: the first ids of the real tokenizer. With SmolLM2's whole 49,152 the LM
+# head alone costs more per token on this CPU than a bare grpc.aio server spends per message, so the
+# model would not be near zero; `--vocab-size 0` keeps the whole vocabulary.
+NEAR_ZERO_VOCAB = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size",
         type=int,
-        default=None,
-        help="the model's vocabulary, the first N ids of the tokenizer (default: all of them)",
+        default=NEAR_ZERO_VOCAB,
+        help=f"the model's vocabulary, the first N ids of the tokenizer (default: {NEAR_ZERO_VOCAB}, or all "
+        "of them if fewer; 0: all of them)",
     )
     parser.add_argument("--label", default="tandem", help="name of this run in the JSON (e.g. before/after)")
     parser.add_argument("--no-floor", action="store_true", help="skip the in-process engine-alone split")
@@ -234,9 +239,10 @@ def split_server_cpu(server_cpu_us_per_token: float, floor: dict) -> dict[str, f
     the sampler), the engine thread's Python around it, and the edge (asyncio, gRPC
     or HTTP messages); `serving_path_own` is the last two, what the server adds to the model's work.
 
-    The split matters because the "near-zero" model is not near zero where it is vocabulary-sized: its
-    49k x 64 LM head is a compute-bound matmul of ~0.8 GFLOP per 128-token step on this CPU, work a GPU
-    deployment does on the device, not on the CPU the serving path runs on.
+    The split matters because the "near-zero" model is not near zero where it is vocabulary-sized: with
+    the whole vocabulary (`--vocab-size 0`) its 49k x 64 LM head is a compute-bound matmul of ~0.8 GFLOP
+    per 128-token step on this CPU, work a GPU deployment does on the device, not on the CPU the serving
+    path runs on.
     """
     step = floor["decode_step_cpu_us_per_token"]
     model_math = step["forward_with_prepare"] + step["lm_head_and_sampler"]
@@ -283,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         http_port = free_port()
     machine = machine_info()
-    spec = NearZeroModelSpec(vocab_size=args.vocab_size)
+    spec = NearZeroModelSpec(vocab_size=args.vocab_size or None)
     tokenizer_model = tokenizer_source(args.tokenizer_model)
     with tempfile.TemporaryDirectory(prefix="tandem-near-zero-") as scratch:
         model_dir = write_near_zero_model(Path(scratch) / "model", tokenizer_model, spec)

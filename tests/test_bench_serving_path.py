@@ -125,6 +125,9 @@ def test_near_zero_model_has_the_spec_shape_and_the_tokenizer(tmp_path):
     assert engine.vocab_size == TINY_VOCAB_SIZE - 8
     assert (model_dir / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
     assert engine.tokenizer.decode(engine.tokenizer.encode("hello")) == "hello"
+    # A vocabulary above the tokenizer's (the bench's default 1,024 over the tiny 512) takes the tokenizer's.
+    wide = write_near_zero_model(tmp_path / "wide", source, NearZeroModelSpec(vocab_size=TINY_VOCAB_SIZE * 2))
+    assert json.loads((wide / "config.json").read_text())["vocab_size"] == TINY_VOCAB_SIZE
 
 
 @pytest.mark.slow
