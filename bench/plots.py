@@ -9,6 +9,8 @@
 - `structured_output.png`: per-token ITL of JSON-schema-constrained vs unconstrained streams (CDFs and
   p50/p90 bars) and the share of tokens the grammar forced, by schema (jump-forward potential);
 - `README_table.md`: the headline table of `tandem bench compare`, machine, date and command;
+- `serving_path.png`: `tandem bench serving-path`'s rounds beside the bare grpc.aio server's, tokens/s
+  and CPU per message, with issue 23's targets (0.7x the messages/s, 3x the CPU per message);
 - `quantized.png` and `README_quantized_table.md`: `tandem bench quantized`'s precision modes against
   llama-server F32 and Q8_0 (the project README's benchmark table).
 
@@ -316,6 +318,46 @@ def draw_structured_output(result: dict, out: Path) -> Path:
     )
     fig.tight_layout()
     path = out / "structured_output.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_serving_path(result: dict, out: Path) -> Path | None:
+    """Each round's served tokens/s and server CPU per token beside the bare server's rounds (one token
+    per message), with the targets drawn from the bare server's medians; None without a bare run."""
+    bare = result.get("bare_grpc")
+    if not bare:
+        return None
+    plt = _pyplot()
+    summary = result["summary"]
+    fig, (ax_rate, ax_cpu) = plt.subplots(1, 2, figsize=(11, 4))
+    rounds = {"tandem": result["rounds"], "bare grpc.aio": bare["rounds"]}
+    for offset, (name, rows) in zip((-0.2, 0.2), rounds.items(), strict=True):
+        xs = [index + 1 + offset for index in range(len(rows))]
+        ax_rate.bar(xs, [row["served_tok_s"] for row in rows], width=0.4, label=name)
+        ax_cpu.bar(xs, [row["server_cpu_us_per_token"] for row in rows], width=0.4, label=name)
+    ax_rate.axhline(0.7 * bare["msgs_per_s"], color="k", ls="--", lw=1, label="target: 0.7x bare median")
+    ax_cpu.axhline(3 * bare["cpu_us_per_message"], color="k", ls="--", lw=1, label="target: 3x bare median")
+    ax_rate.set_ylabel("tokens/s (bare: messages/s)")
+    ax_cpu.set_ylabel("server CPU µs per token (bare: per message)")
+    # No ratios for a stream interval above 1 or a run shorter than the CPU clock's tick (see the summary).
+    rate_ratio = summary.get("msgs_per_s_vs_bare", "-")
+    ax_rate.set_title(f"served rate: median {rate_ratio}x bare", fontsize=10)
+    ax_cpu.set_title(f"server CPU: median {summary.get('cpu_per_message_vs_bare', '-')}x bare", fontsize=10)
+    for ax in (ax_rate, ax_cpu):
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    workload, model = result["workload"], result["model"]
+    fig.suptitle(
+        f"serving path: {workload['streams']} streams x {workload['output_len']} tokens over "
+        f"{workload['api']}, near-zero model (vocabulary {model['vocab_size']}), "
+        f"{result['machine']['date'][:16]}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / "serving_path.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

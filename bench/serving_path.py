@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry of `tandem bench serving-path`: model, server, rounds, split, JSON."""
     from bench.machine import load_average, machine_info
     from bench.near_zero_model import tokenizer_source, write_near_zero_model
+    from bench.plots import draw_serving_path
     from bench.report import command_line, write_json
     from bench.servers import free_port, running, tandem_decode_server
     from engine.config import parse_memory_size
@@ -381,6 +382,9 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": load_average(),
     }
     write_json(args.result_file, result)
+    plot = draw_serving_path(result, args.result_file.parent)
+    if plot is not None:
+        logger.info("wrote %s", plot)
     print(json.dumps({"summary": summary, "engine_floor": floor}, indent=2))
     if driven["profile"]:
         print_profile(driven["profile"])

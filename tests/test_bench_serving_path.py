@@ -165,6 +165,7 @@ def test_serving_path_bench_measures_a_real_server(tmp_path):
     bounds = result["bounds"]
     assert bounds["lm_head"]["vocab"] == TINY_VOCAB_SIZE and bounds["lm_head"]["rows"] == 4
     assert bounds["grpc_write"]["streams"] == 4 and bounds["grpc_write"]["messages_per_stream"] == 30
+    assert (tmp_path / "serving_path.png").stat().st_size > 0
     # A few dozen messages may take less CPU than one clock tick: only the bigger figure must show.
     assert summary["grpc_write_floor_cpu_us_per_message"] >= 0
     assert summary["lm_head_floor_cpu_us_per_token"] > 0
@@ -230,3 +231,26 @@ def test_perf_report_cites_the_floors_measured_in_the_same_run():
     assert "bare grpc.aio server spends 20 µs per stream message" in note
     assert "LM head alone needs 36 µs/token" in note
     assert _floors_note({}) == ""
+
+
+def test_the_plot_sets_each_round_beside_the_bare_servers_and_needs_a_bare_run(tmp_path):
+    from bench.plots import draw_serving_path
+
+    def rounds(rates: list[float], cpu: float) -> list[dict]:
+        return [{"served_tok_s": rate, "server_cpu_us_per_token": cpu} for rate in rates]
+
+    result = {
+        "summary": {"msgs_per_s_vs_bare": 0.7, "cpu_per_message_vs_bare": 2.5},
+        "rounds": rounds([20_000, 22_000], 50.0),
+        "bare_grpc": {
+            "msgs_per_s": 30_000,
+            "cpu_us_per_message": 20.0,
+            "rounds": rounds([30_000, 31_000], 20.0),
+        },
+        "workload": {"streams": 128, "output_len": 128, "api": "grpc"},
+        "model": {"vocab_size": 1024},
+        "machine": {"date": "2026-12-02T09:00:00+00:00"},
+    }
+    path = draw_serving_path(result, tmp_path)
+    assert path == tmp_path / "serving_path.png" and path.stat().st_size > 0
+    assert draw_serving_path({**result, "bare_grpc": None}, tmp_path / "none") is None
