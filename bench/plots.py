@@ -37,6 +37,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay out, write and close one figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _rate(run: dict) -> float:
     rate = run["arrivals"]["request_rate"]
     return math.inf if rate == "inf" else float(rate)
@@ -88,11 +96,7 @@ def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
     ax_ttft.set_title("p99 time to first token vs request rate")
     ax_tput.legend(fontsize=8)
     fig.suptitle(_subtitle(compare), fontsize=9)
-    fig.tight_layout()
-    path = out / "throughput_vs_rate.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "throughput_vs_rate.png")
 
 
 def draw_cdfs(compare: dict, out: Path) -> Path | None:
@@ -116,11 +120,7 @@ def draw_cdfs(compare: dict, out: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(_subtitle(compare), fontsize=9)
-    fig.tight_layout()
-    path = out / "cdf_ttft_itl.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "cdf_ttft_itl.png")
 
 
 def _subtitle(compare: dict) -> str:
@@ -220,11 +220,7 @@ def draw_occupancy(occupancy: dict, out: Path) -> Path:
         f"outputs {occupancy['output_len']} tokens ({occupancy['model']})",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "occupancy_timeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "occupancy_timeline.png")
 
 
 def draw_chunked_prefill(itl: dict, out: Path) -> Path:
@@ -260,11 +256,7 @@ def draw_chunked_prefill(itl: dict, out: Path) -> Path:
         f"prefilled ({itl['model']}, {itl['threads']} threads)",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "chunked_prefill_itl.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "chunked_prefill_itl.png")
 
 
 def draw_structured_output(result: dict, out: Path) -> Path:
@@ -316,11 +308,7 @@ def draw_structured_output(result: dict, out: Path) -> Path:
         f"max {workload['max_tokens']} tokens ({result['model']})",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "structured_output.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "structured_output.png")
 
 
 def draw_serving_path(result: dict, out: Path) -> Path | None:
@@ -356,11 +344,7 @@ def draw_serving_path(result: dict, out: Path) -> Path | None:
         f"{result['machine']['date'][:16]}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "serving_path.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "serving_path.png")
 
 
 def draw_comparison(compare_path: Path, out: Path) -> list[Path]:
