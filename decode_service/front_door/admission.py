@@ -33,7 +33,7 @@ class RequestLimits:
     `max_id_bytes` bounds request ids and tenant names (printable text only: they are echoed in every
     stream message and written to logs). `max_prompt_bytes` bounds a text or chat prompt's UTF-8 size
     before it is tokenized. `max_stop_strings` and `max_stop_string_length` (characters) bound the
-    stop-string matcher, which runs on the engine thread for every token. `max_logit_bias` bounds a
+    stop-string matcher, which runs in the front door for every token. `max_logit_bias` bounds a
     request's logit bias entries, checked before any is converted (each costs Python time on the way in
     and a scatter on every step). `max_chat_messages` bounds a chat's turns before any is converted or
     rendered: the chat template costs GIL-held Python per turn, however short. `max_json_objects`

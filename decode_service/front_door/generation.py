@@ -1,8 +1,9 @@
 """One request's way through the decode tier, whichever front door it came in by (gRPC or HTTP).
 
 `Generations.start` checks a `GenerateRequest`'s cheap limits on the loop (`admission`), takes a slot,
-validates it (on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine thread;
-`Generation.next_responses` hands out the stream's `GenerateResponse`s as they arrive.
+validates it (on `ValidationPool`: it may tokenize), opens its stream and hands it to the engine core
+(its process, or its thread with `--engine-in-process`); `Generation.next_responses` hands out the
+stream's `GenerateResponse`s as they arrive.
 Both front doors translate their request into a `GenerateRequest` and their answer from these messages,
 so the rules, limits, logs and deltas are the same for both. Leaving a stream early (client gone,
 deadline, disconnect) aborts the request and frees its blocks at once.

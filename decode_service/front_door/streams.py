@@ -110,9 +110,8 @@ class StreamIntervalBuffer:
     """Wraps the engine loop's `deliver`: holds each request's deltas until `interval` tokens are due.
 
     Called on one thread only (the engine thread, or the one reading the engine core's messages), like
-    the `deliver` it wraps. What was sent is tracked here, not
-    read from the request's sequence: with the engine core in another process, the front door's copy of
-    a sequence holds only its prompt.
+    the `deliver` it wraps. What was sent is tracked here, not read from the request's sequence: with
+    the engine core in another process, the front door's copy of a sequence holds only its prompt.
     """
 
     def __init__(self, interval: int, deliver: Deliver[StreamDelta]) -> None:
