@@ -14,6 +14,10 @@ engine loop, asyncio loop, gRPC threads, both processes) and reports:
 - served tokens per second (wall clock: moves with the machine's load, unlike CPU time);
 - the load generator's own CPU per token (it shares the machine with the server).
 
+In the same rounds, alternating with tandem's, the same client drives a bare grpc.aio server
+(bench.serving_bounds) that only writes one-token messages: the summary sets tandem's rate and CPU beside
+its messages/s and CPU per message, issue 23's targets.
+
 Then it splits the figure (bench.engine_floor): the engine loop alone, one decode step, the forward,
 the LM head with the sampler, measured in this process on the same model and batch; and the floors
 under it (bench.serving_bounds): the LM head at this core's GEMM peak, and what a bare grpc.aio server
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -38,10 +43,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.backends import StreamingBackend
 from bench.near_zero_model import NearZeroModelSpec
 from bench.workload import ArrivalProcess, LengthDistribution, SyntheticWorkload, WorkloadRequest
+
+if TYPE_CHECKING:
+    from bench.servers import ServerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -178,35 +187,40 @@ async def _profiled_round(
     return summarize(recording.stop(), duration, recording.rate_hz)
 
 
-async def _drive(args: argparse.Namespace, backend: StreamingBackend, pid: int, requests, warmups) -> dict:
+async def _drive(
+    args: argparse.Namespace, servers: dict[str, tuple[StreamingBackend, int]], requests, warmups
+) -> dict[str, dict]:
+    """Warm every server up, then run the rounds alternating between them (tandem's round 1, the bare
+    server's round 1, ...), so that a drift of the machine's speed during the run reaches both alike;
+    `--profile` rounds come after, for the first server only."""
     from bench.runner import warm_up
 
-    server_info = await backend.open()
+    driven: dict[str, dict] = {}
     try:
-        await warm_up(backend, warmups, "warmup")
-        rounds = []
+        for name, (backend, _) in servers.items():
+            driven[name] = {"server": await backend.open(), "rounds": [], "profile": {}}
+            await warm_up(backend, warmups, "warmup")
         for index in range(args.rounds):
-            rounds.append(await _measure_round(backend, requests, pid))
-            logger.info(
-                "round %d: %s",
-                index + 1,
-                json.dumps({k: v for k, v in rounds[-1].items() if k != "server_threads_cpu_s"}),
-            )
-        profiles = {}
+            for name, (backend, pid) in servers.items():
+                driven[name]["rounds"].append(await _measure_round(backend, requests, pid))
+                row = {k: v for k, v in driven[name]["rounds"][-1].items() if k != "server_threads_cpu_s"}
+                logger.info("%s round %d: %s", name, index + 1, json.dumps(row))
         if args.profile:
+            name, (backend, pid) = next(iter(servers.items()))
+            profiles = driven[name]["profile"]
             profiles["all_threads"] = await _profiled_round(backend, requests, pid, gil_only=False)
             profiles["gil_holder"] = await _profiled_round(backend, requests, pid, gil_only=True)
     finally:
-        await backend.close()
-    return {"server": server_info, "rounds": rounds, "profile": profiles}
+        for backend, _ in servers.values():
+            await backend.close()
+    return driven
 
 
-def _bare_peer(args: argparse.Namespace, requests, warmups) -> dict:
-    """The same client and streams against a bare grpc.aio server that writes prebuilt one-token
-    messages back to back (bench.serving_bounds, `--step-ms 0`): the messages/s and CPU per message this
-    stack reaches with no serving work at all, measured like tandem's rounds."""
-    from bench.backends.tandem_grpc import TandemBackend
-    from bench.servers import ServerProcess, free_port, grpc_healthy, running, thread_env
+def _bare_server() -> tuple[ServerProcess, str]:
+    """A bare grpc.aio server that writes prebuilt one-token messages back to back (bench.serving_bounds,
+    `--step-ms 0`), driven by the same client and streams as tandem: the messages/s and CPU per message
+    this stack reaches with no serving work at all."""
+    from bench.servers import ServerProcess, free_port, grpc_healthy, thread_env
 
     port = free_port()
     target = f"127.0.0.1:{port}"
@@ -216,17 +230,10 @@ def _bare_peer(args: argparse.Namespace, requests, warmups) -> dict:
         lambda: grpc_healthy(target),
         thread_env(1),
     )
-    with running(server):
-        driven = asyncio.run(
-            _drive(
-                argparse.Namespace(rounds=args.rounds, profile=False),
-                TandemBackend(target, "bare-grpc"),
-                server.pid,
-                requests,
-                warmups,
-            )
-        )
-    rounds = driven["rounds"]
+    return server, target
+
+
+def _bare_summary(rounds: list[dict]) -> dict:
     return {
         "msgs_per_s": _median(rounds, "served_tok_s"),
         "cpu_us_per_message": _median(rounds, "server_cpu_us_per_token"),
@@ -309,11 +316,18 @@ def run(args: argparse.Namespace) -> int:
         server, target = tandem_decode_server(
             "serving-path-decode", str(model_dir), args.threads, _server_args(args, http_port)
         )
-        with running(server):
-            driven = asyncio.run(
-                _drive(args, _backend(args.api, target, http_port), server.pid, requests, warmups)
-            )
-        bare = _bare_peer(args, requests, warmups) if args.api == "grpc" else None
+        with contextlib.ExitStack() as started:
+            started.enter_context(running(server))
+            servers = {"tandem": (_backend(args.api, target, http_port), server.pid)}
+            if args.api == "grpc":
+                from bench.backends.tandem_grpc import TandemBackend
+
+                bare_server, bare_target = _bare_server()
+                started.enter_context(running(bare_server))
+                servers["bare-grpc"] = (TandemBackend(bare_target, "bare-grpc"), bare_server.pid)
+            both = asyncio.run(_drive(args, servers, requests, warmups))
+        driven = both["tandem"]
+        bare = _bare_summary(both["bare-grpc"]["rounds"]) if "bare-grpc" in both else None
         floor = bounds = None
         if not args.no_floor:
             import torch
