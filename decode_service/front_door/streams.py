@@ -241,9 +241,10 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         """Wait until every writer the last step woke has built its messages, so that their writes
         leave together.
 
-        A writer that builds and writes in turn spaces the step's writes by its building time, and each
-        then leaves in a packet of its own, which its client wakes up for: clients spend several times
-        the CPU per message then (bench/README.md, "A step's messages built before any is written").
+        A writer that builds and writes in turn spaces the step's writes by its building time, so its
+        client receives them one at a time, a wake-up each; written together, several wait for each
+        read. Clients spend several times the CPU per message in the first case (bench/README.md, "A
+        step's messages built before any is written").
         """
         if not self._built.is_set():
             await self._built.wait()
