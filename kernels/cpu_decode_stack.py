@@ -12,7 +12,7 @@ fp32, int8 or fp8 e4m3 KV cache) and every token a decode. Each linear runs by r
 does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows and on oneDNN over the blocked
 weight beyond (`CpuLinear`; without oneDNN linears the stack takes only steps the GEMV serves), int8
 weights on the int8 GEMV or GEMM (`Int8Linear`, `int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a
-small model the per-op path's Python was over a fifth of the forward (bench/README.md, "CPU kernels").
+small model the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels").
 Prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
@@ -55,9 +55,8 @@ class CpuDecodeStack:
         self._scale = first.scale
         self._eps = layers[0].input_layernorm.eps
         self._layers = [self._weights_of(layer) for layer in layers]
-        first_linear = layers[0].self_attn.qkv_proj
         # Any row count when every linear has a kernel past the GEMV (int8 GEMM, oneDNN); else the GEMV's.
-        large = isinstance(first_linear, Int8Linear) or isinstance(first_linear, CpuLinear)
+        large = isinstance(layers[0].self_attn.qkv_proj, (Int8Linear, CpuLinear))
         self._max_rows = None if large else cpu_linear.GEMV_MAX_ROWS
 
     def _weights_of(self, layer: nn.Module) -> object:
