@@ -164,12 +164,33 @@ def _run_up(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_selftest(subparsers: argparse._SubParsersAction) -> None:
+    from tandem.selftest import add_arguments
+
+    parser = subparsers.add_parser(
+        "selftest",
+        help="serve a tiny random model on both tiers and answer one request (checks an installation)",
+        description="Build a tiny random-weight model in a temporary directory, start a prefill and a decode "
+        "tier on it, stream one completion over gRPC and one over HTTP, and stop both with SIGTERM. Needs no "
+        "network; exits 0 when the installation serves.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=_run_selftest)
+
+
+def _run_selftest(args: argparse.Namespace) -> int:
+    from tandem.selftest import run
+
+    return run(args)
+
+
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_fetch_model,
     _add_serve,
     _add_up,
     _add_generate,
     _add_bench,
+    _add_selftest,
 )
 
 

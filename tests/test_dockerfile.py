@@ -171,6 +171,15 @@ def test_cpu_torch_pin_matches_the_makefile(dockerfile: tuple[list, list[Stage]]
     assert any("download.pytorch.org/whl/cpu" in args for args in builder.all("ARG"))
 
 
+def test_the_build_serves_the_plain_install(dockerfile: tuple[list, list[Stage]]) -> None:
+    """The builder installs without extras and its smoke check starts both tiers (`tandem selftest`), not
+    an import: a server that dies at start must fail the build."""
+    _, stages = dockerfile
+    (install,) = [args for args in stages[0].all("RUN") if "pip install --no-cache-dir ." in args]
+    assert re.search(r"pip install --no-cache-dir \.(\s|$)", install)
+    assert install.rstrip().endswith("tandem selftest")
+
+
 def test_final_stage_is_unprivileged_and_has_no_build_tools(dockerfile: tuple[list, list[Stage]]) -> None:
     _, stages = dockerfile
     runtime, builder_names = stages[-1], {stage.name for stage in stages[:-1]}
