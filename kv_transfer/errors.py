@@ -29,6 +29,16 @@ class KVPayloadSizeError(KVTransferError):
     """The payload's length disagrees with its shape, or one block does not fit in a message."""
 
 
+class KVNonFiniteError(KVTransferError):
+    """The payload holds a NaN or an infinity (a K or V value, or a quantized cache's scale), or the first
+    token's logprob is NaN.
+
+    The checksum only proves the bytes are the sender's; a sender with broken numerics (or a rogue one)
+    can still send NaN. Such KV would poison every token decoded over it, and every later request that
+    shares its prefix through the prefix cache, so it is refused like a corrupt chunk.
+    """
+
+
 class IncompatibleKVError(TandemError):
     """The caller's compatibility hash differs from this replica's: its KV blocks would be garbage there.
 

@@ -31,9 +31,11 @@ from kernels.kv_quant import SCALE_DTYPE
 from kv_transfer.errors import (
     KVChecksumError,
     KVLayoutMismatchError,
+    KVNonFiniteError,
     KVPayloadSizeError,
     KVRangeError,
 )
+from kv_transfer.finite import count_non_finite
 from kv_transfer.framing import KVFrame, frame_kv
 from kv_transfer.layout import KVLayout
 from protos.tandem.internal.v1 import prefill_pb2
@@ -341,9 +343,9 @@ class PagedKV:
         ``chunk`` is a frame from ``parse_response`` or a KVChunk parsed by protobuf. ``block_table``
         is the receiver's own table for the request and ``num_logical_blocks`` the number of blocks
         it reserved for it. Every field of the chunk is validated before anything is written, so a
-        rejected chunk (KVRangeError, KVLayoutMismatchError, KVPayloadSizeError, KVChecksumError)
-        leaves the cache untouched. The payload is read where it was received and copied once, into
-        the physical blocks (plus a host-to-device transfer when the cache is on a GPU).
+        rejected chunk (KVRangeError, KVLayoutMismatchError, KVPayloadSizeError, KVChecksumError,
+        KVNonFiniteError) leaves the cache untouched. The payload is read where it was received and
+        copied once, into the physical blocks (plus a host-to-device transfer when the cache is on a GPU).
         """
         if not 0 <= num_logical_blocks <= len(block_table):
             raise ValueError(
@@ -519,3 +521,21 @@ def _validate_chunk(
             f"chunk payload CRC32C {actual_crc:#010x} differs from the sender's {chunk.crc32c:#010x} "
             f"(layers [{chunk.layer_start}, {layer_end}), blocks [{chunk.block_start}, {block_end}))"
         )
+    _check_finite(chunk, payload, layout)
+
+
+def _check_finite(chunk: prefill_pb2.KVChunk, payload: memoryview, layout: KVLayout) -> None:
+    """Refuse a payload (of the checked size) holding a NaN or an infinity: a K or V value of a float
+    cache, or a quantized cache's scale (its int8 elements are always finite)."""
+    element_bytes = 2 * chunk.num_layers * chunk.num_blocks * layout.data_bytes()
+    parts = [("K/V values", payload[:element_bytes], layout.dtype)]
+    if layout.quantized:
+        parts.append(("K/V scales", payload[element_bytes:], SCALE_DTYPE))
+    for what, part, dtype in parts:
+        bad = count_non_finite(part, dtype)
+        if bad:
+            raise KVNonFiniteError(
+                f"chunk holds {bad} NaN or infinite {what} (layers [{chunk.layer_start}, "
+                f"{chunk.layer_start + chunk.num_layers}), blocks [{chunk.block_start}, "
+                f"{chunk.block_start + chunk.num_blocks}))"
+            )

@@ -13,6 +13,7 @@ no write starts after it. The engine thread calls `cancel` before it frees the b
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import numpy as np
 from base.errors import TandemError
 from decode_service.engine_core.request import ServedRequest
 from engine.params import SamplingParams
-from kv_transfer import KVFrame, KVRangeError, PagedKV
+from kv_transfer import KVFrame, KVNonFiniteError, KVRangeError, PagedKV
 from protos.tandem.internal.v1 import prefill_pb2
 from serving.errors import TierUnavailableError
 
@@ -124,7 +125,8 @@ class KVTransfer:
             self._written[self.num_held_blocks :] = False
 
     def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
-        """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError).
+        """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError), or whose
+        logprobs are NaN (KVNonFiniteError: no sampled token has a NaN probability).
 
         A peer that skipped a block would otherwise leave stale KV from the block's previous owner
         under a sequence that then decodes without any error: a wrong answer.
@@ -138,6 +140,8 @@ class KVTransfer:
             raise KVRangeError(
                 f"first token id {done.first_token_id} is outside the vocabulary [0, {vocab_size})"
             )
+        if any(math.isnan(logprob) for logprob in _logprobs(done)):
+            raise KVNonFiniteError("PrefillDone carries a NaN logprob: the prefill replica's numbers broke")
         with self._lock:
             missing = int(self._written.size - np.count_nonzero(self._written))
         if missing:
@@ -151,6 +155,11 @@ class KVTransfer:
             self._cancelled = True
         if self.future is not None:
             self.future.cancel()
+
+
+def _logprobs(done: prefill_pb2.PrefillDone) -> list[float]:
+    """The first token's logprob and its alternatives'."""
+    return [done.first_token_logprob, *(top.logprob for top in done.top_logprobs)]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ streams them: a call's first entry has its id, type and name, later ones more of
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +26,19 @@ TokenText = Callable[[int], str]
 
 # Made once: `json.dumps` with these options builds a new encoder per call, a third of an event's cost.
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# What a logprob of -inf (a token the sampler could never pick) is reported as: vLLM's value.
+LOGPROB_FLOOR = -9999.0
 # Stands for the text in a choice's text-event template; only its JSON form is searched for.
 _TEXT_PLACEHOLDER = "\ue000text\ue000"
+
+
+def json_logprob(logprob: float) -> float | None:
+    """`logprob` as JSON can carry it. JSON has no NaN or infinity, and a strict encoder refuses them
+    (the whole answer becomes a bare 500): -inf is sent as vLLM sends it, -9999.0; NaN (numbers that
+    broke; no sound model makes one) as null."""
+    if math.isfinite(logprob):
+        return logprob
+    return LOGPROB_FLOOR if logprob < 0 else None
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -264,20 +276,21 @@ class ResponseBuilder:
             choice.text_offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in message.logprobs],
+            "token_logprobs": [json_logprob(lp.logprob) for lp in message.logprobs],
             "top_logprobs": [
-                {self._token_text(t.token_id): t.logprob for t in lp.top[:top]} for lp in message.logprobs
+                {self._token_text(t.token_id): json_logprob(t.logprob) for t in lp.top[:top]}
+                for lp in message.logprobs
             ],
             "text_offset": offsets,
         }
 
     def _chat_entry(self, token_id: int, logprob: float, top: Any) -> dict[str, Any]:
         return {
-            **self._chat_token(token_id, logprob),
-            "top_logprobs": [self._chat_token(t.token_id, t.logprob) for t in top],
+            **self._chat_token(token_id, json_logprob(logprob)),
+            "top_logprobs": [self._chat_token(t.token_id, json_logprob(t.logprob)) for t in top],
         }
 
-    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _chat_token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
