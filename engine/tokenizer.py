@@ -19,6 +19,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from base.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from engine.chat_keys import control_token_pattern, mark_keys
 
 logger = logging.getLogger(__name__)
 
@@ -142,20 +143,29 @@ class Tokenizer:
         nothing of tools ignores them. `template_kwargs` are more variables for the template (for example
         Qwen3's `enable_thinking`); the caller keeps out the ones this call sets (`RESERVED_TEMPLATE_KWARGS`).
 
-        With `sanitize_control_tokens` (the default) control tokens written inside message contents
-        are encoded as plain text, so a user cannot close their turn and forge another role's.
+        With `sanitize_control_tokens` (the default) control tokens written anywhere in the messages,
+        tools and template kwargs (dict keys included: `engine.chat_keys`) are encoded as plain text, so
+        a user cannot close their turn and forge another role's.
         """
         template = self._chat_template or self._hf.chat_template
         if template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
         if not messages:
             raise InvalidRequestError("messages must not be empty")
-        conversation = [_checked_message(index, message) for index, message in enumerate(messages)]
+        conversation: object = [_checked_message(index, message) for index, message in enumerate(messages)]
+        chat_tools: object = list(tools) if tools else None
+        kwargs = dict(template_kwargs or {})
+        if sanitize_control_tokens:
+            # transformers marks the control tokens of values; keys are client text as well.
+            control_tokens = control_token_pattern(self._hf, template)
+            conversation = mark_keys(conversation, control_tokens)
+            chat_tools = mark_keys(chat_tools, control_tokens)
+            kwargs = {name: mark_keys(value, control_tokens) for name, value in kwargs.items()}
         try:
             encoded = self._hf.apply_chat_template(
                 conversation,
-                **(template_kwargs or {}),
-                tools=list(tools) if tools else None,
+                **kwargs,
+                tools=chat_tools,
                 chat_template=template,
                 add_generation_prompt=True,
                 tokenize=True,
