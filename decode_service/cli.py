@@ -32,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "process instead of a process of its own, sharing the front door's GIL (default: own process)",
     )
     parser.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds the engine core process may leave a heartbeat unanswered (stopped, wedged) before "
+        "it is killed, every live request ends with UNAVAILABLE and the server exits non-zero; must "
+        "outlast the longest engine step, a long prefill on a slow CPU (default: 30)",
+    )
+    parser.add_argument(
         "--http-port",
         type=int,
         default=None,
@@ -337,6 +346,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
     )
     config.validate()
     return config

@@ -58,6 +58,10 @@ class DecodeServiceConfig(ServerConfig):
     `chat_template` (a Jinja file) replaces the model's template. `tool_call_parser` reads the calls a
     model writes under tool_choice auto; `reasoning_parser` splits off its `<think>` reasoning, and
     grammars then apply only after `</think>`.
+
+    An engine core in a process of its own that leaves a heartbeat unanswered for
+    `engine_heartbeat_timeout_s` (stopped, wedged) is killed and the server exits non-zero, as when the
+    core dies; the timeout must outlast the longest step (a long prefill on a slow CPU).
     """
 
     port: int = 50051
@@ -98,6 +102,7 @@ class DecodeServiceConfig(ServerConfig):
     chat_template: Path | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    engine_heartbeat_timeout_s: float = 30.0
 
     @property
     def disaggregated(self) -> bool:
@@ -138,6 +143,9 @@ class DecodeServiceConfig(ServerConfig):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._validate_structured_outputs()
+        if not self.engine_heartbeat_timeout_s > 0:
+            timeout = self.engine_heartbeat_timeout_s
+            raise ConfigError(f"engine_heartbeat_timeout_s must be > 0, got {timeout}")
 
     def _validate_structured_outputs(self) -> None:
         if not self.structured_output_compile_timeout_s > 0:

@@ -56,6 +56,7 @@ def test_memory_size_rejects_nonsense(text):
         {"admission_watermark": 1.0},
         {"drain_grace_seconds": -1},
         {"event_log_size": 0},
+        {"engine_heartbeat_timeout_s": 0},
     ],
 )
 def test_config_rejects_out_of_range_settings(change):
@@ -161,6 +162,9 @@ def test_flags_become_engine_and_service_configs(tmp_path, monkeypatch):
     assert (engine_config.max_num_seqs, engine_config.max_num_batched_tokens) == (8, 256)
     config = service_config_from_args(args)
     assert (config.policy, dict(config.tenant_weights), config.auth_token) == ("wfq", {"a": 2.0}, "s3cret")
+    assert config.engine_heartbeat_timeout_s == 30.0
+    heartbeat = build_parser().parse_args(["serve", "decode", "--engine-heartbeat-timeout", "2.5"])
+    assert service_config_from_args(heartbeat).engine_heartbeat_timeout_s == 2.5
     assert "s3cret" not in repr(config)
 
     half_tls = build_parser().parse_args(["serve", "decode", "--tls-cert", "c.pem"])

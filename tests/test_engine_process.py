@@ -8,6 +8,7 @@ is a real spawned process; the lifecycle tests run `tandem serve decode` as a su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -190,22 +191,24 @@ def test_a_cancelled_stream_frees_the_core_blocks(server):
 
 
 class Serve:
-    """`tandem serve decode` on the tiny model, its log collected."""
+    """`tandem serve decode` on the tiny model, its log collected; `extra` flags override the defaults."""
 
-    def __init__(self, model_dir) -> None:
+    def __init__(self, model_dir, *extra: str) -> None:
         self.port, self.metrics_port = free_ports(2)
         command = [
             sys.executable, "-m", "tandem.cli", "serve", "decode", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", "--block-size", "8",
             "--kv-cache-memory", "4MiB", "--max-model-len", str(MAX_MODEL_LEN),
-            "--drain-grace-seconds", "30",
+            "--drain-grace-seconds", "30", *extra,
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        assert wait_until(self.serving, timeout=120), "".join(self.log)
+        if not wait_until(self.serving, timeout=120):
+            self.close()  # no server left behind for the tests that follow
+            pytest.fail("".join(self.log))
 
     def serving(self) -> bool:
         assert self.process.poll() is None, "".join(self.log)
@@ -280,3 +283,80 @@ def test_sigterm_drains_through_both_processes(model):
         assert wait_until(lambda: _gone(core), timeout=30)
     finally:
         serve.close()
+
+
+# -- a stopped engine core: the heartbeat, and a front door that never waits on the core's pipe --------
+
+
+def _release(pid: int, parent: int) -> None:
+    """Teardown: let a core the test stopped go, by its pid, only while it is still `parent`'s child."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            if int(stat.read().split(") ")[1].split()[1]) != parent:
+                return
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_core_is_killed_its_streams_end_and_the_server_exits_non_zero(model):
+    """SIGSTOP keeps the core's pipes open, so no end of file comes: the unanswered heartbeat must act."""
+    serve = Serve(
+        model[0], "--engine-heartbeat-timeout", "2", "--max-model-len", "2048", "--kv-cache-memory", "16MiB"
+    )
+    core = serve.core_pid()
+    try:
+        health = health_pb2_grpc.HealthStub(serve.channel).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+        assert next(health).status == health_pb2.HealthCheckResponse.SERVING
+        stream = serve.stub.Generate(greedy([3, 4, 5], 2000), timeout=60)
+        next(stream)
+        os.kill(core, signal.SIGSTOP)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in stream:
+                pass
+        assert ended.value.code() is grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "did not answer a heartbeat" in ended.value.details()
+        statuses = []
+        with contextlib.suppress(grpc.RpcError):  # the watch ends with the server
+            statuses.extend(reply.status for reply in health)
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+        assert serve.process.wait(60) == 1, "".join(serve.log)
+        assert wait_until(lambda: _gone(core), timeout=30)
+        lost = [line for line in serve.log if "engine core lost" in line]
+        assert len(lost) == 1 and "did not answer a heartbeat" in lost[0], "".join(serve.log)
+    finally:
+        _release(core, serve.process.pid)
+        serve.close()
+
+
+@pytest.mark.slow
+def test_the_front_door_answers_while_a_stopped_core_leaves_its_commands_queued(model):
+    """Far more than a pipe holds (64 KiB) waits for a stopped core: health still answers, and once the
+    core goes on, every request gets its whole answer (the frames survived partial writes)."""
+    hf = model[1]
+    running = ProcessServer(model[0], engine_heartbeat_timeout_s=600.0)
+    core = running.core._process.pid
+    prompt = random_prompts(1, 21, min_len=8, max_len=8, vocab=TINY_VOCAB_SIZE)[0]
+    streams = []
+    try:
+        os.kill(core, signal.SIGSTOP)
+        for index in range(40):
+            request = greedy(prompt, 4)
+            # About 5 KB of command each, 200 KB in all: ids and stop strings as long as the limits allow.
+            request.request_id = f"{index:04d}" + "r" * 1000
+            request.stopping.stop.extend(f"{index:04d}{stop:02d}" + "s" * 240 for stop in range(16))
+            streams.append(running.stub.Generate(request, timeout=120))
+        assert wait_until(lambda: len(running.core._live) == len(streams), timeout=60)
+        reply = health_pb2_grpc.HealthStub(running.channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        os.kill(core, signal.SIGCONT)
+        expected = hf_greedy(hf, prompt, 4)
+        for stream in streams:
+            responses = list(stream)
+            assert [t for r in responses for t in r.token_ids] == expected
+            assert responses[-1].finish_reason == pb.LENGTH
+    finally:
+        _release(core, os.getpid())
+        running.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,11 +48,20 @@ class StopAtString:
     stop: str
 
 
-class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, StepRecord]):
-    """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort`,
-    `stop_at_string` and `wake`.
+@dataclass(frozen=True)
+class Heartbeat:
+    """A liveness question: the loop calls `answer` when it next drains its inbox, so an answer proves
+    the loop itself still iterates (a wedged step or a stopped process never answers)."""
 
-    The inbox holds submissions (a `ServedRequest`), stops (`StopAtString`) and aborts (the request id).
+    answer: Callable[[], None]
+
+
+class EngineLoop(EngineThread[ServedRequest | StopAtString | Heartbeat | str, StreamDelta, StepRecord]):
+    """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort`,
+    `stop_at_string`, `answer_heartbeat` and `wake`.
+
+    The inbox holds submissions (a `ServedRequest`), stops (`StopAtString`), heartbeats (`Heartbeat`)
+    and aborts (the request id).
     """
 
     thread_name = "engine-loop"
@@ -79,6 +89,10 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, S
     def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
         """End choice `index` at the next step as stopped by `stop`; its stream gets a final STOP delta."""
         self._post(StopAtString(request_id, index, stop))
+
+    def answer_heartbeat(self, answer: Callable[[], None]) -> None:
+        """Call `answer` on the engine thread at the loop's next iteration (after the step now running)."""
+        self._post(Heartbeat(answer))
 
     def _idle_timeout(self) -> float | None:
         return self.scheduler.idle_wait_seconds()
@@ -132,6 +146,8 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | str, StreamDelta, S
                 stopped = self.scheduler.stop_at_string(command.request_id, command.index, command.stop)
                 if stopped is not None:
                     deltas.append(StreamDelta(stopped, finish_reason=FinishReason.STOP))
+            elif isinstance(command, Heartbeat):
+                command.answer()
             else:
                 deltas.extend(self._abort_now(command))
         return deltas

@@ -1,9 +1,10 @@
 """What crosses between the front door and an engine core in a process of its own, as msgpack.
 
-In: one `Commands` per batch of submissions, aborts and stop-string stops (whatever the event loop
-gathered since its last flush). Out: one `StepOut` per engine step carrying every request's new tokens
-and the core's live counters, plus `Ready` or `StartFailed` once at start. msgspec encodes them as
-arrays of plain values; nothing is pickled, so a message can carry no code.
+In: one `Commands` per batch of submissions, aborts, stop-string stops and heartbeat `Ping`s (whatever
+the event loop gathered since its last flush). Out: one `StepOut` per engine step carrying every
+request's new tokens and the core's live counters, a `Pong` per `Ping`, plus `Ready` or `StartFailed`
+once at start. msgspec encodes them as arrays of plain values; nothing is pickled, so a message can
+carry no code.
 
 Each submission carries a `submission` number the front door gave it; the core echoes it in every
 delta, so a delta is routed to the request that was submitted, never to a newer one that reused its id.
@@ -57,7 +58,14 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Abort what is live (each request gets its final ABORT delta), then exit."""
 
 
-Command = Submit | Abort | StopAt | Shutdown
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """The front door's heartbeat: the core's engine loop answers `Pong(number)` on its next iteration,
+    so an answer proves the loop still steps, not only that the command thread reads."""
+
+    number: int
+
+
+Command = Submit | Abort | StopAt | Shutdown | Ping
 
 
 class Commands(msgspec.Struct, array_like=True):
@@ -134,7 +142,13 @@ class StartFailed(msgspec.Struct, tag="start_failed", array_like=True):
     message: str
 
 
-CoreMessage = StepOut | Ready | StartFailed
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    """The engine loop's answer to `Ping(number)`."""
+
+    number: int
+
+
+CoreMessage = StepOut | Ready | StartFailed | Pong
 
 command_encoder = msgspec.msgpack.Encoder()
 commands_decoder = msgspec.msgpack.Decoder(Commands)

@@ -8,18 +8,21 @@ and aborts, one `StepOut` per engine step with every request's new tokens.
 `EngineProcess` has the engine loop's interface (`submit`, `abort`, `stop_at_string`; `start`,
 `wait_ready`, `stop`), so the front door and the server shell use either alike. Its commands and
 replies run on the server's event loop: commands gathered during one loop iteration leave in one
-message, and the step messages are read as the pipe becomes readable.
+message, and the step messages are read as the pipe becomes readable. Neither ever blocks the loop
+(`pipe_frames`): a core that stops reading leaves the commands buffered here, not the loop waiting.
 
 Lifecycle: the core ignores SIGINT and SIGTERM (the server drains, then sends `Shutdown`), and dies
 with the server (parent-death signal, and end of file on its command pipe). If the core dies first,
-every live request ends at once with UNAVAILABLE and `on_exit` tells the server, which turns
-NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a process whose gRPC
-threads run is unsafe.
+or leaves a heartbeat ping unanswered for `engine_heartbeat_timeout_s` (stopped, wedged: see
+`heartbeat`; it is then killed), every live request ends at once with UNAVAILABLE and `on_exit` tells
+the server, which turns NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a
+process whose gRPC threads run is unsafe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -36,9 +39,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from base.errors import TandemError
+from base.logs import log_event
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.grammar_compiler import compile_in_process
+from decode_service.engine_core.heartbeat import CoreHeartbeat
 from decode_service.engine_core.messages import (
     Abort,
     Commands,
@@ -46,6 +51,8 @@ from decode_service.engine_core.messages import (
     Delta,
     Failure,
     GrammarSource,
+    Ping,
+    Pong,
     Ready,
     RequestState,
     Shutdown,
@@ -57,6 +64,7 @@ from decode_service.engine_core.messages import (
     commands_decoder,
     core_message_decoder,
 )
+from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter
 from decode_service.engine_core.request import ServedRequest, StreamDelta, TokenLogprobs
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -111,7 +119,10 @@ class EngineProcess:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None
         self._replies: Connection | None = None
-        self._pending: list[Submit | Abort | StopAt | Shutdown] = []
+        self._writer: FrameWriter | None = None
+        self._reader: FrameReader | None = None
+        self._heartbeat: CoreHeartbeat | None = None
+        self._pending: list[Submit | Abort | StopAt | Shutdown | Ping] = []
         self._live: weakref.WeakValueDictionary[int, ServedRequest] = weakref.WeakValueDictionary()
         self._choices: weakref.WeakKeyDictionary[ServedRequest, dict[int, ServedRequest]] = (
             weakref.WeakKeyDictionary()
@@ -121,11 +132,17 @@ class EngineProcess:
         self._start_error: str | None = None
         self._stopping = False
         self._exited = False
+        # Why the core is gone, once it is: what requests submitted after that are told.
+        self._lost: str | None = None
         self.stats = CoreStats()
 
     # -- the engine loop's interface ---------------------------------------------------------------
 
     def submit(self, request: ServedRequest) -> None:
+        if self._lost is not None and self._loop is not None:
+            error = TierUnavailableError(f"{self._lost}; retry on another replica")
+            self._loop.call_soon(self._deliver, [StreamDelta(request, error=error)])
+            return
         self._next_submission += 1
         seq = request.seq
         self._live[self._next_submission] = request
@@ -174,7 +191,16 @@ class EngineProcess:
         commands_in.close()
         replies_out.close()
         self._commands, self._replies = commands_out, replies_in
+        self._writer = FrameWriter(self._loop, commands_out.fileno(), self._core_exited)
+        self._reader = FrameReader(replies_in.fileno())
         self._loop.add_reader(replies_in.fileno(), self._read)
+        self._heartbeat = CoreHeartbeat(
+            self._loop,
+            self.spec.config.engine_heartbeat_timeout_s,
+            lambda number: self._send(Ping(number)),
+            self._read,
+            self._core_silent,
+        )
         logger.info("engine core process started (pid %d)", self._process.pid)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -203,7 +229,7 @@ class EngineProcess:
 
     # -- commands ------------------------------------------------------------------------------------
 
-    def _send(self, command: Submit | Abort | StopAt | Shutdown) -> None:
+    def _send(self, command: Submit | Abort | StopAt | Shutdown | Ping) -> None:
         """Queue a command; the commands of one loop iteration leave together."""
         if not self._pending and self._loop is not None:
             self._loop.call_soon(self._flush)
@@ -211,25 +237,24 @@ class EngineProcess:
 
     def _flush(self) -> None:
         commands, self._pending = self._pending, []
-        if not commands or self._commands is None or self._exited:
+        if not commands or self._writer is None or self._exited:
             return
-        try:
-            self._commands.send_bytes(command_encoder.encode(Commands(commands)))
-        except OSError:
-            self._core_exited()
+        self._writer.send(command_encoder.encode(Commands(commands)))
 
     # -- replies -------------------------------------------------------------------------------------
 
     def _read(self) -> None:
-        replies = self._replies
-        assert replies is not None
+        if self._reader is None or self._exited:
+            return
         try:
-            while replies.poll():
-                self._handle(core_message_decoder.decode(replies.recv_bytes()))
+            frames = self._reader.read()
         except (EOFError, OSError):
             self._core_exited()
+            return
+        for frame in frames:
+            self._handle(core_message_decoder.decode(frame))
 
-    def _handle(self, message: StepOut | Ready | StartFailed) -> None:
+    def _handle(self, message: StepOut | Ready | StartFailed | Pong) -> None:
         if isinstance(message, StepOut):
             self.stats = message.stats
             if self._observe_fill is not None:
@@ -238,8 +263,13 @@ class EngineProcess:
             deltas = [delta for delta in map(self._stream_delta, message.deltas) if delta is not None]
             if deltas:
                 self._deliver(deltas)
+        elif isinstance(message, Pong):
+            if self._heartbeat is not None:
+                self._heartbeat.answered(message.number)
         elif isinstance(message, Ready):
             self._ready.set()
+            if self._heartbeat is not None:
+                self._heartbeat.start()
         else:
             self._start_error = message.message
             self._ready.set()
@@ -293,28 +323,56 @@ class EngineProcess:
         return choice
 
     def _core_exited(self) -> None:
+        """A pipe to the core ended: the core died (or was killed)."""
         if self._exited:
             return
-        self._exited = True
-        if self._loop is not None and self._replies is not None:
-            self._loop.remove_reader(self._replies.fileno())
         process = self._process
         if process is not None:
             process.join(1.0)
         code = process.exitcode if process is not None else None
         if not self._ready.is_set():
+            self._close_pipes()
             self._start_error = f"the engine core process exited (code {code}) before it was ready"
             self._ready.set()
             return
+        self._lose(f"the engine core process exited (code {code})")
+
+    def _core_silent(self, waited: float) -> None:
+        """The heartbeat went unanswered: the core is stopped or wedged. Kill it, and go on as if it died
+        (while stopping, `stop` has a timeout of its own)."""
+        if self._exited or self._stopping or self._process is None:
+            return
+        self._process.kill()
+        timeout = self.spec.config.engine_heartbeat_timeout_s
+        self._lose(
+            f"the engine core process (pid {self._process.pid}) did not answer a heartbeat within "
+            f"{timeout:g} s (--engine-heartbeat-timeout) and was killed",
+            waited_s=round(waited, 3),
+        )
+
+    def _lose(self, reason: str, **fields: object) -> None:
+        """The core is gone: end every live request with UNAVAILABLE and tell the server, in one log line."""
+        self._close_pipes()
+        self._lost = reason
         if self._stopping:
             return
-        reason = f"the engine core process exited (code {code})"
-        logger.error("%s; ending every live request", reason)
+        live = list(self._live.values())
+        log_event(logger, logging.ERROR, "engine core lost", reason=reason, live_requests=len(live), **fields)
         error = TierUnavailableError(f"{reason}; retry on another replica")
-        deltas = [StreamDelta(owner, error=error) for owner in list(self._live.values())]
+        deltas = [StreamDelta(owner, error=error) for owner in live]
         if deltas:
             self._deliver(deltas)
         self._on_exit(reason)
+
+    def _close_pipes(self) -> None:
+        """Stop reading, writing and pinging: nothing more comes from or goes to this core."""
+        self._exited = True
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._writer is not None:
+            self._writer.close()
+        if self._loop is not None and self._replies is not None:
+            self._loop.remove_reader(self._replies.fileno())
 
 
 # -- the core process --------------------------------------------------------------------------------
@@ -386,6 +444,9 @@ def _apply_commands(commands: Connection, core: EngineCore, grammars: _Grammars,
                 loop.abort(command.request_id)
             elif isinstance(command, StopAt):
                 loop.stop_at_string(command.request_id, command.index, command.stop)
+            elif isinstance(command, Ping):
+                # Answered from the engine loop, not from here: the answer proves the loop steps.
+                loop.answer_heartbeat(functools.partial(sender.write, Pong(command.number)))
             else:
                 return
 
@@ -479,7 +540,7 @@ class _StepSender:
             )
         )
 
-    def write(self, message: StepOut | Ready | StartFailed) -> None:
+    def write(self, message: StepOut | Ready | StartFailed | Pong) -> None:
         data = command_encoder.encode(message)
         with self._lock:
             try:
