@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from decode_service.front_door.constraints import ConstraintError
-from decode_service.front_door.reasoning import ReasoningParser, make_reasoning_parser
+from decode_service.front_door.reasoning import ReasoningEnd, ReasoningParser, make_reasoning_parser
 from decode_service.front_door.tool_parsers import (
     TOOL_CALL_PARSERS,
     NamedCallParser,
@@ -50,7 +50,11 @@ class TextPiece:
 
 
 class ChoiceText:
-    """The text of one choice, token by token (prompt tokens give the detokenizer its context)."""
+    """The text of one choice, token by token (prompt tokens give the detokenizer its context).
+
+    With `reasoning_end_id` (the token a grammar waits for) it notes where that token's text lies in the
+    choice's text, `reasoning_end`, for the reasoning parser to split there as the grammar does.
+    """
 
     def __init__(
         self,
@@ -58,12 +62,22 @@ class ChoiceText:
         prompt_token_ids: Sequence[int],
         stopping: StoppingParams,
         skip_special_tokens: bool,
+        reasoning_end_id: int | None = None,
     ) -> None:
         self._detokenizer = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
             if tokenizer is not None
             else None
         )
+        self._reasoning_end_id = reasoning_end_id if tokenizer is not None else None
+        self._reasoning_end_text = (
+            tokenizer.decode([reasoning_end_id], skip_special_tokens)
+            if tokenizer is not None and reasoning_end_id is not None
+            else ""
+        )
+        # Characters the detokenizer made so far; stop strings only hold back or cut the end of them.
+        self._made = 0
+        self.reasoning_end: ReasoningEnd | None = None
         self._matcher = StopStringMatcher(stopping.stop) if stopping.stop else None
         self._min_tokens = stopping.min_tokens
         # Tokens the client was given: the completion's length as the client sees it.
@@ -86,6 +100,11 @@ class ChoiceText:
                 pieces.append(self._flush())
                 return TextPiece("".join(pieces), len(token_ids))
             text = self._detokenizer.add(token_id) if self._detokenizer is not None else ""
+            self._made += len(text)
+            if token_id == self._reasoning_end_id and self.reasoning_end is None:
+                # Its text ends what it completed (a character it followed may come out with it).
+                own = len(self._reasoning_end_text) if text.endswith(self._reasoning_end_text) else 0
+                self.reasoning_end = (self._made - own, self._made)
             if self._matcher is not None:
                 text, matched = self._matcher.feed(text, can_stop=self.num_tokens >= self._min_tokens)
                 if matched is not None:
@@ -120,10 +139,11 @@ class AnswerParser:
     def made_calls(self) -> bool:
         return self._tools is not None and self._tools.num_calls > 0
 
-    def feed(self, text: str) -> Parsed:
+    def feed(self, text: str, reasoning_end: ReasoningEnd | None = None) -> Parsed:
+        """Split the next text delta; `reasoning_end` is `ChoiceText.reasoning_end`, once known."""
         reasoning = ""
         if self._reasoning is not None:
-            text, reasoning = self._reasoning.feed(text)
+            text, reasoning = self._reasoning.feed(text, reasoning_end)
         if self._tools is None or not text:
             return text, reasoning, []
         text, calls = self._tools.feed(text)
@@ -185,9 +205,11 @@ def answer_parser_factory(
     if tools is None and reasoning is None:
         return None
 
-    def make() -> AnswerParser:
+    def make(grammar_waits: bool | None = None) -> AnswerParser:
+        """`grammar_waits`: whether the request's grammar waits for the reasoning's end token (None: it
+        has none; see `make_reasoning_parser`)."""
         return AnswerParser(
-            make_reasoning_parser(reasoning) if reasoning is not None else None,
+            make_reasoning_parser(reasoning, grammar_waits) if reasoning is not None else None,
             tools() if tools is not None else None,
         )
 
