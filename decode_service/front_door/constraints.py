@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from base.errors import ConfigError
 from decode_service.engine_core.grammar_compiler import CompileTimeoutError, ConstraintError
+from decode_service.front_door import json_text
 from engine.grammar import GrammarState
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -72,9 +73,9 @@ class GrammarSpec:
 
 def _parse_object(text: str, field: str, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConstraintError(field, f"is not valid JSON: {exc}") from None
+        value = json_text.loads(text)
+    except json_text.JsonTextError as exc:
+        raise ConstraintError(field, str(exc)) from None
     if not isinstance(value, dict):
         raise ConstraintError(field, f"must be {what} (a JSON object), got {type(value).__name__}")
     return value

@@ -22,7 +22,6 @@ its own kind.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from base.errors import ConfigError, InvalidRequestError
+from decode_service.front_door import json_text
 from decode_service.front_door.constraints import (
     ConstraintError,
     Constraints,
@@ -54,9 +54,9 @@ def chat_message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
     for number, call in enumerate(message.tool_calls):
         field = f"messages[{index}].tool_calls[{number}]"
         try:
-            arguments = json.loads(call.arguments) if call.arguments else {}
-        except json.JSONDecodeError as exc:
-            raise ConstraintError(f"{field}.arguments", f"is not valid JSON: {exc}") from None
+            arguments = json_text.loads(call.arguments) if call.arguments else {}
+        except json_text.JsonTextError as exc:
+            raise ConstraintError(f"{field}.arguments", str(exc)) from None
         if not isinstance(arguments, dict):
             raise ConstraintError(f"{field}.arguments", "must be a JSON object")
         calls.append(
@@ -111,9 +111,9 @@ def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
         return {}
     field = "chat_template_kwargs_json"
     try:
-        kwargs = json.loads(request.chat_template_kwargs_json)
-    except ValueError as exc:
-        raise ConstraintError(field, f"is not valid JSON: {exc}") from None
+        kwargs = json_text.loads(request.chat_template_kwargs_json)
+    except json_text.JsonTextError as exc:
+        raise ConstraintError(field, str(exc)) from None
     if not isinstance(kwargs, dict):
         raise ConstraintError(field, f"must be a JSON object, got {type(kwargs).__name__}")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))

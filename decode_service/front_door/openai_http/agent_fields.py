@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from decode_service.front_door import json_text
 from decode_service.front_door.openai_http.fields import (
     FieldError,
     UnsupportedFieldError,
@@ -133,9 +134,9 @@ def _json_schema_text(value: object, param: str) -> str:
     """A JSON schema given as an object or as JSON text, as JSON text."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise FieldError(param, f"{param} is not valid JSON: {exc}") from None
+            value = json_text.loads(value)
+        except json_text.JsonTextError as exc:
+            raise FieldError(param, f"{param} {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise FieldError(param, f"{param} must be a JSON schema (an object), got {value!r}")
     return json.dumps(value)

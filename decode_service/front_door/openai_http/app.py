@@ -9,7 +9,6 @@ request at once. The bearer token and body size limit are the gRPC port's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
 from base.errors import InvalidRequestError
+from decode_service.front_door import json_text
 from decode_service.front_door.admission import RequestLimits, tenant_and_priority
 from decode_service.front_door.generation import Generation, Generations
 from decode_service.front_door.openai_http.errors import (
@@ -55,20 +55,14 @@ async def _read_json(request: Request, max_bytes: int, limits: RequestLimits) ->
     # Braces inside strings count here too, so only then are the parsed objects counted, one by one.
     counted = _counted_objects(limits) if body.count(b"{") > limits.max_json_objects else None
     try:
-        value = json.loads(body, parse_constant=_refuse_constant, object_pairs_hook=counted)
+        return json_text.loads(body, parse_constant=_refuse_constant, object_pairs_hook=counted)
     except _TooManyObjects as exc:
         raise FieldError("body", str(exc.__cause__)) from None
-    except ValueError as exc:
-        raise FieldError("body", f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise FieldError("body", "the request body nests arrays or objects too deeply") from None
-    # A lone surrogate (\ud800) is valid JSON but no text: it could never be encoded later on.
-    if b"\\ud" in body.lower():
-        try:
-            _refuse_lone_surrogates(value, "")
-        except RecursionError:
-            raise FieldError("body", "the request body nests arrays or objects too deeply") from None
-    return value
+    except json_text.LoneSurrogateError as exc:  # valid JSON but no text: it could never be encoded
+        where = exc.path or "body"
+        raise FieldError(where, f"{where} holds a lone UTF-16 surrogate") from None
+    except json_text.JsonTextError as exc:
+        raise FieldError("body", f"the request body {exc}") from None
 
 
 class _TooManyObjects(Exception):
@@ -92,22 +86,6 @@ def _counted_objects(limits: RequestLimits) -> Callable[[list[tuple[str, Any]]],
 
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _refuse_lone_surrogates(value: object, path: str) -> None:
-    """Raise a FieldError naming the first string (or key) under `value` that holds a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise FieldError(path or "body", f"{path or 'body'} holds a lone UTF-16 surrogate") from None
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _refuse_lone_surrogates(item, f"{path}[{index}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _refuse_lone_surrogates(key, path or "body")
-            _refuse_lone_surrogates(item, f"{path}.{key}" if path else key)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
