@@ -223,3 +223,40 @@ def test_only_a_parser_that_reads_a_control_token_keeps_special_tokens():
     named = pb.GenerateRequest(tools=tools, tool_choice=pb.ToolChoice(function_name="f"))
     assert not keeps_special_tokens(named, "mistral")
     assert not keeps_special_tokens(pb.GenerateRequest(), "mistral")
+
+
+@pytest.mark.parametrize(
+    ("parser_class", "start", "end", "key"),
+    [
+        (HermesParser, "<tool_call>", "</tool_call>", "arguments"),
+        (Llama3JsonParser, "", "", "parameters"),
+        (MistralParser, "[TOOL_CALLS][", "]", "arguments"),
+    ],
+    ids=["hermes", "llama3_json", "mistral"],
+)
+def test_calls_too_deep_or_with_lone_surrogates_are_text_or_escaped_never_an_error(
+    parser_class, start, end, key
+):
+    """What the model writes is never an error: JSON nested past the parser's bound, and a name or string
+    arguments holding a lone surrogate escape (no text, so no response could carry it), are answer text;
+    arguments objects holding one keep it as the escape the model wrote."""
+
+    def parsed(body: str) -> tuple[str, list[tuple[str, object]]]:
+        text, _, calls = outcome(tools_only(parser_class), start + body + end)
+        text.encode()  # what goes out is text
+        return text, calls
+
+    deep = "[" * 2000 + "]" * 2000
+    for body in (
+        f'{{"name": "f", "{key}": {{"a": {deep}}}}}',
+        '{"name": "\\ud800", "' + key + '": {}}',
+        '{"name": "f", "' + key + '": "{\\"a\\": \\"\\ud800\\"}"}',
+    ):
+        text, calls = parsed(body)
+        assert calls == [] and body[:20] in text, body
+    text, calls = parsed('{"name": "f", "' + key + '": {"a": "\\udc00 x", "b": "ü"}}')
+    assert (text, calls) == ("", [("f", {"a": "\udc00 x", "b": "ü"})])
+    _, _, raw_calls, _ = run(
+        tools_only(parser_class)(), [start + '{"name": "f", "' + key + '": ["\\ud800"]}' + end]
+    )
+    assert raw_calls[0]["arguments"] == '["\\ud800"]'

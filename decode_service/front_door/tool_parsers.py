@@ -23,6 +23,7 @@ import secrets
 import string
 from collections.abc import Callable
 
+from decode_service.front_door import json_text
 from decode_service.front_door.reasoning import held_prefix_length
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -118,17 +119,27 @@ class _JsonObjectScanner:
 
 
 def _call_fields(text: str, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a call written as a JSON object; None when it is not one."""
+    """(name, arguments JSON) of a call written as a JSON object; None when it is not one.
+
+    The model may write anything: JSON nested too deeply to parse or to pass on is not a call, and
+    neither is a name or string arguments holding a lone surrogate (`"\\ud800"`), which no response can
+    encode; arguments given as an object keep such an escape as they were written."""
     try:
-        call = json.loads(text)
-    except ValueError:
+        call = json_text.loads(text, keep_lone_surrogates=True)
+    except json_text.JsonTextError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if (
+        not isinstance(call, dict)
+        or not isinstance(name := call.get("name"), str)
+        or not json_text.encodes(name)
+    ):
         return None
     arguments = next((call[key] for key in arguments_keys if key in call), {})
-    if not isinstance(arguments, str):  # some models write the arguments as a JSON string already
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return call["name"], arguments
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        return (name, arguments) if json_text.encodes(arguments) else None
+    if json_text.lone_surrogate_path(arguments) is not None:
+        return name, json.dumps(arguments)  # ASCII: the surrogate stays an escape
+    return name, json.dumps(arguments, ensure_ascii=False)
 
 
 class _AutoParser(ToolParser):
