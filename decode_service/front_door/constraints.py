@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from base.errors import ConfigError
 from decode_service.engine_core.grammar_compiler import CompileTimeoutError, ConstraintError
 from decode_service.front_door import json_text
+from decode_service.front_door.schema_checks import json_safe_schema
 from engine.grammar import GrammarState
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -102,6 +103,7 @@ def parse_tools(request: pb.GenerateRequest) -> list[Tool]:
                     f"{field}.parameters_json",
                     f"must describe an object (type 'object'), got type {parameters['type']!r}",
                 )
+            parameters = json_safe_schema(parameters, f"{field}.parameters_json")
         tools.append(Tool(proto.name, proto.description, parameters))
     return tools
 
@@ -154,6 +156,7 @@ def _structured_output_spec(output: pb.StructuredOutput) -> GrammarSpec:
     field = f"structured_output.{kind}"
     if kind == "json_schema":
         schema = _parse_object(output.json_schema, field, "a JSON schema")
+        schema = json_safe_schema(schema, field)
         return GrammarSpec("json_schema", json.dumps(schema), field)
     if kind == "json_object":
         return GrammarSpec("json_object", "", field)
