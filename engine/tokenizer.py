@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from base.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from engine.chat_keys import control_token_pattern, mark_keys
+from engine.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,12 @@ class Tokenizer:
             return None
         stream = DecodeStream(list(context), skip_special_tokens)
         return functools.partial(stream.step, self._hf.backend_tokenizer)
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """`token_bytes(token_id)`: the raw bytes that token adds to the text, a piece of a character
+        perhaps (which `decode` of that token alone turns into U+FFFD)."""
+        return TokenBytes(self._hf)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -117,6 +117,7 @@ class OpenAIRoutes:
         self._token_text = lru_cache(maxsize=65536)(
             lambda token_id: decode([token_id], skip_special_tokens=False) if decode else str(token_id)
         )
+        self._token_bytes = tokenizer.token_bytes if tokenizer is not None else None
 
     def app(self) -> FastAPI:
         app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
@@ -181,6 +182,7 @@ class OpenAIRoutes:
             self._token_text,
             prompt_tokens=generation.served.seq.num_prompt_tokens,
             parsed=generation.parses_answer,
+            token_bytes=self._token_bytes,
         )
         if openai_request.stream:
             return StreamingResponse(

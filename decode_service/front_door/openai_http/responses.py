@@ -23,6 +23,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 _FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.TOOL_CALLS: "tool_calls"}
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 # Made once: `json.dumps` with these options builds a new encoder per call, a third of an event's cost.
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -71,12 +72,15 @@ class ResponseBuilder:
         created: int | None = None,
         prompt_tokens: int = 0,
         parsed: bool = False,
+        token_bytes: TokenBytes | None = None,
     ) -> None:
         self._request = request
         self._chat = request.endpoint is Endpoint.CHAT
         self.id = f"{'chatcmpl' if self._chat else 'cmpl'}-{request_id}"
         self._model = model
         self._token_text = token_text
+        # Each token's own bytes: its text alone may be U+FFFD, for a token holding part of a character.
+        self._token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
         self._created = int(time.time()) if created is None else created
         self._choices: dict[int, _Choice] = {}
         # Known at the start (the prompt is tokenized before the stream opens): continuous usage needs it.
@@ -292,7 +296,7 @@ class ResponseBuilder:
 
     def _chat_token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         token = self._token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
 
     def _merged_logprobs(self, parts: list[dict[str, Any]]) -> dict[str, Any] | None:
         if self._request.top_logprobs is None:
