@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from base.errors import InvalidRequestError, OutOfBlocksError
+from base.errors import InvalidRequestError, OutOfBlocksError, TandemError
 from engine import quantization
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.grammar import GrammarMask, GrammarState
+from engine.grammar import GrammarDeadEndError, GrammarMask, GrammarState, GrammarViolationError
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.model_facts import ModelFacts
@@ -65,6 +65,9 @@ class TokenOutput:
     finish_reason: FinishReason | None
     # Tokens the grammar forced after the sampled one (jump-forward): appended, their KV not computed yet.
     forced_token_ids: tuple[int, ...] = ()
+    # Why this sequence alone could not go on (its grammar allowed no token, or refused the sampled one):
+    # it is aborted, `token_id` was not appended, and its request ends with this error alone.
+    error: TandemError | None = None
 
 
 @dataclass
@@ -277,15 +280,23 @@ class Engine:
     def _append_sampled(
         self, seq: Sequence, token_id: int, logprob: float, top_logprobs: list[tuple[int, float]]
     ) -> TokenOutput:
-        seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
-        if seq.grammar is None:  # the per-token path of unconstrained requests: nothing more to do
+        if seq.grammar is None:  # the per-token path of unconstrained requests
+            seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
             return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason)
-        forced: list[int] = []
-        for forced_id in self._jump_forward(seq):
-            if seq.is_finished:  # a forced token was a stop token
-                break
-            seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
-            forced.append(forced_id)
+        try:
+            seq.append_token(token_id, self.eos_token_ids, self.max_model_len)
+            forced: list[int] = []
+            for forced_id in self._jump_forward(seq):
+                if seq.is_finished:  # a forced token was a stop token
+                    break
+                seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
+                forced.append(forced_id)
+        except (GrammarDeadEndError, GrammarViolationError) as exc:
+            # This sequence's grammar cannot go on; the others sampled in the same step can.
+            log = logger.warning if isinstance(exc, GrammarDeadEndError) else logger.error
+            log("%s: ending it alone: %s", seq.request_id, exc)
+            seq.abort()
+            return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason, error=exc)
         return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason, tuple(forced))
 
     def _jump_forward(self, seq: Sequence) -> list[int]:

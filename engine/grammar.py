@@ -7,20 +7,31 @@ logit to -inf, and the sampled token advances the state. Only constrained rows p
 
 A grammar can wait for a token before it starts (`activate_after`): a reasoning model thinks freely and
 the constraint applies to what it writes after `</think>`.
+
+What the client receives is text, so the mask also keeps the bytes valid UTF-8 (`engine.utf8_tokens`):
+xgrammar alone lets surrogates and split characters through, which decode to U+FFFD. A grammar that
+allows no token at all (an impossible pattern, a rule with no way out) ends its own request with
+`GrammarDeadEndError` when its next token is accepted; the rest of the batch goes on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
-from base.errors import TandemError
+from base.errors import InvalidRequestError, TandemError
+from engine.utf8_tokens import BOUNDARY, Utf8Tokens, pack_bitmask_row
 
 
 class GrammarViolationError(TandemError):
     """A token the grammar does not allow was appended (a bug: the mask should have prevented it)."""
+
+
+class GrammarDeadEndError(InvalidRequestError):
+    """The request's constraint allows no token where its answer stands: nothing can satisfy it."""
 
 
 def control_free_tokens(info: xgr.TokenizerInfo) -> torch.Tensor:
@@ -30,21 +41,17 @@ def control_free_tokens(info: xgr.TokenizerInfo) -> torch.Tensor:
     admit them (`[^"\\\r\n]`); compact JSON needs none anywhere, so JSON grammars are ANDed with this.
     """
     allowed = [not any(byte < 0x20 for byte in token) for token in info.decoded_vocab]
-    row = torch.zeros(len(allowed) + 31 >> 5, dtype=torch.int64)
-    for token_id, ok in enumerate(allowed):
-        if ok:
-            row[token_id >> 5] |= 1 << (token_id & 31)
-    # Two's complement view: bit 31 set must read as a negative int32, as xgrammar's bitmask stores it.
-    return torch.where(row >= 1 << 31, row - (1 << 32), row).to(torch.int32)
+    return pack_bitmask_row(np.array(allowed, dtype=bool))
 
 
 class GrammarState:
     """One sequence's matcher over a compiled grammar.
 
     `allowed_tokens` (a bitmask row, see `control_free_tokens`) further restricts what the grammar
-    allows; `activate_after` keeps the grammar dormant until that token has been generated. `source`
-    (xgrammar kind, text) is what it was compiled from, so an engine in another process can compile it
-    again.
+    allows; `utf8` (shared by every state of a vocabulary) keeps the bytes valid UTF-8, and the servers
+    always pass it. `activate_after` keeps the grammar dormant until that token has been generated.
+    `source` (xgrammar kind, text) is what it was compiled from, so an engine in another process can
+    compile it again.
     """
 
     def __init__(
@@ -53,17 +60,22 @@ class GrammarState:
         activate_after: int | None = None,
         allowed_tokens: torch.Tensor | None = None,
         source: tuple[str, str] | None = None,
+        utf8: Utf8Tokens | None = None,
     ) -> None:
         self.compiled = compiled
         self.activate_after = activate_after
         self.allowed_tokens = allowed_tokens
         self.source = source
+        self.utf8 = utf8
         self.active = activate_after is None
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._utf8_state = BOUNDARY
+        # Set by `fill` when the mask it wrote allows nothing: the next `accept` ends the request.
+        self._dead_end = False
 
     def fork(self) -> GrammarState:
         """A fresh state at the grammar's start (another choice of the same request)."""
-        return GrammarState(self.compiled, self.activate_after, self.allowed_tokens, self.source)
+        return GrammarState(self.compiled, self.activate_after, self.allowed_tokens, self.source, self.utf8)
 
     @property
     def is_terminated(self) -> bool:
@@ -71,10 +83,24 @@ class GrammarState:
         return self.active and self._matcher.is_terminated()
 
     def accept(self, token_id: int) -> None:
-        """Advance past a generated token (before activation: only watch for the activating token)."""
+        """Advance past a generated token (before activation: only watch for the activating token).
+
+        Raises GrammarDeadEndError when the last mask allowed no token (whatever was sampled then is
+        not the grammar's), GrammarViolationError for a token the mask should have refused.
+        """
         if not self.active:
             self.active = token_id == self.activate_after
             return
+        if self._dead_end:
+            raise GrammarDeadEndError(
+                "the request's constraint allows no token at this point of the answer, so no text can "
+                "satisfy it: check its schema's patterns and lengths, or its grammar's rules"
+            )
+        if self.utf8 is not None:
+            after = self.utf8.advance(self._utf8_state, token_id)
+            if after is None:
+                raise GrammarViolationError(f"token {token_id} would break the answer's UTF-8 here")
+            self._utf8_state = after
         if not self._matcher.accept_token(token_id):
             raise GrammarViolationError(f"token {token_id} is not allowed by the request's grammar here")
 
@@ -82,13 +108,32 @@ class GrammarState:
         """Write the tokens allowed next into `bitmask[row]` (an active state only)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
         if self.allowed_tokens is not None:
-            width = min(bitmask.shape[1], self.allowed_tokens.shape[0])
-            bitmask[row, :width] &= self.allowed_tokens[:width]
+            _restrict(bitmask, row, self.allowed_tokens)
+        if self.utf8 is not None:
+            _restrict(bitmask, row, self.utf8.row(self._utf8_state))
+        self._dead_end = not bool(bitmask[row].any())
 
     def jump_forward_tokens(self) -> list[int]:
         """Tokens spelling the text the grammar forces next whatever the model prefers (empty when it
-        leaves a choice, and before activation). They are not accepted yet: `accept` each."""
-        return self._matcher.find_jump_forward_tokens() if self.active else []
+        leaves a choice, and before activation), cut before any that would break the UTF-8. They are
+        not accepted yet: `accept` each."""
+        if not self.active:
+            return []
+        forced = self._matcher.find_jump_forward_tokens()
+        if self.utf8 is None:
+            return forced
+        state = self._utf8_state
+        for index, token_id in enumerate(forced):
+            state = self.utf8.advance(state, token_id)
+            if state is None:
+                return forced[:index]
+        return forced
+
+
+def _restrict(bitmask: torch.Tensor, row: int, allowed: torch.Tensor) -> None:
+    """AND `bitmask[row]` with the bitmask row `allowed` (tokens past its end keep the grammar's bits)."""
+    width = min(bitmask.shape[1], allowed.shape[0])
+    bitmask[row, :width] &= allowed[:width]
 
 
 class GrammarMask:

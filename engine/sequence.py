@@ -93,18 +93,20 @@ class Sequence:
     def append_token(self, token_id: int, eos_token_ids: Collection[int], max_model_len: int) -> None:
         """Add a sampled token and decide whether the sequence is done.
 
-        A grammar advances first (a token it forbids raises GrammarViolationError); once it has accepted
-        its end (EOS, even with ignore_eos or before min_tokens) the sequence stops. Then stop tokens and
-        EOS (from min_tokens on), then the length limits. Stop strings are matched by the front door,
-        which ends the sequence through `stop_at_string`.
+        A grammar advances first, and the token is appended only if it accepts it (GrammarDeadEndError
+        when the grammar allowed no token at all, GrammarViolationError for a token it forbids); once it
+        has accepted its end (EOS, even with ignore_eos or before min_tokens) the sequence stops. Then
+        stop tokens and EOS (from min_tokens on), then the length limits. Stop strings are matched by the
+        front door, which ends the sequence through `stop_at_string`.
         """
+        grammar = self.grammar
+        if grammar is not None:
+            grammar.accept(token_id)
         self.token_ids.append(token_id)
         stopping = self.stopping
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
-            if self.grammar.is_terminated:
-                self._finish(FinishReason.STOP, token_id if token_id in stopping.stop_token_ids else None)
-                return
+        if grammar is not None and grammar.is_terminated:
+            self._finish(FinishReason.STOP, token_id if token_id in stopping.stop_token_ids else None)
+            return
         if self.num_output_tokens > stopping.min_tokens or stopping.min_tokens == 0:
             if token_id in stopping.stop_token_ids:
                 self._finish(FinishReason.STOP, token_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import pytest
 import torch
@@ -16,10 +17,11 @@ from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_token
 
 from decode_service.engine_core.request import ServedRequest, StreamDelta
 from engine.engine import GenerateRequest
-from engine.grammar import GrammarState, GrammarViolationError, control_free_tokens
+from engine.grammar import GrammarDeadEndError, GrammarState, GrammarViolationError, control_free_tokens
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
+from serving.status import status_for
 
 SCHEMA = {
     "type": "object",
@@ -152,6 +154,52 @@ def test_a_token_the_grammar_forbids_is_refused(compiler):
     state = GrammarState(compiler.compile_regex("a"))
     with pytest.raises(GrammarViolationError):
         state.accept(ord("z") % TINY_VOCAB_SIZE)
+
+
+@pytest.mark.parametrize(
+    "impossible",
+    [
+        ("grammar", 'root ::= root "a"'),  # a rule with no base case: nothing is allowed at all
+        (
+            "json_schema",
+            json.dumps(
+                {
+                    "type": "object",
+                    "properties": {"q": {"type": "string", "pattern": "^\\n$"}},
+                    "required": ["q"],
+                }
+            ),
+        ),
+    ],
+    ids=["no-base-case", "pattern-the-control-mask-empties"],
+)
+def test_a_grammar_that_allows_no_token_ends_its_request_alone(
+    hf_model, tokenizer, compiler, json_safe, impossible
+):
+    engine = engine_for(hf_model, tokenizer=tokenizer)
+    harness = Harness(engine)
+    for i, prompt in enumerate(random_prompts(3, 11, min_len=3, max_len=9, vocab=TINY_VOCAB_SIZE)):
+        harness.submit(f"free-{i}", prompt, max_tokens=16)
+    kind, spec = impossible
+    compiled = (
+        compiler.compile_grammar(spec)
+        if kind == "grammar"
+        else compiler.compile_json_schema(spec, any_whitespace=False)
+    )
+    stopping = StoppingParams(max_tokens=16)
+    seq = engine.make_sequence(
+        [5, 6, 7], GREEDY, stopping, "bad", grammar=GrammarState(compiled, None, json_safe)
+    )
+    harness.loop.submit(ServedRequest(seq))
+    harness.run()
+    error = harness.errors.pop("bad")
+    assert isinstance(error, GrammarDeadEndError)
+    code, message = status_for(error)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "allows no token at this point" in message
+    assert not harness.errors, harness.errors
+    for i in range(3):
+        assert harness.finish[f"free-{i}"] is FinishReason.LENGTH and len(harness.tokens[f"free-{i}"]) == 16
+    assert engine.num_free_blocks == engine.num_blocks
 
 
 def test_forked_choices_start_their_grammar_from_the_beginning(

@@ -174,6 +174,37 @@ def test_required_tool_choice_writes_valid_calls(server, parallel):
     assert not any(response.text for response in responses), "forced calls leave no content"
 
 
+# Constraints that compile yet allow no token: a rule with no base case allows nothing from the start; an
+# empty class allows nothing after the text before it; surrogates are not text, so the UTF-8 mask refuses
+# what the regex alone would allow after their first byte.
+IMPOSSIBLE = {
+    "no-base-case": pb.StructuredOutput(grammar='root ::= root "a"'),
+    "empty-class": pb.StructuredOutput(regex="ok[^\\s\\S]"),
+    "surrogates": pb.StructuredOutput(regex="[\\ud800-\\udfff]+"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impossible", list(IMPOSSIBLE.values()), ids=list(IMPOSSIBLE))
+def test_a_constraint_that_allows_no_token_ends_its_request_alone(server, impossible):
+    bad = chat(structured_output=impossible)
+    # Alone first (this also compiles it): refused with what is wrong, not an internal error.
+    assert "constraint allows no token at this point" in refusal(server, bad).details()
+    plain = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="Tell me a story.")],
+        sampling=pb.SamplingParams(temperature=1.0, seed=9),
+        stopping=pb.StoppingParams(max_tokens=300, ignore_eos=True),
+    )
+    streams = [server.stub.Generate(plain, timeout=120) for _ in range(3)]
+    firsts = [next(stream) for stream in streams]  # all three are running now
+    assert "constraint allows no token at this point" in refusal(server, bad).details()
+    for first, stream in zip(firsts, streams, strict=True):
+        responses = [first, *stream]
+        assert responses[-1].finish_reason == pb.LENGTH
+        assert sum(len(response.token_ids) for response in responses) == 300
+    assert_nothing_held(server)
+
+
 def test_a_named_tool_choice_writes_that_functions_arguments(server):
     request = chat(tools=TOOLS, tool_choice=pb.ToolChoice(function_name="get_weather"), sampled=True)
     text, _ = generate(server, request)

@@ -244,14 +244,18 @@ class ContinuousScheduler:
     def complete_step(self, outputs: list[TokenOutput]) -> list[StreamDelta]:
         """Turn the step's sampled tokens into stream deltas; free finished sequences right away.
 
-        A request whose bookkeeping raises ends with that error (INTERNAL) and its blocks freed; the
-        others in the step go on.
+        A request whose bookkeeping raises ends with that error (INTERNAL) and its blocks freed, as does
+        one the engine could not go on with (`out.error`, its grammar's dead end); the others in the step
+        go on.
         """
         now = self.clock()
         deltas = []
         for out in outputs:
             request = self._choice_of(out.seq)
             if request is None:
+                continue
+            if out.error is not None:
+                deltas.append(self._fail(request, out.error))
                 continue
             try:
                 deltas.append(self._complete_one(request, out, now))
