@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from base.errors import InvalidRequestError
 from engine.grammar import control_free_tokens
+from engine.utf8_tokens import Utf8Tokens
 from serving.errors import TierUnavailableError
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._info: xgr.TokenizerInfo | None = None
         self._control_free: torch.Tensor | None = None
+        self._utf8: Utf8Tokens | None = None
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._cache_lock = threading.Lock()
         # One compile at a time through the worker; validation threads queue here.
@@ -158,6 +160,13 @@ class GrammarCompiler:
         if self._control_free is None:
             self._control_free = control_free_tokens(self.tokenizer_info)
         return self._control_free
+
+    @property
+    def utf8_tokens(self) -> Utf8Tokens:
+        """What keeps constrained text valid UTF-8 in this vocabulary, shared by every grammar state."""
+        if self._utf8 is None:
+            self._utf8 = Utf8Tokens.of(self.tokenizer_info)
+        return self._utf8
 
     @property
     def worker_pid(self) -> int | None:

@@ -70,6 +70,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.grammar import GrammarState, control_free_tokens
 from engine.sequence import FinishReason, Sequence
+from engine.utf8_tokens import Utf8Tokens
 from serving.engine_thread import Deliver
 from serving.errors import RelayedStatusError, TierUnavailableError
 from serving.status import status_for
@@ -487,6 +488,7 @@ class _Grammars:
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._compiler: xgr.GrammarCompiler | None = None
         self._control_free: torch.Tensor | None = None
+        self._utf8: Utf8Tokens | None = None
 
     def state(self, source: GrammarSource) -> GrammarState:
         import xgrammar as xgr
@@ -501,6 +503,7 @@ class _Grammars:
             )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             self._control_free = control_free_tokens(info)
+            self._utf8 = Utf8Tokens.of(info)
         key = (source.kind, source.source)
         compiled = self._cache.get(key)
         if compiled is None:
@@ -509,7 +512,7 @@ class _Grammars:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         allowed = self._control_free if source.control_free else None
-        return GrammarState(compiled, source.activate_after, allowed, key)
+        return GrammarState(compiled, source.activate_after, allowed, key, self._utf8)
 
 
 class _StepSender:

@@ -322,7 +322,8 @@ class Constraints:
             self._remember_compiled(constraint_fingerprint(request))
         allowed = self.compiler.control_free_tokens if spec.kind in JSON_KINDS else None
         activate_after = None if self._reasoning_closed(prompt_ids) else self.activate_after
-        return GrammarState(compiled, activate_after, allowed, (spec.kind, spec.spec))
+        source = (spec.kind, spec.spec)
+        return GrammarState(compiled, activate_after, allowed, source, self.compiler.utf8_tokens)
 
     def _reasoning_closed(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends right after the reasoning's end: a template that turns thinking off
