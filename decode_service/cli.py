@@ -125,15 +125,41 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds a request's JSON schema, regex or grammar may take to compile; past it the request "
-        "gets INVALID_ARGUMENT (HTTP 400) and the compiler is restarted (default: 10)",
+        help="seconds a request's JSON schema, regex or grammar may take to compile, all of its compiles "
+        "together (with tool_choice required, its tools' too); past it the request gets INVALID_ARGUMENT "
+        "(HTTP 400) and the compiler is restarted (default: 10)",
     )
     group.add_argument(
         "--grammar-cache-size",
         type=int,
         default=256,
         metavar="N",
-        help="compiled grammars kept for reuse, least recently used dropped first (default: 256)",
+        help="compiled grammars (and the front door's verdicts on constraints) kept for reuse, least "
+        "recently used dropped first (default: 256)",
+    )
+    group.add_argument(
+        "--grammar-cache-memory",
+        default="512MiB",
+        metavar="SIZE",
+        help="memory the compiled grammars kept for reuse may take in all, least recently used dropped "
+        "first (e.g. 512MiB, 1GiB; default: 512MiB)",
+    )
+    group.add_argument(
+        "--max-grammar-memory",
+        default="64MiB",
+        metavar="SIZE",
+        help="largest compiled grammar one request's constraint may make; a larger one gets INVALID_ARGUMENT "
+        "(HTTP 400) naming its size (a 20,000-value enum makes about 40 MiB with a 49k-token vocabulary; "
+        "default: 64MiB)",
+    )
+    group.add_argument(
+        "--max-compiles-per-tenant",
+        type=int,
+        default=4,
+        metavar="N",
+        help="grammar compiles one tenant may have waiting or running at once; more get RESOURCE_EXHAUSTED "
+        "(HTTP 429). Tenants (--tenant-header, or the request's tenant / user) take turns at the compiler, "
+        "so one tenant's slow schemas delay another's new schema by at most one compile (default: 4)",
     )
     group.add_argument(
         "--jump-forward",
@@ -304,6 +330,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
     """The validated DecodeServiceConfig the flags describe (reads the auth token file, if any)."""
     from decode_service.config import DecodeServiceConfig, parse_tenant_weights
     from decode_service.front_door.admission import RequestLimits
+    from engine.config import parse_memory_size
     from serving.flags import server_settings_from_args
 
     config = DecodeServiceConfig(
@@ -343,6 +370,9 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         priority_header=args.priority_header.lower(),
         structured_output_compile_timeout_s=args.structured_output_compile_timeout,
         grammar_cache_size=args.grammar_cache_size,
+        grammar_cache_memory=parse_memory_size(args.grammar_cache_memory),
+        max_grammar_memory=parse_memory_size(args.max_grammar_memory),
+        max_compiles_per_tenant=args.max_compiles_per_tenant,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -54,7 +54,10 @@ class DecodeServiceConfig(ServerConfig):
     by a trusted gateway, that replace the client's own `tenant`/`priority` fields.
 
     Structured outputs and tools: a constraint that does not compile within
-    `structured_output_compile_timeout_s` is refused; `grammar_cache_size` compiled grammars are kept.
+    `structured_output_compile_timeout_s` (one budget for all of a request's compiles), or whose compiled
+    grammar is larger than `max_grammar_memory` bytes, is refused; a tenant may have at most
+    `max_compiles_per_tenant` compiles waiting or running, and tenants take turns at the compiler. At most
+    `grammar_cache_size` compiled grammars, and `grammar_cache_memory` bytes of them, are kept.
     `chat_template` (a Jinja file) replaces the model's template. `tool_call_parser` reads the calls a
     model writes under tool_choice auto; `reasoning_parser` splits off its `<think>` reasoning, and
     grammars then apply only after `</think>`.
@@ -99,6 +102,9 @@ class DecodeServiceConfig(ServerConfig):
     priority_header: str = ""
     structured_output_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
+    grammar_cache_memory: int = 512 * 2**20
+    max_grammar_memory: int = 64 * 2**20
+    max_compiles_per_tenant: int = 4
     chat_template: Path | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -153,8 +159,12 @@ class DecodeServiceConfig(ServerConfig):
                 "structured_output_compile_timeout_s must be > 0, got "
                 f"{self.structured_output_compile_timeout_s}"
             )
-        if self.grammar_cache_size < 0:
-            raise ConfigError(f"grammar_cache_size must be >= 0, got {self.grammar_cache_size}")
+        for name in ("grammar_cache_size", "grammar_cache_memory"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_grammar_memory", "max_compiles_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chat_template is not None and not self.chat_template.is_file():
             raise ConfigError(f"chat template {self.chat_template} is not a readable file")
         for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):

@@ -234,7 +234,7 @@ class DecodeMetrics:
             if request.admitted_time is not None:
                 self.request_queue_time.observe(max(0.0, request.admitted_time - arrival))
             self.prompt_tokens.inc(request.seq.num_prompt_tokens)
-            if request.seq.grammar is not None:
+            if request.grammar is not None or request.seq.grammar is not None:
                 self.structured_output_requests.inc()
         else:
             self.inter_token_latency.observe(max(0.0, now - previous))

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.core import EngineCore
-from decode_service.engine_core.engine_loop import EngineLoop
+from decode_service.engine_core.grammar_gate import GrammarGate
 from decode_service.engine_core.messages import CoreStats
 from decode_service.engine_core.process import CoreSpec, EngineProcess
 from decode_service.engine_core.remote_prefill.stage import RemotePrefill
@@ -98,7 +98,10 @@ class DecodeServer(TierServer):
             self.core = EngineCore(engine, config, observe_then_deliver, model_fingerprint)
             # The engine times its mask work only when someone listens; this server's registry does.
             engine.grammar_fill_observer = self.metrics.structured_output_fill_seconds.observe
-            self.engine_loop: EngineProcess | EngineLoop = self.core.loop
+            # Constrained requests compile their grammar on a thread of their own before the loop.
+            self.engine_loop: EngineProcess | GrammarGate = GrammarGate.for_engine(
+                self.core.loop, engine, config
+            )
             self.scheduler, self.events = self.core.scheduler, self.core.events
             self.remote_prefill = self.core.remote_prefill
             self._core_stats = self.core.stats

@@ -187,6 +187,49 @@ def test_a_cancelled_stream_frees_the_core_blocks(server):
     assert sum(len(r.token_ids) for r in server.stub.Generate(request, timeout=60)) == 3
 
 
+@pytest.mark.slow
+def test_a_plain_request_does_not_wait_for_a_constraint_compiling_in_the_core(server):
+    """The core compiles a new constraint on a thread of its own, never on the thread that reads the
+    front door's commands: a plain request submitted after a slowly compiling one ends first."""
+    # About 40 MiB of grammar, 0.3-3 s to compile (under the default --max-grammar-memory).
+    slow_regex = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 450)) + ")"
+    core = server.core
+    submitted: list[str] = []
+    ended: list[str] = []
+    real_submit, real_deliver = core.submit, core._deliver
+
+    def submit(request) -> None:
+        submitted.append(request.request_id)
+        real_submit(request)
+
+    def deliver(deltas) -> None:
+        ended.extend(delta.request.request_id for delta in deltas if delta.is_last)
+        real_deliver(deltas)
+
+    core.submit, core._deliver = submit, deliver
+    try:
+        slow = greedy([5, 6, 7], 1)
+        slow.request_id = "slow-compile"
+        slow.structured_output.regex = slow_regex
+        answers: dict[str, list[pb.GenerateResponse]] = {}
+        waiting = threading.Thread(
+            target=lambda: answers.update(slow=list(server.stub.Generate(slow, timeout=120)))
+        )
+        waiting.start()
+        assert wait_until(lambda: "slow-compile" in submitted, timeout=120)
+        plain = greedy([5, 6, 7], 2)
+        plain.request_id = "plain"
+        answers["plain"] = list(server.stub.Generate(plain, timeout=60))
+        waiting.join(120)
+    finally:
+        del core.submit
+        core._deliver = real_deliver
+    assert answers["plain"][-1].finish_reason == pb.LENGTH
+    assert answers["slow"][-1].finish_reason in (pb.LENGTH, pb.STOP)
+    assert ended.index("plain") < ended.index("slow-compile"), ended
+    assert wait_until(server.idle)
+
+
 # -- lifecycle, on `tandem serve decode` subprocesses ----------------------------------------------
 
 

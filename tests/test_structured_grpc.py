@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Literal
 
 import grpc
 import jsonschema
 import pytest
 from conftest import save_tiny_model, wait_until
+from pydantic import BaseModel, Field
 from test_decode_server import RunningServer, start_server
 
 from protos.tandem.v1 import generation_pb2 as pb
@@ -455,3 +457,82 @@ def test_cancelling_or_aborting_a_constrained_stream_frees_everything(server):
     assert received[-1].finish_reason == pb.ABORT
     assert re.fullmatch("[a-z]*", "".join(response.text for response in received))
     assert_nothing_held(server)
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=12)
+    zip: str = Field(pattern="^[0-9]{5}$")
+
+
+class Order(BaseModel):
+    """What pydantic writes for a nested model: the model under `$defs`, a `$ref` to it."""
+
+    item: Literal["book", "pen"]
+    quantity: int = Field(ge=1, le=9)
+    ship_to: Address
+
+
+class Parcel(BaseModel):
+    """Another tool whose `$defs` holds an `Address` of its own, unlike `Order`'s."""
+
+    class Address(BaseModel):
+        street: str = Field(max_length=8)
+
+    weight: int = Field(ge=1, le=50)
+    to: Parcel.Address
+
+
+ORDER_TOOL = pb.FunctionTool(name="order", parameters_json=json.dumps(Order.model_json_schema()))
+PARCEL_TOOL = pb.FunctionTool(name="parcel", parameters_json=json.dumps(Parcel.model_json_schema()))
+
+
+def test_required_tool_calls_work_with_pydantic_defs_and_refs(server):
+    assert "$defs" in Order.model_json_schema() and "$ref" in json.dumps(Order.model_json_schema())
+    for parallel in (False, True):
+        request = chat(
+            sampled=True,
+            tools=[ORDER_TOOL, PARCEL_TOOL],
+            tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED),
+            parallel_tool_calls=parallel,
+            max_tokens=400,
+        )
+        responses = list(server.stub.Generate(request, timeout=120))
+        calls: dict[int, dict[str, str]] = {}
+        for response in responses:
+            for piece in response.tool_calls:
+                call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+                call["name"] += piece.name
+                call["arguments"] += piece.arguments
+        finish = responses[-1].finish_reason
+        finished = calls if finish == pb.TOOL_CALLS else {i: c for i, c in calls.items() if i < max(calls)}
+        assert finished, responses[-1]
+        models = {"order": Order, "parcel": Parcel}
+        for call in finished.values():
+            models[call["name"]].model_validate_json(call["arguments"])
+
+
+def test_each_tools_defs_keep_their_own_meaning_in_the_required_schema(server):
+    """Both tools define an `Address`; each call's arguments are held to its own tool's."""
+    import xgrammar as xgr
+
+    from decode_service.front_door.constraints import parse_tools, required_tool_calls_schema
+
+    tools = parse_tools(pb.GenerateRequest(tools=[ORDER_TOOL, PARCEL_TOOL]))
+    schema = json.dumps(required_tool_calls_schema(tools, parallel=True))
+    tokenizer = server.engine.tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer.hf, vocab_size=server.engine.vocab_size, stop_token_ids=sorted(tokenizer.eos_token_ids)
+    )
+    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(
+        schema, any_whitespace=False
+    )
+
+    def accepts(calls: list[dict]) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(json.dumps(calls)) and matcher.is_completed()
+
+    order = {"item": "pen", "quantity": 2, "ship_to": {"city": "Paris", "zip": "75001"}}
+    parcel = {"weight": 3, "to": {"street": "Rue 1"}}
+    assert accepts([{"name": "order", "arguments": order}, {"name": "parcel", "arguments": parcel}])
+    assert not accepts([{"name": "parcel", "arguments": {"weight": 3, "to": order["ship_to"]}}])
+    assert not accepts([{"name": "order", "arguments": {**order, "ship_to": parcel["to"]}}])

@@ -56,7 +56,18 @@ class Heartbeat:
     answer: Callable[[], None]
 
 
-class EngineLoop(EngineThread[ServedRequest | StopAtString | Heartbeat | str, StreamDelta, StepRecord]):
+@dataclass(frozen=True)
+class Dropped:
+    """A submitted request the scheduler never sees (aborted while its grammar compiled, or its grammar
+    did not compile): the loop delivers its final delta, ABORT or `error`, like any other."""
+
+    request: ServedRequest
+    error: Exception | None
+
+
+class EngineLoop(
+    EngineThread[ServedRequest | StopAtString | Heartbeat | Dropped | str, StreamDelta, StepRecord]
+):
     """Drives one engine with one scheduler; thread-safe entry points are `submit`, `abort`,
     `stop_at_string`, `answer_heartbeat` and `wake`.
 
@@ -93,6 +104,11 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | Heartbeat | str, St
     def answer_heartbeat(self, answer: Callable[[], None]) -> None:
         """Call `answer` on the engine thread at the loop's next iteration (after the step now running)."""
         self._post(Heartbeat(answer))
+
+    def drop(self, request: ServedRequest, error: Exception | None = None) -> None:
+        """End a request that was never submitted (see `Dropped`): its stream gets its final delta from
+        this thread, the one every delta comes from."""
+        self._post(Dropped(request, error))
 
     def _idle_timeout(self) -> float | None:
         return self.scheduler.idle_wait_seconds()
@@ -148,6 +164,9 @@ class EngineLoop(EngineThread[ServedRequest | StopAtString | Heartbeat | str, St
                     deltas.append(StreamDelta(stopped, finish_reason=FinishReason.STOP))
             elif isinstance(command, Heartbeat):
                 command.answer()
+            elif isinstance(command, Dropped):
+                finish = None if command.error is not None else FinishReason.ABORT
+                deltas.append(StreamDelta(command.request, finish_reason=finish, error=command.error))
             else:
                 deltas.extend(self._abort_now(command))
         return deltas

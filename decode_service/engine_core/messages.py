@@ -18,7 +18,8 @@ from engine.params import SamplingParams, StoppingParams
 
 
 class GrammarSource(msgspec.Struct, array_like=True, frozen=True):
-    """A constraint as the core compiles it again (its own compile cache): xgrammar kind and source."""
+    """A constraint the front door checked (it compiles in time, and is not too large), as the engine's
+    process compiles it before the request is scheduled: xgrammar kind and source."""
 
     kind: str
     source: str

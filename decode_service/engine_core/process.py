@@ -29,20 +29,17 @@ import os
 import signal
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 
-from base.errors import TandemError
 from base.logs import log_event
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.core import EngineCore
-from decode_service.engine_core.grammar_compiler import compile_in_process
+from decode_service.engine_core.grammar_gate import GrammarGate
 from decode_service.engine_core.heartbeat import CoreHeartbeat
 from decode_service.engine_core.messages import (
     Abort,
@@ -50,7 +47,6 @@ from decode_service.engine_core.messages import (
     CoreStats,
     Delta,
     Failure,
-    GrammarSource,
     Ping,
     Pong,
     Ready,
@@ -68,16 +64,10 @@ from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter
 from decode_service.engine_core.request import ServedRequest, StreamDelta, TokenLogprobs
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.grammar import GrammarState, control_free_tokens
 from engine.sequence import FinishReason, Sequence
-from engine.utf8_tokens import Utf8Tokens
 from serving.engine_thread import Deliver
 from serving.errors import RelayedStatusError, TierUnavailableError
 from serving.status import status_for
-
-if TYPE_CHECKING:
-    import torch
-    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +137,6 @@ class EngineProcess:
         self._next_submission += 1
         seq = request.seq
         self._live[self._next_submission] = request
-        grammar = None
-        if seq.grammar is not None and seq.grammar.source is not None:
-            kind, source = seq.grammar.source
-            grammar = GrammarSource(
-                kind, source, seq.grammar.activate_after, seq.grammar.allowed_tokens is not None
-            )
         self._send(
             Submit(
                 self._next_submission,
@@ -161,7 +145,7 @@ class EngineProcess:
                 seq.sampling,
                 seq.stopping,
                 seq.cache_salt,
-                grammar,
+                request.grammar,
                 request.priority,
                 request.tenant,
                 request.arrival_time,
@@ -411,7 +395,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
         engine.grammar_fill_observer = sender.observe_grammar_fill
         core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint, record_steps=False)
         sender.stats = core.stats
-        grammars = _Grammars(engine, spec.config)
+        grammars = GrammarGate.for_engine(core.loop, engine, spec.config)
         await core.start_dependencies()
         core.loop.start(warm_up=warm_up)
         await asyncio.to_thread(core.loop.wait_ready)
@@ -422,12 +406,15 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     sender.write(Ready())
     logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
     await asyncio.to_thread(_apply_commands, commands, core, grammars, sender)
-    await asyncio.to_thread(core.loop.stop)
+    await asyncio.to_thread(grammars.stop)
     await core.close_dependencies()
 
 
-def _apply_commands(commands: Connection, core: EngineCore, grammars: _Grammars, sender: _StepSender) -> None:
-    """Read command batches and hand them to the engine loop until `Shutdown` or end of file."""
+def _apply_commands(
+    commands: Connection, core: EngineCore, grammars: GrammarGate, sender: _StepSender
+) -> None:
+    """Read command batches and hand them to the engine loop until `Shutdown` or end of file; requests
+    with a constraint go through `grammars`, which compiles it on its own thread, never on this one."""
     loop = core.loop
     while True:
         try:
@@ -438,11 +425,11 @@ def _apply_commands(commands: Connection, core: EngineCore, grammars: _Grammars,
         for command in batch.commands:
             if isinstance(command, Submit):
                 try:
-                    loop.submit(_served_request(command, grammars))
+                    grammars.submit(_served_request(command))
                 except Exception as exc:
                     sender.fail_submission(command, exc)
             elif isinstance(command, Abort):
-                loop.abort(command.request_id)
+                grammars.abort(command.request_id)
             elif isinstance(command, StopAt):
                 loop.stop_at_string(command.request_id, command.index, command.stop)
             elif isinstance(command, Ping):
@@ -452,8 +439,7 @@ def _apply_commands(commands: Connection, core: EngineCore, grammars: _Grammars,
                 return
 
 
-def _served_request(command: Submit, grammars: _Grammars) -> ServedRequest:
-    grammar = grammars.state(command.grammar) if command.grammar is not None else None
+def _served_request(command: Submit) -> ServedRequest:
     seq = Sequence(
         command.request_id,
         command.prompt_token_ids,
@@ -461,7 +447,6 @@ def _served_request(command: Submit, grammars: _Grammars) -> ServedRequest:
         command.stopping,
         command.arrival_time,
         command.cache_salt,
-        grammar,
     )
     return ServedRequest(
         seq,
@@ -470,49 +455,8 @@ def _served_request(command: Submit, grammars: _Grammars) -> ServedRequest:
         arrival_time=command.arrival_time,
         n=command.n,
         submission=command.submission,
+        grammar=command.grammar,
     )
-
-
-class _Grammars:
-    """The core's own compiles of the front door's constraints, on the command thread, cached.
-
-    The front door compiled each one already, in its worker within the compile timeout, so these
-    compile in-thread: a daemonic process cannot start a worker of its own, and a constraint repeated
-    by agent traffic costs a cache hit.
-    """
-
-    def __init__(self, engine: Engine, config: DecodeServiceConfig) -> None:
-        self._tokenizer = engine.tokenizer
-        self._vocab_size = engine.vocab_size
-        self._cache_size = config.grammar_cache_size
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._control_free: torch.Tensor | None = None
-        self._utf8: Utf8Tokens | None = None
-
-    def state(self, source: GrammarSource) -> GrammarState:
-        import xgrammar as xgr
-
-        if self._tokenizer is None:
-            raise TandemError("the engine core has no tokenizer to compile grammars with")
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer.hf,
-                vocab_size=self._vocab_size,
-                stop_token_ids=sorted(self._tokenizer.eos_token_ids),
-            )
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-            self._control_free = control_free_tokens(info)
-            self._utf8 = Utf8Tokens.of(info)
-        key = (source.kind, source.source)
-        compiled = self._cache.get(key)
-        if compiled is None:
-            compiled = self._cache[key] = compile_in_process(self._compiler, source.kind, source.source)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        allowed = self._control_free if source.control_free else None
-        return GrammarState(compiled, source.activate_after, allowed, key, self._utf8)
 
 
 class _StepSender:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from decode_service.engine_core.messages import GrammarSource
 from engine.sequence import FinishReason, Sequence
 
 
@@ -55,6 +56,9 @@ class ServedRequest:
     # The front door's number for this submission when the core runs in a process of its own: echoed
     # in every delta, so a delta never reaches a newer request that reused the id (`engine_core.process`).
     submission: int = 0
+    # The constraint its answer is held to, compiled where the engine runs before the request reaches the
+    # scheduler (`engine_core.grammar_gate`), which sets `seq.grammar`; None: unconstrained.
+    grammar: GrammarSource | None = None
 
     @property
     def request_id(self) -> str:

@@ -2,8 +2,10 @@
 
 A `GenerateRequest` may constrain its answer in two ways: `structured_output` (a JSON schema, any JSON
 object, a regex, a choice of strings or an EBNF grammar), or a tool choice that forces calls
-(`REQUIRED`, or a named function). Both become one xgrammar grammar, compiled by the server's
-`GrammarCompiler`; `AUTO` and `NONE` compile nothing (the front door parses what the model writes).
+(`REQUIRED`, or a named function). Both become one xgrammar grammar, checked by the server's
+`GrammarCompiler` (it compiles within the request's time budget and is not too large) and compiled again
+where the engine runs (`engine_core.grammar_gate`); `AUTO` and `NONE` compile nothing (the front door
+parses what the model writes).
 
 The formats the model is held to, which the front door's parsers read back:
 - `REQUIRED`: a JSON array of calls, `[{"name": "get_weather", "arguments": {"city": "Paris"}}]`, at
@@ -26,11 +28,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from base.errors import ConfigError
-from decode_service.engine_core.grammar_compiler import CompileTimeoutError, ConstraintError
+from decode_service.engine_core.grammar_compiler import (
+    CompileBudget,
+    CompileTimeoutError,
+    ConstraintError,
+    GrammarTooLargeError,
+)
+from decode_service.engine_core.messages import GrammarSource
 from decode_service.front_door import json_text
 from decode_service.front_door.schema_checks import json_safe_schema
-from engine.grammar import GrammarState
 from protos.tandem.v1 import generation_pb2 as pb
+from serving.errors import QueueFullError
 
 if TYPE_CHECKING:
     from decode_service.config import DecodeServiceConfig
@@ -129,20 +137,62 @@ def may_compile(request: pb.GenerateRequest) -> bool:
     return request.HasField("structured_output") or tool_choice(request)[0] == pb.TOOL_CHOICE_REQUIRED
 
 
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+# Keywords whose values map names to schemas: a name "$ref" there is a property, not a reference.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local reference (`#`, `#/$defs/X`, `#/properties/a`) pointing into `base` (a
+    `#/...` pointer) instead of the document's root: where the schema now stands inside a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(sub, base) for name, sub in value.items()}
+        else:
+            rebased[key] = _rebased(value, base)
+    return rebased
+
+
 def required_tool_calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
-    """The JSON schema `tool_choice: REQUIRED` holds the answer to: an array of calls to the tools."""
-    call_schemas = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+    """The JSON schema `tool_choice: REQUIRED` holds the answer to: an array of calls to the tools.
+
+    Each tool's parameters sit deep inside it, where their own references (`#/$defs/Model`, as pydantic
+    writes them) would resolve against this schema's root. So a tool that has references moves whole
+    under this schema's `$defs` (as `tool_<index>`, names no tool can take from another) with its
+    references rebased there, and its call's arguments refer to it.
+    """
+    definitions: dict[str, Any] = {}
+    call_schemas = []
+    for index, tool in enumerate(tools):
+        arguments = tool.parameters
+        pointer = f"#/$defs/tool_{index}"
+        rebased = _rebased(arguments, pointer)
+        if rebased != arguments:
+            definitions[f"tool_{index}"] = rebased
+            arguments = {"$ref": pointer}
+        call_schemas.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return schema
 
 
@@ -238,6 +288,17 @@ def constraint_fingerprint(request: pb.GenerateRequest) -> bytes:
     return digest.digest()
 
 
+def _blame_part(compiler: GrammarCompiler, spec: GrammarSpec, tenant: str, budget: CompileBudget) -> None:
+    """Raise the error of the first of `spec`'s parts (its tools) that does not compile, so the client
+    learns which one to fix; return when each compiles, or when the request's budget (or its tenant's
+    turns) run out first: the caller then raises the whole constraint's error."""
+    for part in spec.parts:
+        try:
+            compiler.compile(part.kind, part.spec, part.field, tenant, budget)
+        except (CompileTimeoutError, QueueFullError):
+            return
+
+
 class Constraints:
     """The server's way from a request to its grammar: the compiler, and where grammars start.
 
@@ -288,6 +349,8 @@ class Constraints:
             tokenizer.eos_token_ids,
             config.structured_output_compile_timeout_s,
             config.grammar_cache_size,
+            max_grammar_bytes=config.max_grammar_memory,
+            max_per_tenant=config.max_compiles_per_tenant,
         )
         return cls(compiler, activate_after, config.grammar_cache_size, tokenizer)
 
@@ -301,29 +364,30 @@ class Constraints:
         spec: GrammarSpec | None,
         request: pb.GenerateRequest | None = None,
         prompt_ids: Sequence[int] = (),
-    ) -> GrammarState | None:
-        """A fresh grammar state for `spec`, `request`'s constraint (blocks while it compiles; call off the
-        event loop). It waits for the end of the reasoning unless `prompt_ids` already closed it."""
+        tenant: str = "",
+    ) -> GrammarSource | None:
+        """What the engine compiles `spec`, `request`'s constraint, into, once the compiler found that it
+        compiles within the request's budget and is not too large (blocks meanwhile: call off the event
+        loop; `tenant` waits its turn). It waits for the end of the reasoning unless `prompt_ids` already
+        closed it."""
         if spec is None:
             return None
         if self.compiler is None:
             raise ConstraintError(
                 spec.field, "this server has no tokenizer, so it cannot enforce constraints"
             )
+        budget = CompileBudget(self.compiler.timeout_s)
         try:
-            compiled = self.compiler.compile(spec.kind, spec.spec, spec.field)
-        except CompileTimeoutError:
+            self.compiler.compile(spec.kind, spec.spec, spec.field, tenant, budget)
+        except (CompileTimeoutError, GrammarTooLargeError):
             raise
         except ConstraintError:
-            for part in spec.parts:
-                self.compiler.compile(part.kind, part.spec, part.field)
+            _blame_part(self.compiler, spec, tenant, budget)
             raise
         if request is not None:
             self._remember_compiled(constraint_fingerprint(request))
-        allowed = self.compiler.control_free_tokens if spec.kind in JSON_KINDS else None
         activate_after = None if self._reasoning_closed(prompt_ids) else self.activate_after
-        source = (spec.kind, spec.spec)
-        return GrammarState(compiled, activate_after, allowed, source, self.compiler.utf8_tokens)
+        return GrammarSource(spec.kind, spec.spec, activate_after, spec.kind in JSON_KINDS)
 
     def _reasoning_closed(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends right after the reasoning's end: a template that turns thinking off

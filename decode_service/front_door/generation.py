@@ -170,7 +170,7 @@ class Generations:
             _log_refused(request_id, exc)
             raise
         try:
-            seq = await self._validation.run(
+            seq, grammar = await self._validation.run(
                 prompt_bytes(request),
                 build_sequence,
                 request,
@@ -179,10 +179,13 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
+                tenant,
                 constrained=may_compile(request)
                 and not (self._constraints is not None and self._constraints.is_warm(request)),
             )
-            served = ServedRequest(seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n)
+            served = ServedRequest(
+                seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n, grammar=grammar
+            )
             mailbox = self._hub.open(served)
         except BaseException as exc:
             # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.

@@ -12,11 +12,11 @@ min_p 0, no seed; `max_tokens` unset means "until the context is full", capped b
 Validation runs off the event loop (`ValidationPool`), with cheap requests never queued behind costly
 ones. Building a sequence tokenizes text prompts, which for a large prompt costs seconds and hundreds
 of MB, and compiles constraints (JSON schemas, regexes, grammars), which may take up to the server's
-compile timeout. So each kind of cost has its own thread: token-id and short-text requests go to one,
-large texts to another, constrained requests with short prompts whose constraint has not compiled
-lately to a third; at most a bounded number of large or constrained ones may wait or run at once on
-their thread (more get RESOURCE_EXHAUSTED). A flood of huge prompts or slow schemas then delays only
-its own kind.
+compile timeout. So each kind of cost has its own lane: token-id and short-text requests go to one
+thread, large texts to another, constrained requests with short prompts whose constraint has not
+compiled lately to threads of their own, which wait their tenant's turn at the compiler; at most a
+bounded number of large or constrained ones may wait or run at once in their lane (more get
+RESOURCE_EXHAUSTED). A flood of huge prompts or slow schemas then delays only its own kind.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from base.errors import ConfigError, InvalidRequestError
+from decode_service.engine_core.messages import GrammarSource
 from decode_service.front_door import json_text
 from decode_service.front_door.constraints import (
     ConstraintError,
@@ -183,21 +184,24 @@ def build_sequence(
     max_tokens_cap: int,
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
-) -> Sequence:
-    """Validate a public request against the served model and return its engine sequence.
+    tenant: str = "",
+) -> tuple[Sequence, GrammarSource | None]:
+    """Validate a public request against the served model and return its engine sequence, and the
+    constraint the engine compiles for it (None: unconstrained).
 
-    Tokenizes text and chat prompts and compiles constraints (cached; bounded by the compiler's
-    timeout), so call it off the event loop. Without `constraints` a constrained request is refused.
+    Tokenizes text and chat prompts and checks constraints compile (cached; bounded by the compiler's
+    timeout; `tenant` waits its turn), so call it off the event loop. Without `constraints` a constrained
+    request is refused.
     """
     sampling = sampling_params(request.sampling, model.vocab_size)
     tools = parse_tools(request)
     spec = grammar_spec(request, tools)
     ids = prompt_token_ids(request, model, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), model, max_tokens_cap)
-    grammar = (constraints or Constraints(None)).compile(spec, request, ids)
-    seq = model.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant), grammar)
+    grammar = (constraints or Constraints(None)).compile(spec, request, ids, tenant)
+    seq = model.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant))
     check_fits_pool(model, seq)
-    return seq
+    return seq, grammar
 
 
 def check_fits_pool(model: ModelFacts, seq: Sequence) -> None:
@@ -222,12 +226,12 @@ SHORT_PROMPT_BYTES = 16 * 1024
 
 
 class _BoundedLane:
-    """One thread whose backlog (waiting plus running) is bounded."""
+    """`threads` threads whose backlog (waiting plus running) is bounded."""
 
-    def __init__(self, name: str, what: str, max_queue: int) -> None:
+    def __init__(self, name: str, what: str, max_queue: int, threads: int = 1) -> None:
         self.what = what
         self.max_queue = max_queue
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self.count = 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -248,13 +252,19 @@ class _BoundedLane:
 
 
 class ValidationPool:
-    """Three one-thread executors: short, long prompts and constrained; the last two bounded."""
+    """Three executors: short, long prompts and constrained; the last two bounded.
+
+    Constrained requests get a thread each (up to their bound): they mostly wait for a turn at the
+    grammar compiler, which tenants take round robin (`GrammarCompiler`), so a tenant's requests must be
+    able to queue there beside other tenants', not behind them on one thread.
+    """
 
     def __init__(self, max_long_queue: int, max_constrained_queue: int | None = None) -> None:
         self._short = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validate")
         self._long = _BoundedLane("validate-long", "large prompts", max_long_queue)
+        max_constrained = max_constrained_queue or max_long_queue
         self._constrained = _BoundedLane(
-            "validate-grammar", "constrained requests", max_constrained_queue or max_long_queue
+            "validate-grammar", "constrained requests", max_constrained, threads=max_constrained
         )
 
     async def run(
