@@ -12,9 +12,12 @@ depends on the last one only, through a successor table in its LM head (`_chain_
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_hf_config
+from test_decode_server import start_server
 from tiny_tokenizer import CHATML_TEMPLATE, TINY_VOCAB_SIZE, build_tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,6 +73,46 @@ def spelled(tmp_path_factory) -> dict:
     assert len(pieces) > 1 and len(set(chain)) == len(chain)
     _chain_model(dict(zip(chain[:-1], chain[1:], strict=True))).save_pretrained(directory)
     return {"directory": directory, "pieces": pieces, "end": end}
+
+
+@pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
+def server(request, spelled):
+    running = start_server(spelled["directory"], max_model_len=256, reasoning_parser=request.param)
+    yield running
+    running.close()
+
+
+def _ask(running, **fields) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        messages=QUESTION,
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingParams(max_tokens=20),
+        structured_output=pb.StructuredOutput(choice=pb.ChoiceList(choices=CHOICES)),
+        **fields,
+    )
+    return list(running.stub.Generate(request, timeout=120))
+
+
+def _texts(responses) -> tuple[list[int], str, str]:
+    ids = [token_id for response in responses for token_id in response.token_ids]
+    return ids, "".join(r.reasoning_text for r in responses), "".join(r.text for r in responses)
+
+
+@pytest.mark.slow
+def test_a_spelled_end_of_reasoning_is_reasoning_and_the_answer_is_what_the_grammar_made(server, spelled):
+    ids, reasoning, answer = _texts(_ask(server))
+    assert ids[: len(spelled["pieces"]) + 1] == [*spelled["pieces"], spelled["end"]]
+    assert reasoning == "</think>"  # spelled by the model: thinking, as far as the grammar knows
+    assert answer in CHOICES
+
+
+@pytest.mark.slow
+def test_a_prompt_that_closed_the_reasoning_gets_its_constrained_answer_as_the_answer(server, spelled):
+    responses = _ask(server, chat_template_kwargs_json=json.dumps({"enable_thinking": False}))
+    ids, reasoning, answer = _texts(responses)
+    assert spelled["end"] not in ids
+    assert (reasoning, answer in CHOICES) == ("", True)
+    assert responses[-1].finish_reason == pb.STOP
 
 
 # --- the split, token by token ----------------------------------------------------------------------

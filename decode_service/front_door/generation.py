@@ -33,6 +33,7 @@ from decode_service.front_door.choice_text import (
     keeps_special_tokens,
 )
 from decode_service.front_door.constraints import Constraints, may_compile
+from decode_service.front_door.reasoning import ReasoningEnd
 from decode_service.front_door.streams import Mailbox, StreamHub, coalesce
 from decode_service.front_door.validation import ValidationPool, build_sequence, skips_special_tokens
 from engine.model_facts import ModelFacts
@@ -206,13 +207,18 @@ class Generations:
             **_prompt_log_fields(request, served),
         )
         self._engine_loop.submit(served)
+        # A grammar waiting for the reasoning's end token: the reasoning parser splits where it wakes up.
+        waits_for = grammar.activate_after if grammar is not None else None
         new_text = functools.partial(
             ChoiceText,
             self.model.tokenizer,
             seq.token_ids[: seq.num_prompt_tokens],
             seq.stopping,
             skips_special_tokens(request, keeps_special_tokens(request, self.config.tool_call_parser)),
+            waits_for,
         )
+        if parsers is not None:
+            parsers = functools.partial(parsers, None if grammar is None else waits_for is not None)
         return Generation(served, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
 
     def abort(self, request_id: str) -> bool:
@@ -341,15 +347,17 @@ class Generation:
             )
         response = to_response(delta, piece, text.num_tokens)
         if self._new_parser is not None:
-            self._parse(piece.text, finish is not None, response)
+            self._parse(piece.text, finish is not None, response, text.reasoning_end)
         return response
 
-    def _parse(self, text: str, last: bool, response: pb.GenerateResponse) -> None:
+    def _parse(
+        self, text: str, last: bool, response: pb.GenerateResponse, reasoning_end: ReasoningEnd | None
+    ) -> None:
         """Split the message's text into answer text, reasoning and tool calls (see `choice_text`)."""
         parser = self._parsers.get(response.index)
         if parser is None:
             parser = self._parsers[response.index] = self._new_parser()
-        answer, reasoning, calls = parser.feed(text)
+        answer, reasoning, calls = parser.feed(text, reasoning_end)
         if last:
             more_answer, more_reasoning, more_calls = parser.finish()
             answer, reasoning, calls = answer + more_answer, reasoning + more_reasoning, calls + more_calls
