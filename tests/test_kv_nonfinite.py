@@ -100,7 +100,7 @@ def test_every_bit_pattern_is_judged_as_torch_judges_it(dtype, unsigned):
 
 def test_a_nan_first_token_logprob_is_refused():
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
-    seq = Sequence("t", [3, 4, 5], SamplingParams(temperature=0.0), StoppingParams(max_tokens=4))
+    seq = Sequence("t", [3, 4, 5], SamplingParams(temperature=0.0, logprobs=1), StoppingParams(max_tokens=4))
     seq.block_table = [0]
     caches = _caches(layout, 1, seed=3)
     transfer = KVTransfer(ServedRequest(seq), _paged(layout, caches))
@@ -111,6 +111,20 @@ def test_a_nan_first_token_logprob_is_refused():
     done.top_logprobs.add(token_id=6, logprob=NAN)
     with pytest.raises(KVNonFiniteError, match="NaN logprob"):
         transfer.check_complete(done, vocab_size=100)
+
+
+def test_a_nan_first_token_logprob_is_what_no_logprobs_asked_for_reads():
+    """A request without logprobs gets NaN from the sampler (it skips the log-softmax): not an error."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32)
+    seq = Sequence("t", [3, 4, 5], SamplingParams(temperature=0.0), StoppingParams(max_tokens=4))
+    seq.block_table = [0]
+    transfer = KVTransfer(ServedRequest(seq), _paged(layout, _caches(layout, 1, seed=3)))
+    (frame,) = _paged(layout, _caches(layout, 1, seed=4)).frames([0], 0, 1, num_tokens=3)
+    transfer.write(frame)
+    transfer.check_complete(
+        prefill_pb2.PrefillDone(first_token_id=5, num_prompt_tokens=3, first_token_logprob=NAN),
+        vocab_size=100,
+    )
 
 
 # --- end to end: a prefill tier whose numerics broke ------------------------------------------------

@@ -126,7 +126,7 @@ class KVTransfer:
 
     def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
         """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError), or whose
-        logprobs are NaN (KVNonFiniteError: no sampled token has a NaN probability).
+        asked-for logprobs are NaN (KVNonFiniteError: no sampled token has a NaN probability).
 
         A peer that skipped a block would otherwise leave stale KV from the block's previous owner
         under a sequence that then decodes without any error: a wrong answer.
@@ -140,7 +140,9 @@ class KVTransfer:
             raise KVRangeError(
                 f"first token id {done.first_token_id} is outside the vocabulary [0, {vocab_size})"
             )
-        if any(math.isnan(logprob) for logprob in _logprobs(done)):
+        # Without logprobs asked for, the sampler reports NaN on purpose (it skipped the log-softmax).
+        asked = self.request.seq.sampling.logprobs > 0
+        if asked and any(math.isnan(logprob) for logprob in _logprobs(done)):
             raise KVNonFiniteError("PrefillDone carries a NaN logprob: the prefill replica's numbers broke")
         with self._lock:
             missing = int(self._written.size - np.count_nonzero(self._written))
