@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import xgrammar as xgr
+from conftest import wait_until
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from decode_service.engine_core.grammar_compiler import (
@@ -65,15 +66,6 @@ def accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
 def bare(compiler: GrammarCompiler) -> xgr.GrammarCompiler:
     """xgrammar in this process, over the same vocabulary: what the worker's verdicts are checked against."""
     return xgr.GrammarCompiler(compiler.tokenizer_info, cache_enabled=False)
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def process_exists(pid: int) -> bool:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import pytest
 import xgrammar as xgr
-from conftest import engine_for, tiny_hf_model
+from conftest import engine_for, tiny_hf_model, wait_until
 from test_decode_scheduler import Harness
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
@@ -37,15 +36,6 @@ def bare(tokenizer) -> xgr.GrammarCompiler:
         tokenizer.hf, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=list(TINY_EOS_TOKEN_IDS)
     )
     return xgr.GrammarCompiler(info, cache_enabled=False)
-
-
-def wait_until(condition, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_the_cache_is_bounded_in_bytes_least_recently_used_first(bare) -> None:

@@ -74,6 +74,17 @@ TOOLS = [
 ]
 
 
+def streamed_tool_calls(responses) -> dict[int, dict[str, str]]:
+    """The tool calls a stream spelled out piece by piece, by call index."""
+    calls: dict[int, dict[str, str]] = {}
+    for response in responses:
+        for piece in response.tool_calls:
+            call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+            call["name"] += piece.name
+            call["arguments"] += piece.arguments
+    return calls
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-model")
@@ -157,12 +168,7 @@ def test_required_tool_choice_writes_valid_calls(server, parallel):
     )
     responses = list(server.stub.Generate(request, timeout=120))
     finish = responses[-1].finish_reason
-    calls: dict[int, dict[str, str]] = {}
-    for response in responses:
-        for piece in response.tool_calls:
-            call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
-            call["name"] += piece.name
-            call["arguments"] += piece.arguments
+    calls = streamed_tool_calls(responses)
     schemas = {tool.name: json.loads(tool.parameters_json) for tool in TOOLS}
     # The tiny random model may keep adding calls to an unbounded array until max_tokens cuts it: every
     # call it finished is valid, and without parallel calls it writes exactly one and stops.
@@ -497,12 +503,7 @@ def test_required_tool_calls_work_with_pydantic_defs_and_refs(server):
             max_tokens=400,
         )
         responses = list(server.stub.Generate(request, timeout=120))
-        calls: dict[int, dict[str, str]] = {}
-        for response in responses:
-            for piece in response.tool_calls:
-                call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
-                call["name"] += piece.name
-                call["arguments"] += piece.arguments
+        calls = streamed_tool_calls(responses)
         finish = responses[-1].finish_reason
         finished = calls if finish == pb.TOOL_CALLS else {i: c for i, c in calls.items() if i < max(calls)}
         assert finished, responses[-1]
