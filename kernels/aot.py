@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 # The kernels must be real `JITFunction`s, not interpreted ones: the decorators read this at import.
@@ -345,18 +347,39 @@ def unique_specialisations(
     return list(seen.values())
 
 
+# The compilations `run` farms out: forked workers inherit the list and are sent indices only (a
+# specialisation holds its JIT function, which does not pickle).
+_PENDING: list[tuple[Specialisation, int, str]] = []
+
+
+def _compile_pending(index: int) -> Result:
+    spec, arch, config = _PENDING[index]
+    return compile_one(spec, arch, config)
+
+
 def run(
     archs: Iterable[int],
     models: Iterable[ModelShape],
     dtypes: Iterable[str],
     kv_cache_dtypes: Iterable[str] = ("auto",),
+    workers: int = 1,
 ) -> list[Result]:
+    """Every compilation's result, in launch order; `workers` processes compile side by side (each
+    compilation is independent and single-threaded, ptxas included)."""
     models, dtypes, kv_cache_dtypes = list(models), list(dtypes), list(kv_cache_dtypes)
-    return [
-        compile_one(spec, arch, config)
+    _PENDING[:] = [
+        (spec, arch, config)
         for arch in archs
         for spec, config in unique_specialisations(models, dtypes, arch, kv_cache_dtypes)
     ]
+    try:
+        if workers <= 1 or len(_PENDING) < 2:
+            return [_compile_pending(index) for index in range(len(_PENDING))]
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            return list(pool.map(_compile_pending, range(len(_PENDING))))
+    finally:
+        _PENDING.clear()
 
 
 def summary(results: list[Result]) -> list[dict]:
@@ -450,11 +473,17 @@ def main(argv: list[str] | None = None) -> int:
         default=list(KV_CACHE_DTYPE_CHOICES),
         help="comma list of KV cache dtypes (default: all of auto,int8,fp8_e4m3; fp8_e4m3 on sm_89+ only)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="compilations run side by side in worker processes (default: one per CPU)",
+    )
     args = parser.parse_args(argv)
     if is_interpreted(triton_decode._decode_kernel):
         parser.error("the kernels were imported under TRITON_INTERPRET=1; run this as its own process")
     models = [m for m in MODELS if m.name in args.model]
-    results = run(args.arch, models, args.dtype, args.kv_cache_dtype)
+    results = run(args.arch, models, args.dtype, args.kv_cache_dtype, workers=args.jobs)
     if args.json:
         print(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=1))
     else:
