@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from engine.kv_layout import KVLayout
 from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -88,6 +89,14 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(repr=False, compare=False)
+    # Each layer's sliding window in tokens (a query attends to the last `window` positions, itself
+    # included), None for a layer with full attention.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """How the layers' KV is grouped into block tables (`engine.kv_layout`)."""
+        return KVLayout.from_layer_windows(self.layer_windows or (None,) * self.num_layers)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -124,7 +133,18 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             eos_token_ids=eos_ids,
             hf_config=hf_config,
+            layer_windows=layer_windows(hf_config),
         )
+
+
+def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Each layer's window from a Hugging Face config: its `layer_types` where it has them, else one
+    `sliding_window` for every layer (Mistral, Mixtral, Phi-3), else full attention everywhere."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    return (window,) * hf_config.num_hidden_layers
 
 
 @dataclass(frozen=True)
@@ -136,9 +156,10 @@ class CacheConfig:
     memory_bytes: int = 1 << 30
 
     def block_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes of one block, all layers' K and V, in a cache of `dtype` (a quantized one's scales too)."""
+        """Bytes of one block: K and V of every layer slot (`engine.kv_layout`; all layers when the model
+        has one attention type), in a cache of `dtype` (a quantized one's scales too)."""
         per_token_head = kv_bytes_per_token_head(model.head_dim, dtype)
-        return 2 * model.num_layers * self.block_size * model.num_kv_heads * per_token_head
+        return 2 * model.kv_layout.num_slots * self.block_size * model.num_kv_heads * per_token_head
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """Blocks of a cache of `dtype` (the KV dtype): the count given, or as many as the budget holds."""

@@ -24,6 +24,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, -1 marks a padding row that writes nothing
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # A model with several KV groups (`engine.kv_layout`): each group's metadata, whose block tables and
+    # slot mapping are that group's (the rest is shared). Empty when the model has one group.
+    group_metas: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` attends with."""
+        return self.group_metas[group] if self.group_metas else self
 
     @property
     def num_seqs(self) -> int:
