@@ -12,6 +12,15 @@ the longest run of registered blocks matching its leading full blocks and comput
 registration and joins an LRU of evictable blocks; allocation takes never-registered blocks first, then
 evicts the least recently released. Evictable blocks count as free. A lookup also compares the block's
 stored token ids and parent hash with the caller's, so even a hash collision cannot mix contents.
+
+KV groups (`engine.kv_layout`): a model whose layers attend differently keeps one block table per group,
+all drawing from this one pool. A sliding-window group holds only the blocks a query can still read: the
+entries below `first_kept_block` are `NULL_BLOCK`, and `release_slid_out` (run by the engine after every
+step) drops the blocks that slide out. Prefix caching registers each group's full computed blocks under
+the token chain's hash tagged with the group (so groups never share an entry), before a slid-out block
+is released; a hit needs every full group's blocks for the whole prefix and each sliding group's blocks
+for the last window before the hit point, the longest prefix where all agree (as vLLM's hybrid manager
+finds it). One full-attention group (today's models) takes the same paths it always did.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
 from base.errors import OutOfBlocksError
+from engine.kv_layout import NULL_BLOCK, KVLayout, first_visible_block
 from engine.sequence import Sequence
 
 BlockIdentity = tuple[bytes, tuple[int, ...]]
@@ -42,7 +52,8 @@ def chain_hash(parent: bytes, token_ids: SequenceOf[int]) -> bytes:
 
 
 class BlockManager:
-    """A fixed pool of KV blocks with reference counts, a hash → block map and an LRU of evictable blocks."""
+    """A fixed pool of KV blocks with reference counts, a hash → block map and an LRU of evictable blocks,
+    shared by the KV groups of `layout` (one full-attention group when None)."""
 
     def __init__(
         self,
@@ -51,11 +62,18 @@ class BlockManager:
         enable_caching: bool = True,
         namespace: bytes = b"",
         order: Iterable[int] | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.namespace = namespace
+        self.windows: tuple[int | None, ...] = (
+            tuple(group.window for group in layout.groups) if layout is not None else (None,)
+        )
+        self.num_groups = len(self.windows)
+        # True when some group slides: tables then hold NULL_BLOCK entries and blocks leave them early.
+        self.sliding = any(window is not None for window in self.windows)
         self._free: deque[int] = deque(range(num_blocks) if order is None else order)
         if sorted(self._free) != list(range(num_blocks)):
             raise ValueError("order must be a permutation of range(num_blocks)")
@@ -89,6 +107,26 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq`'s tables reference, over all groups (NULL entries hold none)."""
+        return sum(len(table) - table.count(NULL_BLOCK) for table in seq.block_tables)
+
+    def first_kept_block(self, group: int, num_computed_tokens: int) -> int:
+        """The first logical block group `group` keeps for a sequence with `num_computed_tokens` computed.
+
+        What a query at the last computed position can read, not only the next one: a fork's choice and
+        a constrained request after a remote prefill compute that position again."""
+        return first_visible_block(max(num_computed_tokens - 1, 0), self.windows[group], self.block_size)
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """`seq`'s tables, one per group (a new sequence comes with a single empty one)."""
+        tables = seq.block_tables
+        if len(tables) != self.num_groups:
+            if any(tables):
+                raise ValueError(f"{seq.request_id} holds tables of another KV layout")
+            tables[:] = [[] for _ in range(self.num_groups)]
+        return tables
+
     # -- hashing and matching ----------------------------------------------------------------------------
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -100,25 +138,78 @@ class BlockManager:
             hashes.append(parent)
         return hashes[:num_blocks]
 
+    @staticmethod
+    def _key(group: int, digest: bytes) -> bytes:
+        """The cache key of a group's block: the token chain's hash, tagged past group 0 (a longer key,
+        so no group's key can equal another's)."""
+        return digest + group.to_bytes(2, "little") if group else digest
+
     def _identity_of(self, seq: Sequence, index: int) -> BlockIdentity:
         parent = seq.block_hashes[index - 1] if index else root_hash(self.namespace, seq.cache_salt)
         return parent, tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
+    def _hit(self, seq: Sequence, group: int, index: int, digest: bytes) -> int | None:
+        block = self._cached.get(self._key(group, digest))
+        if block is None or self._identity[block] != self._identity_of(seq, index):
+            return None
+        return block
+
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Registered blocks holding `seq`'s leading full blocks (never its last token); no side effects."""
+        """Group 0's registered blocks holding `seq`'s leading full blocks (never its last token)."""
+        return self.match_prefix_groups(seq)[0]
+
+    def match_prefix_groups(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the registered blocks a new `seq` can start from; no side effects.
+
+        The hit point is the longest run of leading full blocks (never the last token) for which every
+        full group has all blocks and every sliding group those a query at the hit point can read; a
+        sliding group's entries below them are NULL_BLOCK."""
         if not self.enable_caching:
-            return []
-        hits = []
-        for index, digest in enumerate(self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
-            block = self._cached.get(digest)
-            if block is None or self._identity[block] != self._identity_of(seq, index):
+            return [[] for _ in range(self.num_groups)]
+        hashes = self.block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        if not self.sliding:
+            hits = []
+            for index, digest in enumerate(hashes):
+                block = self._hit(seq, 0, index, digest)
+                if block is None:
+                    break
+                hits.append(block)
+            return [hits]  # without a sliding group there is one group
+        found = [[self._hit(seq, g, i, d) for i, d in enumerate(hashes)] for g in range(self.num_groups)]
+        length = len(hashes)
+        while True:  # shrink until every group agrees: each one's answer only shrinks the others'
+            agreed = length
+            for group, blocks in enumerate(found):
+                length = self._longest_hit(group, blocks, length)
+            if length == agreed:
                 break
-            hits.append(block)
-        return hits
+        tables = []
+        for group, blocks in enumerate(found):
+            first = self.first_kept_block(group, length * self.block_size) if length else 0
+            tables.append([NULL_BLOCK] * first + blocks[first:length])
+        return tables
+
+    def _longest_hit(self, group: int, blocks: list[int | None], limit: int) -> int:
+        """The largest hit point m <= limit (in blocks) with group `group`'s needed blocks all found."""
+        window = self.windows[group]
+        if window is None:
+            for index in range(limit):
+                if blocks[index] is None:
+                    return index
+            return limit
+        # A hit point m needs blocks first_kept(m) .. m-1: all of them while m * bs <= window, then the
+        # last ceil(window / bs). Scan down from the limit for the first run that long.
+        span = -(-window // self.block_size)
+        run = 0
+        for index in range(limit - 1, -1, -1):
+            run = run + 1 if blocks[index] is not None else 0
+            if run == span:
+                return index + span
+        return run
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` the cache would serve if it were admitted now."""
-        return len(self.match_prefix(seq)) * self.block_size
+        return len(self.match_prefix_groups(seq)[0]) * self.block_size
 
     def prefix_hash(self, seq: Sequence, num_blocks: int) -> bytes:
         """The chain hash after `num_blocks` full blocks: what a tier holding them can prove it holds."""
@@ -130,39 +221,70 @@ class BlockManager:
 
     # -- allocation --------------------------------------------------------------------------------------
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Free blocks `allocate(seq, num_tokens)` would consume: new blocks plus evictable cache hits."""
-        if seq.block_table:
-            return max(0, self.blocks_for_tokens(num_tokens) - len(seq.block_table))
-        hits = self.match_prefix(seq)
-        revived = sum(1 for block in hits if self._refcount[block] == 0)
-        return max(0, self.blocks_for_tokens(num_tokens) - len(hits)) + revived
+    def _new_entries(self, table_len: int, target: int, group: int, reads_from: int | None) -> int:
+        """Blocks a table of `table_len` entries takes to reach `target`: those at or past the first block
+        a query at `reads_from` reads (every one when None)."""
+        if reads_from is None:
+            return max(0, target - table_len)
+        first = first_visible_block(reads_from, self.windows[group], self.block_size)
+        return max(0, target - max(table_len, first))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+    def blocks_needed(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> int:
+        """Free blocks `allocate(seq, num_tokens, reads_from)` would consume: new blocks plus evictable
+        cache hits, over all groups."""
+        target = self.blocks_for_tokens(num_tokens)
+        tables = seq.block_tables
+        if tables[0]:
+            return sum(
+                self._new_entries(len(table), target, group, reads_from) for group, table in enumerate(tables)
+            )
+        needed = 0
+        for group, hits in enumerate(self.match_prefix_groups(seq)):
+            needed += self._new_entries(len(hits), target, group, reads_from)
+            needed += sum(1 for block in hits if block != NULL_BLOCK and self._refcount[block] == 0)
+        return needed
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give a sequence blocks for `num_tokens` tokens, all or nothing.
+    def can_allocate(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> bool:
+        return self.blocks_needed(seq, num_tokens, reads_from) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> None:
+        """Give a sequence blocks for `num_tokens` tokens in every group, all or nothing.
 
         A sequence without blocks first takes its cached prefix: those tokens count as computed and
-        `seq.num_cached_tokens` records how many of its prompt tokens the cache served.
+        `seq.num_cached_tokens` records how many of its prompt tokens the cache served. `reads_from` is
+        for a sequence whose KV up to there arrives from elsewhere (a remote prefill): the first position
+        this replica will run a query at, so a sliding group gets no block such a query cannot read.
         """
-        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
+        needed = self.blocks_needed(seq, num_tokens, reads_from)
+        if needed > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"need {self.blocks_needed(seq, num_tokens)} KV blocks, "
-                f"{self.num_free_blocks} free of {self.num_blocks}"
+                f"need {needed} KV blocks, {self.num_free_blocks} free of {self.num_blocks}"
             )
-        if not seq.block_table:
-            hits = self.match_prefix(seq)
-            for block in hits:
-                self._reference(block)
-            seq.block_table.extend(hits)
-            seq.num_committed_blocks = len(hits)
-            seq.num_computed_tokens = len(hits) * self.block_size
+        tables = self._tables(seq)
+        if not tables[0]:
+            for table, hits in zip(tables, self.match_prefix_groups(seq), strict=True):
+                for block in hits:
+                    if block != NULL_BLOCK:
+                        self._reference(block)
+                table.extend(hits)
+            hit_blocks = len(tables[0])
+            seq.num_committed_blocks = hit_blocks
+            seq.num_computed_tokens = hit_blocks * self.block_size
             seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += seq.num_computed_tokens
-        self.grow(seq.block_table, num_tokens)
+        self._extend(tables, num_tokens, reads_from)
+        if reads_from is not None and self.sliding:
+            self._release_below(tables, reads_from + 1)
+
+    def _extend(self, tables: list[list[int]], num_tokens: int, reads_from: int | None = None) -> None:
+        """Grow every group's table to hold `num_tokens` tokens; the caller checked the free count."""
+        target = self.blocks_for_tokens(num_tokens)
+        for group, table in enumerate(tables):
+            if reads_from is not None and len(table) < target:
+                first = first_visible_block(reads_from, self.windows[group], self.block_size)
+                table.extend([NULL_BLOCK] * (min(first, target) - len(table)))
+            self.grow(table, num_tokens)
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Extend `block_table` in place with fresh blocks so it holds `num_tokens` tokens; all or nothing."""
@@ -179,52 +301,105 @@ class BlockManager:
     def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_for_tokens(num_tokens) - len(block_table) <= self.num_free_blocks
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def extend(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow each of `seq`'s tables to hold `num_tokens` tokens (no prefix matching); all or nothing."""
+        tables = self._tables(seq)
+        target = self.blocks_for_tokens(num_tokens)
+        needed = sum(max(0, target - len(table)) for table in tables)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"need {needed} KV blocks, {self.num_free_blocks} free of {self.num_blocks}"
+            )
+        self._extend(tables, num_tokens)
+
+    def fork(self, parent: Sequence, child: Sequence, reads_from: int | None = None) -> None:
         """Give `child` (no blocks yet, same leading tokens) references to `parent`'s full computed blocks.
 
-        The child then computes only its tokens past them (its last token at least). This is how
-        several samples of one prompt share its KV; it works with prefix caching off too.
+        The child then computes only its tokens past them (its last token at least), its first query at
+        `reads_from` (default: right past the shared blocks), so a sliding group shares only what that
+        query can read. This is how several samples of one prompt share its KV; it works with prefix
+        caching off too.
         """
-        if child.block_table:
+        if child.block_tables[0]:
             raise ValueError(f"{child.request_id} already holds blocks")
         shared = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
         if child.token_ids[: shared * self.block_size] != parent.token_ids[: shared * self.block_size]:
             raise ValueError(f"{child.request_id} does not start with {parent.request_id}'s tokens")
-        for block in parent.block_table[:shared]:
-            self._reference(block)
-        child.block_table.extend(parent.block_table[:shared])
+        start = shared * self.block_size if reads_from is None else reads_from
+        tables = self._tables(child)
+        picked = []
+        for group, table in enumerate(parent.block_tables):
+            first = min(first_visible_block(start, self.windows[group], self.block_size), shared)
+            blocks = table[first:shared]
+            if NULL_BLOCK in blocks:
+                raise ValueError(f"{parent.request_id}'s blocks a fork would read have slid out")
+            picked.append([NULL_BLOCK] * first + blocks)
+        for table, blocks in zip(tables, picked, strict=True):
+            for block in blocks:
+                if block != NULL_BLOCK:
+                    self._reference(block)
+            table.extend(blocks)
         child.num_computed_tokens = shared * self.block_size
         child.num_committed_blocks = min(shared, parent.num_committed_blocks)
 
     def commit(self, seq: Sequence) -> None:
-        """Register the full blocks whose KV is now computed, so later requests can reuse them."""
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        """Register the full blocks whose KV is now computed (every group's), so later requests can reuse
+        them; a sliding group's block is registered before it can slide out."""
+        tables = seq.block_tables
+        full = min(seq.num_computed_tokens // self.block_size, len(tables[0]))
         if not self.enable_caching or full <= seq.num_committed_blocks:
             return
         for index, digest in enumerate(
             self.block_hashes(seq, full)[seq.num_committed_blocks :], seq.num_committed_blocks
         ):
-            block = seq.block_table[index]
-            if digest not in self._cached and self._hash[block] is None:
-                self._cached[digest] = block
-                self._hash[block] = digest
-                self._identity[block] = self._identity_of(seq, index)
+            identity = None
+            for group, table in enumerate(tables):
+                block = table[index]
+                if block == NULL_BLOCK:
+                    continue
+                key = self._key(group, digest)
+                if key not in self._cached and self._hash[block] is None:
+                    self._cached[key] = block
+                    self._hash[block] = key
+                    self._identity[block] = identity = identity or self._identity_of(seq, index)
         seq.num_committed_blocks = full
+
+    def release_slid_out(self, seq: Sequence) -> None:
+        """Drop every sliding-group block of `seq` that no query it will run can read any more.
+
+        Commit first: a full block released here stays cached (evictable) for later prefix hits."""
+        self._release_below(seq.block_tables, seq.num_computed_tokens)
+
+    def _release_below(self, tables: list[list[int]], num_computed_tokens: int) -> None:
+        for group, table in enumerate(tables):
+            if self.windows[group] is None:
+                continue
+            # Tables are a NULL_BLOCK run then held blocks: walk down from the boundary to the run.
+            index = min(self.first_kept_block(group, num_computed_tokens), len(table)) - 1
+            while index >= 0 and table[index] != NULL_BLOCK:
+                self._unreference(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, last block first (so a chain's tail is evicted before its head),
-        and empty its table; a second call is harmless."""
-        for block in reversed(seq.block_table):
-            if self._refcount[block] <= 0:
-                raise ValueError(f"block {block} freed twice")
-            self._refcount[block] -= 1
-            if self._refcount[block] == 0:
-                if self._hash[block] is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = None
-        seq.block_table.clear()
+        and empty its tables; a second call is harmless."""
+        for table in reversed(seq.block_tables):
+            for block in reversed(table):
+                if block != NULL_BLOCK:
+                    self._unreference(block)
+            table.clear()
         seq.num_computed_tokens = seq.num_committed_blocks = 0
+
+    def _unreference(self, block: int) -> None:
+        if self._refcount[block] <= 0:
+            raise ValueError(f"block {block} freed twice")
+        self._refcount[block] -= 1
+        if self._refcount[block] == 0:
+            if self._hash[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
 
     def _reference(self, block: int) -> None:
         if self._refcount[block] == 0:

@@ -134,7 +134,10 @@ class Engine:
                 model_config, config.dtype, self.block_size, self.kv_dtype, config.quantization
             ),
             order=block_order,
+            layout=model_config.kv_layout,
         )
+        # A sliding-window group drops blocks after every step; without one the step skips that pass.
+        self._sliding = self.block_manager.sliding
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler()
         # Called with the seconds each step spent filling grammar masks (metrics); None: nobody listens.
@@ -186,10 +189,11 @@ class Engine:
         """Another completion of `parent`'s prompt (a choice of a request with n > 1).
 
         With `share_kv` the child reuses the parent's computed prompt KV: it takes a reference to every
-        full block before the last prompt token and a private copy of the block holding that token,
-        which it recomputes (one token, like a decode step) to get logits of its own. Without it the
-        child holds no blocks and its prompt is prefilled like a new request's. Raises
-        OutOfBlocksError when sharing needs a block the pool does not have.
+        full block before the last prompt token (a sliding group's: those the last token's query reads)
+        and, in each KV group, a private copy of the block holding that token, which it recomputes (one
+        token, like a decode step) to get logits of its own. Without it the child holds no blocks and
+        its prompt is prefilled like a new request's. Raises OutOfBlocksError when sharing needs a block
+        the pool does not have.
         """
         child = Sequence(
             parent.request_id,
@@ -206,11 +210,13 @@ class Engine:
             raise ValueError(f"{parent.request_id}: cannot share a prompt whose KV is not computed yet")
         last = parent.num_prompt_tokens - 1
         num_shared = last // self.block_size
-        if self.block_manager.num_free_blocks < 1:
+        manager = self.block_manager
+        if manager.num_free_blocks < manager.num_groups:
             raise OutOfBlocksError(f"{parent.request_id}: no free KV block for a choice's last prompt block")
-        self.block_manager.fork(parent, child)
-        self.block_manager.grow(child.block_table, num_shared * self.block_size + 1)
-        self.kv_cache.copy_block(parent.block_table[num_shared], child.block_table[num_shared])
+        manager.fork(parent, child, reads_from=last)
+        manager.extend(child, num_shared * self.block_size + 1)
+        for parent_table, child_table in zip(parent.block_tables, child.block_tables, strict=True):
+            self.kv_cache.copy_block(parent_table[num_shared], child_table[num_shared])
         child.num_computed_tokens = last
         return child
 
@@ -218,16 +224,21 @@ class Engine:
         """Run one forward over the chunks and sample a token for every sequence it completes.
 
         The caller has grown each block table to cover the chunk. Blocks the forward filled are
-        registered in the prefix cache. Finished sequences keep their blocks until the caller calls
-        `free` — in the same iteration, for continuous batching.
+        registered in the prefix cache, then sliding-window blocks no later query can read are released
+        (in this same step). Finished sequences keep their other blocks until the caller calls `free` —
+        in the same iteration, for continuous batching.
         """
         if not chunks:
             return []
         hidden = self.runner.execute(chunks)
         sampled = [c.seq for c in chunks if c.completes_sequence]
+        manager = self.block_manager
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit(chunk.seq)
+            manager.commit(chunk.seq)
+        if self._sliding:
+            for chunk in chunks:
+                manager.release_slid_out(chunk.seq)
         if not sampled:
             return []
         result = self.sample(hidden, sampled)
@@ -275,6 +286,8 @@ class Engine:
         rules and finishing apply (the token may end the request)."""
         seq.num_computed_tokens = seq.num_tokens
         self.block_manager.commit(seq)
+        if self._sliding:
+            self.block_manager.release_slid_out(seq)
         return self._append_sampled(seq, token_id, logprob, list(top_logprobs[: seq.sampling.logprobs]))
 
     def _append_sampled(
@@ -329,27 +342,28 @@ class Engine:
 
     # -- the KV pool: what schedulers use to reserve and return blocks ---------------------------------
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow a sequence's block table to hold `num_tokens` tokens; all or nothing (OutOfBlocksError).
+    def allocate(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> None:
+        """Grow a sequence's block tables to hold `num_tokens` tokens; all or nothing (OutOfBlocksError).
 
         A sequence without blocks first takes its longest cached prefix (those tokens count as computed),
-        so only the rest is allocated and computed.
+        so only the rest is allocated and computed. `reads_from`: the first position this replica will
+        query when the KV before it comes from elsewhere (`BlockManager.allocate`).
         """
-        self.block_manager.allocate(seq, num_tokens)
+        self.block_manager.allocate(seq, num_tokens, reads_from)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `allocate(seq, num_tokens)` would succeed now."""
-        return self.block_manager.can_allocate(seq, num_tokens)
+    def can_allocate(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> bool:
+        """Whether `allocate(seq, num_tokens, reads_from)` would succeed now."""
+        return self.block_manager.can_allocate(seq, num_tokens, reads_from)
 
     def holds_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """True when `seq`'s blocks already hold `num_tokens` tokens (`allocate` would add nothing); the
         scheduler's per-token fast path, so it is one comparison."""
-        return len(seq.block_table) * self.block_manager.block_size >= num_tokens
+        return len(seq.block_tables[0]) * self.block_manager.block_size >= num_tokens
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Free blocks `allocate(seq, num_tokens)` would take (cache hits it reuses cost none, unless
-        they must be revived from the evictable LRU)."""
-        return self.block_manager.blocks_needed(seq, num_tokens)
+    def blocks_needed(self, seq: Sequence, num_tokens: int, reads_from: int | None = None) -> int:
+        """Free blocks `allocate(seq, num_tokens, reads_from)` would take, over all KV groups (cache hits
+        it reuses cost none, unless they must be revived from the evictable LRU)."""
+        return self.block_manager.blocks_needed(seq, num_tokens, reads_from)
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` the prefix cache would serve if it were admitted now (for cost estimates)."""

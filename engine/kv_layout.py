@@ -19,6 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+# A block-table entry that holds no block: a sliding group's block that slid out of the window (or was
+# never needed, e.g. below a prefix hit's last window). Tensors built from tables map it to block 0,
+# which the kernels never read since it lies outside every query's window.
+NULL_BLOCK = -1
+
+
+def first_visible_block(next_position: int, window: int | None, block_size: int) -> int:
+    """The first logical block a query at `next_position` or later can still read (0 for full attention).
+
+    A query at p reads keys p - window < j <= p, so block j // block_size of the first such j."""
+    if window is None:
+        return 0
+    return max(0, next_position - window + 1) // block_size
+
 
 @dataclass(frozen=True)
 class KVGroup:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -34,11 +34,17 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        layout = kv_cache.layout
+        self.num_groups = layout.num_groups if layout is not None else 1
+        # Sliding tables hold NULL_BLOCK entries, which become block 0 in the tensors.
+        self.sliding = layout is not None and layout.is_hybrid
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's input tensors and attention metadata, built from plain lists with one tensor each:
         per-row tensors (block tables) and generator-driven loops cost as much as a small model's
         forward; a decode token (the common chunk) takes no range or generator at all."""
+        if self.num_groups > 1:
+            return self._prepare_groups(chunks)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -50,7 +56,7 @@ class ModelRunner:
             seq, num_tokens = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
             end = start + num_tokens
-            table = seq.block_table
+            table = seq.block_tables[0]
             if len(table) * bs < end:
                 raise RuntimeError(f"{seq.request_id}: block table too short for {end} tokens")
             if num_tokens == 1:
@@ -76,6 +82,61 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
+        if self.sliding:
+            meta.block_tables.clamp_(min=0)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def _prepare_groups(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`prepare` for a model with several KV groups: the same rows, and per group its own block
+        tables and slot mapping (`AttentionMetadata.group_metas`); group 0's are the top level's."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+        bs = self.block_size
+        for chunk in chunks:
+            seq, num_tokens = chunk.seq, chunk.num_tokens
+            start = seq.num_computed_tokens
+            end = start + num_tokens
+            if len(seq.block_tables) != self.num_groups or len(seq.block_tables[0]) * bs < end:
+                raise RuntimeError(f"{seq.request_id}: block tables too short for {end} tokens")
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            for group, table in enumerate(seq.block_tables):
+                # Every written position lies in a block the chunk's queries read, so none is NULL.
+                slots[group].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                tables[group].append(table)
+            query_lens.append(num_tokens)
+            seq_lens.append(end)
+        width = max(map(len, tables[0]))
+        dev = self.device
+        shared = {
+            "query_start_loc": torch.tensor(
+                list(accumulate(query_lens, initial=0)), dtype=torch.int32, device=dev
+            ),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            "query_lens_host": query_lens,
+            "seq_lens_host": seq_lens,
+        }
+        metas = tuple(
+            AttentionMetadata(
+                block_tables=torch.tensor(
+                    [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in group_tables],
+                    dtype=torch.int32,
+                    device=dev,
+                ),
+                slot_mapping=torch.tensor(group_slots, dtype=torch.int64, device=dev),
+                **shared,
+            )
+            for group_tables, group_slots in zip(tables, slots, strict=True)
+        )
+        meta = replace(metas[0], group_metas=metas)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta

@@ -28,7 +28,11 @@ class Sequence:
     sequence starts there. It starts at the cached prefix the block manager found at admission; after a
     preemption the history is matched against the cache again and only the rest is recomputed.
     `block_hashes` are the chain hashes of the full blocks seen so far (computed once: full blocks never
-    change), `num_committed_blocks` how many of the table's blocks are registered for reuse.
+    change), `num_committed_blocks` how many logical blocks have been registered for reuse.
+
+    `block_tables` holds one table per KV group of the model (`engine.kv_layout`, in layout order), all of
+    the same length (logical blocks covered); a sliding group's entries below its window are
+    `NULL_BLOCK`. The block manager sizes the list on first allocation; `block_table` is group 0's.
     """
 
     def __init__(
@@ -47,7 +51,7 @@ class Sequence:
         self.sampling = sampling
         self.stopping = stopping
         self.grammar = grammar
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
@@ -56,6 +60,15 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table: the only one of a model whose layers all attend alike."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:
