@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from base.settings import ATTENTION_BACKENDS, Settings, get_settings
-from kernels import cpu_extension, cpu_linear, cpu_lm_head
+from kernels import cpu_extension, cpu_linear, cpu_lm_head, moe
 from kernels.backend import AttentionBackend, TorchBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
 
@@ -52,7 +52,8 @@ class Platform:
     decode_stack: bool
 
     def quantize_linears(self, layers: nn.ModuleList) -> int:
-        """Replace every `nn.Linear` inside the decoder `layers` by the quantized module; return how many.
+        """Replace every `nn.Linear` inside the decoder `layers` by the quantized module, and their experts
+        by the method's quantized experts (`kernels.moe.quantize_experts`); return how many linears.
 
         Called before the checkpoint is loaded: `CausalLM.load_weights` then quantizes into them.
         """
@@ -68,9 +69,10 @@ class Platform:
             parent_name, _, child = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
             setattr(parent, child, self.quantized_linear(module, self.extension))
+        experts = moe.quantize_experts(layers, self.quantized_linear, self.extension)
         logger.info(
             "decoder linear layers load quantized",
-            extra={"count": len(targets), "cpu_kernels": self.extension is not None},
+            extra={"count": len(targets), "experts": experts, "cpu_kernels": self.extension is not None},
         )
         return len(targets)
 
@@ -81,6 +83,8 @@ class Platform:
             model.greedy_head = model.lm_head.greedy
         if self.cpu_linears:
             cpu_linear.use_cpu_linears(model, self.extension)
+        if self.extension is not None:
+            moe.use_cpu_kernels(model, self.extension)
         if self.decode_stack and len(model.layers) > 0:
             model.decode_stack = CpuDecodeStack(model.layers, self.extension)
             logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(model.layers)})
