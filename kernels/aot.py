@@ -9,7 +9,9 @@ backend launches and compiles exactly that:
   (q/k/v views of one fused projection), for each model shape, dtype and KV-cache dtype (auto,
   int8, fp8_e4m3: a quantized cache adds its scale caches), with their launches recorded instead
   of run (`triton_common.recorded_launches`); decode attention runs over the batches and contexts
-  the split planner sees, so every split count it can choose appears. Tile
+  the split planner sees, so every split count it can choose appears, and attention runs once more
+  with each sliding window of `SLIDING_WINDOWS` (the window is a runtime scalar, so these launches
+  must compile to the same kernels: a window never costs a JIT compile on the GPU). Tile
   sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
 - each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
   the signature, constexprs and divisibility attributes, and `triton.compile(ASTSource(...),
@@ -71,6 +73,8 @@ DECODE_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
 # engine, so they are repeated here; tests/test_kernels_aot.py checks that the two agree.
 BLOCK_SIZE = 16
 TOKEN_BUDGET = 512
+# Sliding windows attention is also launched with: Gemma 3's local layers, and Mistral's.
+SLIDING_WINDOWS = (512, 4096)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,12 @@ def _layer_ops(model: ModelShape, tokens: int, block_size: int, precision: Preci
 
 
 def _decode_attention(
-    model: ModelShape, batch: int, context: int, block_size: int, precision: Precision
+    model: ModelShape,
+    batch: int,
+    context: int,
+    block_size: int,
+    precision: Precision,
+    window: int | None = None,
 ) -> None:
     blocks_per_seq = triton.cdiv(context, block_size)
     q, _, _ = _qkv(model, batch, precision.dtype)
@@ -198,11 +207,13 @@ def _decode_attention(
     seq_lens = _meta(batch, dtype=torch.int32)
     scale = model.head_dim**-0.5
     triton_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, scale, None, k_scales, v_scales
+        q, k_cache, v_cache, tables, seq_lens, scale, None, k_scales, v_scales, window
     )
 
 
-def _prefill_attention(model: ModelShape, chunk: int, block_size: int, precision: Precision) -> None:
+def _prefill_attention(
+    model: ModelShape, chunk: int, block_size: int, precision: Precision, window: int | None = None
+) -> None:
     """A mixed step: one prompt chunk of `chunk` tokens and three single-token decodes."""
     query_lens = [chunk, 1, 1, 1]
     seq_lens = [chunk, 300, 1000, 5000]
@@ -221,7 +232,7 @@ def _prefill_attention(model: ModelShape, chunk: int, block_size: int, precision
     q, _, _ = _qkv(model, starts[-1], precision.dtype)
     k_cache, v_cache, k_scales, v_scales = _caches(model, 4 * blocks_per_seq, block_size, precision.kv_dtype)
     scale = model.head_dim**-0.5
-    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, meta, scale, None, k_scales, v_scales)
+    triton_prefill.paged_prefill_attention(q, k_cache, v_cache, meta, scale, None, k_scales, v_scales, window)
 
 
 def recorded_configs(
@@ -247,6 +258,13 @@ def recorded_configs(
         for context in DECODE_CONTEXTS:
             run = lambda b=batch, c=context: _decode_attention(model, b, c, block_size, precision)  # noqa: E731
             steps.append((f"decode batch {batch} context {context}", run))
+    context = max(DECODE_CONTEXTS)
+    for window in SLIDING_WINDOWS:
+        run = lambda w=window: _prefill_attention(model, budget, block_size, precision, w)  # noqa: E731
+        steps.append((f"prefill chunk {budget} + 3 decodes window {window}", run))
+        for batch in DECODE_BATCHES:
+            run = lambda b=batch, w=window: _decode_attention(model, b, context, block_size, precision, w)  # noqa: E731
+            steps.append((f"decode batch {batch} context {context} window {window}", run))
     for label, step in steps:
         with recorded_launches() as launches:
             step()

@@ -13,6 +13,7 @@ import torch
 
 from kernels import torch_reference as ref
 from kernels.metadata import AttentionMetadata
+from kernels.window import kernel_window
 
 # Cache element dtypes the C++ kernels read (the quantized ones with their scales).
 NATIVE_KV = (torch.float32, torch.int8, torch.float8_e4m3fn)
@@ -46,8 +47,14 @@ class AttentionBackend(ABC):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Attention over the paged cache; a quantized cache's rows are dequantized inside the kernel."""
+        """Attention over the paged cache; a quantized cache's rows are dequantized inside the kernel.
+
+        `window`: a sliding window (`kernels.window`: the query at position p sees keys p - window < j
+        <= p), None for full causal attention. Block-table entries of blocks below every query's
+        window of a sequence may be garbage; they are never read.
+        """
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -91,18 +98,21 @@ class TorchBackend(AttentionBackend):
         else:
             ref.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
-    def attention(self, query, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None) -> torch.Tensor:
+    def attention(
+        self, query, k_cache, v_cache, meta, scale, k_scales=None, v_scales=None, window=None
+    ) -> torch.Tensor:
         if self._native_cache(k_cache, query):
             tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+            scales = (k_scales, v_scales)
             return self._extension.paged_attention(
-                query, k_cache, v_cache, tables, lens, starts, scale, k_scales, v_scales
+                query, k_cache, v_cache, tables, lens, starts, scale, *scales, kernel_window(window)
             )
         if meta.is_decode_only:
             tables, lens = meta.block_tables, meta.seq_lens
             return ref.paged_decode_attention(
-                query, k_cache, v_cache, tables, lens, scale, k_scales, v_scales
+                query, k_cache, v_cache, tables, lens, scale, k_scales, v_scales, window
             )
-        return ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scales, v_scales)
+        return ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scales, v_scales, window)
 
     def rms_norm(self, x, weight, eps, residual=None):
         if self._native(x, weight) and (residual is None or self._native(residual)):

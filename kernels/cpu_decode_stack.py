@@ -14,11 +14,16 @@ weight beyond (`CpuLinear`; without oneDNN linears the stack takes only steps th
 weights on the int8 GEMV or GEMM (`Int8Linear`, `int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a
 small model the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels").
 Prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
+
+Every layer reads the step's one block table, so the stack serves a model whose layers share one KV
+group (`engine.kv_layout`); each layer may still have its own sliding window (Mistral's on every layer),
+which its attention applies. A model with several KV groups keeps the per-op path.
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
@@ -29,6 +34,7 @@ from kernels import cpu_linear, int8_linear
 from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
+from kernels.window import kernel_window
 
 
 class PagedKVCache(Protocol):
@@ -48,18 +54,25 @@ class PagedKVCache(Protocol):
 class CpuDecodeStack:
     """The decoder layers of a model, by reference to its own weights (nothing is copied)."""
 
-    def __init__(self, layers: nn.ModuleList, extension: ModuleType) -> None:
+    def __init__(
+        self, layers: nn.ModuleList, extension: ModuleType, windows: Sequence[int | None] | None = None
+    ) -> None:
+        """`windows`: each layer's sliding window (None: full attention), as `ModelConfig.layer_windows`
+        gives them; None or empty for a model without windows."""
+        if windows and len(windows) != len(layers):
+            raise ValueError(f"{len(windows)} layer windows for {len(layers)} layers")
         self._extension = extension
         first = layers[0].self_attn
         self._num_heads = first.num_heads
         self._scale = first.scale
         self._eps = layers[0].input_layernorm.eps
-        self._layers = [self._weights_of(layer) for layer in layers]
+        windows = windows or (None,) * len(layers)
+        self._layers = [self._weights_of(layer, windows[i]) for i, layer in enumerate(layers)]
         # Any row count when every linear has a kernel past the GEMV (int8 GEMM, oneDNN); else the GEMV's.
         large = isinstance(layers[0].self_attn.qkv_proj, (Int8Linear, CpuLinear))
         self._max_rows = None if large else cpu_linear.GEMV_MAX_ROWS
 
-    def _weights_of(self, layer: nn.Module) -> object:
+    def _weights_of(self, layer: nn.Module, window: int | None) -> object:
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         weights: dict[str, torch.Tensor | None] = {
@@ -75,7 +88,7 @@ class CpuDecodeStack:
                 weights[name], weights[f"{name}_blocked"] = linear.weight, linear.blocked_weight
             else:
                 weights[name] = linear.weight.detach()
-        return self._extension.DecoderLayerWeights(**weights)
+        return self._extension.DecoderLayerWeights(**weights, window=kernel_window(window))
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the stack runs this step: decode tokens only, few enough for fp32 weights (dtype and

@@ -10,6 +10,7 @@ import torch
 
 from kernels.kv_quant import SCALE_DTYPE, quant_max
 from kernels.metadata import AttentionMetadata
+from kernels.window import first_visible, kernel_window
 
 
 def quantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,23 +88,30 @@ def gather_dequantized(
 
 
 def gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scales: torch.Tensor | None = None
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scales: torch.Tensor | None = None,
+    first_block: int = 0,
 ) -> torch.Tensor:
-    """The first `seq_len` cached rows of one sequence, `[seq_len, kv_heads, head_dim]` (dequantized
-    to fp32 when `scales` are given)."""
+    """The cached rows of one sequence from block `first_block` up to position `seq_len`,
+    `[seq_len - first_block * block_size, kv_heads, head_dim]` (dequantized to fp32 when `scales` are
+    given). Blocks before `first_block` are never read: under a sliding window they may be garbage."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = gather_dequantized(cache, block_table[:num_blocks], scales)
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    blocks = gather_dequantized(cache, block_table[first_block:num_blocks], scales)
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[: seq_len - first_block * block_size]
 
 
 def attend_one_sequence(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """Causal attention of the last q_len positions over a whole context, GQA without repeating KV.
+    """Causal attention of the last q_len positions over a context, GQA without repeating KV.
 
-    query `[q_len, heads, d]`, key/value `[ctx, kv_heads, d]`. Query heads are grouped under their
-    KV head so each group is one matmul against that head's keys.
+    query `[q_len, heads, d]`, key/value `[ctx, kv_heads, d]`: the context's last ctx positions (a
+    windowed caller may leave out a prefix no query sees). Query heads are grouped under their KV head
+    so each group is one matmul against that head's keys. With a `window`, the query at position p sees
+    keys p - window < j <= p.
     """
     q_len, num_heads, head_dim = query.shape
     ctx_len, num_kv_heads, _ = key.shape
@@ -114,7 +122,10 @@ def attend_one_sequence(
     scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [kvh, g, q_len, ctx]
     query_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
     key_pos = torch.arange(ctx_len).unsqueeze(0)
-    scores.masked_fill_(key_pos > query_pos, float("-inf"))
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.unsqueeze(1))  # [kvh, g, q_len, d]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
@@ -128,17 +139,22 @@ def paged_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference attention for a mixed batch, one sequence at a time. query `[T, heads, d]`; the scale
-    caches are given for a quantized cache."""
+    caches are given for a quantized cache; `window` (None: full attention) is a sliding window, and a
+    sequence's blocks below every one of its queries' windows are not read."""
+    kernel_window(window)
+    block_size = k_cache.shape[1]
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=False)):
         rows = slice(start, start + q_len)
         start += q_len
-        key = gather_context(k_cache, meta.block_tables[i], seq_len, k_scales)
-        value = gather_context(v_cache, meta.block_tables[i], seq_len, v_scales)
-        out[rows] = attend_one_sequence(query[rows], key, value, scale)
+        first_block = first_visible(seq_len, q_len, window) // block_size
+        key = gather_context(k_cache, meta.block_tables[i], seq_len, k_scales, first_block)
+        value = gather_context(v_cache, meta.block_tables[i], seq_len, v_scales, first_block)
+        out[rows] = attend_one_sequence(query[rows], key, value, scale, window)
     return out
 
 
@@ -151,25 +167,35 @@ def paged_decode_attention(
     scale: float,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Batched decode attention: one query token per sequence, all sequences in one gather.
 
-    query `[B, heads, d]`; block_tables `[B, max_blocks]`; seq_lens `[B]`. Pads every sequence to
-    the longest context in the batch and masks the padding, which on a CPU beats a Python loop.
-    Each KV head is one batched matmul over a strided view of the gathered blocks, so the
-    gathered K and V are never permuted into another copy.
+    query `[B, heads, d]`; block_tables `[B, max_blocks]`; seq_lens `[B]`; `window` (None: full
+    attention) a sliding window. Each sequence gathers the same number of blocks from its first
+    visible one, the most any sequence of the batch needs; a shorter one repeats its last block in
+    the padding (masked), so no block outside a sequence's visible range (garbage under a window, or
+    a table's padding) is ever read. On a CPU this beats a Python loop. Each KV head is one batched
+    matmul over a strided view of the gathered blocks, so the gathered K and V are never permuted
+    into another copy.
     """
+    kernel_window(window)
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
+    lens = seq_lens.to(torch.long).unsqueeze(1)  # [B, 1]
+    lowest = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    first_block = lowest // block_size
+    last_block = (lens - 1).clamp(min=0) // block_size
+    num_blocks = int((last_block - first_block).max()) + 1
     span = num_blocks * block_size
-    table = block_tables[:, :num_blocks]
+    index = torch.minimum(first_block + torch.arange(num_blocks), last_block)
+    table = block_tables.gather(1, index)
     k = gather_dequantized(k_cache, table, k_scales).view(batch, span, num_kv_heads, head_dim).float()
     v = gather_dequantized(v_cache, table, v_scales).view(batch, span, num_kv_heads, head_dim).float()
     q = query.view(batch, num_kv_heads, group, head_dim).float()
-    padding = (torch.arange(span) >= seq_lens.to(torch.long).unsqueeze(1)).unsqueeze(1)  # [B, 1, S]
+    positions = first_block * block_size + torch.arange(span)  # [B, S]
+    padding = ((positions >= lens) | (positions < lowest)).unsqueeze(1)  # [B, 1, S]
     out = torch.empty(batch, num_kv_heads, group, head_dim, device=query.device)
     for head in range(num_kv_heads):
         scores = torch.bmm(q[:, head], k[:, :, head].transpose(1, 2)) * scale  # [B, g, S]
@@ -189,25 +215,32 @@ def decode_attention_partials(
     num_splits: int,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage of split-KV decode, written plainly: per split of `split_size` context tokens,
     the softmax-normalised output and the natural-log sum-exp of its scores.
 
-    Returns `partial [B, heads, num_splits, d]` and `lse [B, heads, num_splits]` in fp32; a split
-    past the end of its sequence has output 0 and lse -inf (it carries no weight in the merge).
+    Splits start at the sequence's first visible key (position 0, or under a `window` the first one
+    inside it). Returns `partial [B, heads, num_splits, d]` and `lse [B, heads, num_splits]` in fp32;
+    a split past the end of its sequence has output 0 and lse -inf (it carries no weight in the merge).
     """
+    kernel_window(window)
     batch, num_heads, head_dim = query.shape
+    block_size = k_cache.shape[1]
     group = num_heads // k_cache.shape[2]
     partial = torch.zeros((batch, num_heads, num_splits, head_dim), dtype=torch.float32)
     lse = torch.full((batch, num_heads, num_splits), float("-inf"))
     for i in range(batch):
         seq_len = int(seq_lens[i])
-        key = gather_context(k_cache, block_tables[i], seq_len, k_scales).float()
-        value = gather_context(v_cache, block_tables[i], seq_len, v_scales).float()
+        lowest = first_visible(seq_len, 1, window)
+        first_block = lowest // block_size
+        key = gather_context(k_cache, block_tables[i], seq_len, k_scales, first_block).float()
+        value = gather_context(v_cache, block_tables[i], seq_len, v_scales, first_block).float()
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        skipped = lowest - first_block * block_size  # rows of the first block below the window
         for split in range(num_splits):
-            span = slice(split * split_size, min((split + 1) * split_size, seq_len))
-            if span.start >= seq_len:
+            span = slice(skipped + split * split_size, min(skipped + (split + 1) * split_size, len(key)))
+            if span.start >= len(key):
                 break
             scores = torch.einsum("hd,nhd->hn", query[i].float(), key[span]) * scale
             lse[i, :, split] = torch.logsumexp(scores, dim=-1)

@@ -51,13 +51,15 @@ class TritonBackend(AttentionBackend):
         scale: float,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only:
+            tables, lens = meta.block_tables, meta.seq_lens
             return triton_decode.paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, None, k_scales, v_scales
+                query, k_cache, v_cache, tables, lens, scale, None, k_scales, v_scales, window
             )
         return triton_prefill.paged_prefill_attention(
-            query, k_cache, v_cache, meta, scale, None, k_scales, v_scales
+            query, k_cache, v_cache, meta, scale, None, k_scales, v_scales, window
         )
 
     def rms_norm(

@@ -16,7 +16,11 @@ So the kernel is built around reading each KV byte once:
   property a CUDA graph replay needs — never on this step's sequence lengths;
 - a quantized cache (int8, fp8 e4m3) is read as stored, 1 byte an element, and converted to the
   dot dtype in registers (exactly: both fit in bf16/fp16); its per-token scales multiply the score
-  columns (K) and the probabilities (V), a tile of `[group, BLOCK_N]` instead of `[BLOCK_N, head_dim]`.
+  columns (K) and the probabilities (V), a tile of `[group, BLOCK_N]` instead of `[BLOCK_N, head_dim]`;
+- a sliding window (`kernels.window`) is a runtime scalar (0: none), so windowed and global layers
+  share one compiled kernel: a sequence's splits start at its first visible key, so the blocks below
+  the window (freed, their table entries garbage) are never read, and the plan splits at most
+  `window` tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kernels.triton_common import (
     num_sms,
     quantized_launch_args,
 )
+from kernels.window import kernel_window
 
 # A split shorter than this spends more on its partial write and merge than it saves.
 MIN_SPLIT_TOKENS = 256
@@ -47,6 +52,13 @@ MAX_SPLITS = 64
 WAVES_PER_SM = 2
 # The smallest M of a tensor-core dot; the GQA group is padded up to it.
 MIN_DOT_ROWS = 16
+
+
+@triton.jit
+def _first_visible(seq_len, window):
+    """The first key a decode query (at position seq_len - 1) sees: 0, or under a window of `window`
+    (> 0) tokens the first one inside it."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,7 @@ def plan_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: in
     return SplitPlan(triton.cdiv(max_context, split_size), split_size)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -115,6 +127,7 @@ def _decode_kernel(
     scale_log2,
     block_size,
     split_size,
+    window,
     stride_q_seq,
     stride_q_head,
     stride_c_block,
@@ -141,7 +154,8 @@ def _decode_kernel(
     WRITE_LSE: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
-    """Attention of one GQA group over one split of one sequence's context.
+    """Attention of one GQA group over one split of one sequence's visible context (the last `window`
+    keys, or all of them when `window` is 0).
 
     With `WRITE_LSE` the normalised partial output goes to `out_ptr[seq, head, split]` (fp32) and
     its natural-log sum-exp to `lse_ptr`; without it (a single split) the final output is written.
@@ -150,7 +164,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_size
+    start = _first_visible(seq_len, window) + split * split_size
     # Split 0 always runs so an empty sequence (a padding row of a fixed-size batch) still gets zeros.
     if (split > 0) & (start >= seq_len):
         return
@@ -211,13 +225,14 @@ def _decode_kernel(
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _merge_kernel(
     partial_ptr,
     lse_ptr,
     seq_lens_ptr,
     out_ptr,
     split_size,
+    window,
     stride_p_seq,
     stride_p_head,
     stride_p_split,
@@ -231,14 +246,14 @@ def _merge_kernel(
 ):
     """Combine one (sequence, query head)'s split outputs, weighting each by exp(lse - max lse).
 
-    Only the splits the sequence actually reached are read (their count comes from its length),
-    so the partial buffers of early-exited programs are never looked at. An empty sequence — a
-    padding row of a fixed-size batch — gets zeros.
+    Only the splits the sequence actually reached are read (their count comes from its visible
+    length), so the partial buffers of early-exited programs are never looked at. An empty sequence
+    — a padding row of a fixed-size batch — gets zeros.
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, split_size)
+    used = tl.cdiv(seq_len - _first_visible(seq_len, window), split_size)
     splits = tl.arange(0, SPLITS_PAD)
     split_mask = splits < used
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -279,9 +294,11 @@ def decode_partials(
     plan: SplitPlan,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage of split-KV decode: per split, the normalised output and its log-sum-exp.
 
+    Splits start at each sequence's first visible key (`torch_reference.decode_attention_partials`).
     Returns `partial [B, heads, num_splits, head_dim]` and `lse [B, heads, num_splits]`, both
     fp32. Entries of splits past a sequence's end are left unwritten.
     """
@@ -292,14 +309,20 @@ def decode_partials(
     )
     lse = torch.empty((batch, num_heads, plan.num_splits), dtype=torch.float32, device=query.device)
     scales = (k_scales, v_scales)
-    _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, partial, lse, scales)
+    _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, partial, lse, scales, window)
     return partial, lse
 
 
 def merge_partials(
-    partial: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor, split_size: int, dtype: torch.dtype
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    seq_lens: torch.Tensor,
+    split_size: int,
+    dtype: torch.dtype,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Second stage of split-KV decode: `[B, heads, head_dim]` in `dtype` from the split outputs."""
+    """Second stage of split-KV decode: `[B, heads, head_dim]` in `dtype` from the split outputs
+    (`window` as the first stage had it)."""
     batch, num_heads, num_splits, head_dim = partial.shape
     out = torch.empty((batch, num_heads, head_dim), dtype=dtype, device=partial.device)
     args = (
@@ -308,6 +331,7 @@ def merge_partials(
         seq_lens,
         out,
         split_size,
+        kernel_window(window),
         partial.stride(0),
         partial.stride(1),
         partial.stride(2),
@@ -325,7 +349,9 @@ def merge_partials(
     return out
 
 
-def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, lse, scales) -> None:
+def _launch_decode(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, lse, scales, window
+) -> None:
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -345,6 +371,7 @@ def _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan,
         scale * math.log2(math.e),
         block_size,
         plan.split_size,
+        kernel_window(window),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -381,25 +408,31 @@ def paged_decode_attention(
     plan: SplitPlan | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention for `query [B, heads, head_dim]`: one launch, or two when the plan splits.
 
     Same contract as `torch_reference.paged_decode_attention` (the scale caches given for a
-    quantized cache). `plan` defaults to `plan_splits` over the block table's capacity; tests pass
-    one to force a split count.
+    quantized cache, `window` a sliding window). `plan` defaults to `plan_splits` over the most keys
+    a query can see: the block table's capacity, or the window when shorter. Tests pass one to force
+    a split count.
     """
     _check_shapes(query, k_cache)
+    kernel_window(window)
     batch, _, head_dim = query.shape
     if plan is None:
-        capacity = block_tables.shape[1] * k_cache.shape[1]
+        visible = block_tables.shape[1] * k_cache.shape[1]
+        if window is not None:
+            visible = min(visible, window)
         tile = kv_tile_size(head_dim, query.dtype)
-        plan = plan_splits(batch, k_cache.shape[2], capacity, num_sms(query.device), tile)
+        plan = plan_splits(batch, k_cache.shape[2], visible, num_sms(query.device), tile)
+    scales = (k_scales, v_scales)
     if plan.num_splits == 1:
         out = torch.empty_like(query)
-        scales = (k_scales, v_scales)
-        _launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, plan, out, None, scales)
+        tables, lens = block_tables, seq_lens
+        _launch_decode(query, k_cache, v_cache, tables, lens, scale, plan, out, None, scales, window)
         return out
     partial, lse = decode_partials(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, plan, k_scales, v_scales
+        query, k_cache, v_cache, block_tables, seq_lens, scale, plan, k_scales, v_scales, window
     )
-    return merge_partials(partial, lse, seq_lens, plan.split_size, query.dtype)
+    return merge_partials(partial, lse, seq_lens, plan.split_size, query.dtype, window)

@@ -4,9 +4,12 @@ Sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`, its last q
 their K/V have already been written into the cache, so the cached prefix and the chunk itself
 are one range of context positions `0..seq_len`, all read through the block table. One program
 computes a tile of `BLOCK_M` query rows of one query head with an fp32 online softmax and a
-causal mask (query at position p sees keys 0..p); KV tiles past the tile's last query position
-are never visited. A single-token decode is simply a sequence with q_len 1, so prefill chunks and
-decodes share the launch.
+causal mask (query at position p sees keys 0..p, or with a sliding window of w tokens keys
+p - w < j <= p); KV positions past the tile's last query position, or below the first one its first
+row's window reaches, are never visited (under a window those blocks may be freed and reused). The
+window is a runtime scalar (0: none), so windowed and global layers share one compiled kernel.
+A single-token decode is simply a sequence with q_len 1, so prefill chunks and decodes share the
+launch.
 
 The grid is `(query tiles of the longest chunk, sequences, query heads)`; tiles past a shorter
 chunk's end exit at once. A quantized cache (int8, fp8 e4m3) is dequantized as in
@@ -33,6 +36,7 @@ from kernels.triton_common import (
     launch,
     quantized_launch_args,
 )
+from kernels.window import kernel_window
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def _quantized_prefill_tile(head_dim: int, dtype: torch.dtype) -> PrefillTile:
     return PrefillTile(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -91,6 +95,7 @@ def _prefill_kernel(
     out_ptr,
     scale_log2,
     block_size,
+    window,
     stride_q_token,
     stride_q_head,
     stride_c_block,
@@ -136,10 +141,13 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
+    # The first key the tile's first row sees; every other row's window starts later.
+    windowed = window > 0
+    kv_begin = tl.where(windowed, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_begin, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < kv_end
         block_ids = kv_block_ids(table_row, positions, valid, block_size)
@@ -156,18 +164,21 @@ def _prefill_kernel(
             v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
             scores = scores * k_scale[None, :]
         visible = valid[None, :] & (positions[None, :] <= query_pos[:, None])
+        visible &= ~windowed | (positions[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
-        # Every row sees key 0, so m_new is finite from the first tile on.
+        # Under a window a row may see no key of a tile (one below its window): its max stays -inf,
+        # and 0 stands in for it so that its alpha and p come out 0, not NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANTIZED:
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = tokens[:, None] * stride_o_token + head.to(tl.int64) * stride_o_head + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -181,12 +192,13 @@ def paged_prefill_attention(
     tile: PrefillTile | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for the flat token batch `query [T, heads, head_dim]` described by `meta`.
 
     Same contract as `torch_reference.paged_attention` (the scale caches given for a quantized
-    cache). `tile` defaults to `prefill_tile(head_dim, query dtype)`; tests pass smaller ones to
-    cover many tiles with few tokens.
+    cache, `window` a sliding window). `tile` defaults to `prefill_tile(head_dim, query dtype)`;
+    tests pass smaller ones to cover many tiles with few tokens.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -211,6 +223,7 @@ def paged_prefill_attention(
         out,
         scale * math.log2(math.e),
         block_size,
+        kernel_window(window),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -179,3 +179,43 @@ def test_decode_roofline_counts_the_split_partials_it_plans():
     assert got["split_bytes"] == 2 * 32 * 16 * 129 * 4 + 4 == 528_388
     assert got["planned_bytes"] == got["compulsory_bytes"] + 528_388
     assert got["planned_min_seconds"] == pytest.approx(got["planned_bytes"] / 1e12)
+
+
+def test_a_sliding_window_compiles_to_the_same_kernels_as_none(repo_root, aot_available):
+    """The window is a runtime scalar Triton does not specialise on: decode (one split and eight) and
+    prefill launches with no window, 1, 512 and 4095 tokens (odd, not a multiple of 16) are one
+    compilation each. A window may still change the split plan (it bounds the keys a query sees), so the
+    matrix launches each of `SLIDING_WINDOWS` too."""
+    probe = """
+import json, torch
+from triton.backends.compiler import GPUTarget
+from kernels import aot, triton_common, triton_decode
+model, target = aot.MODELS[1], GPUTarget("cuda", 90, 32)
+precision = aot.Precision(torch.bfloat16, torch.int8)
+q, _, _ = aot._qkv(model, 1, torch.bfloat16)
+caches = aot._caches(model, 2048, 16, torch.int8)
+tables, lens = aot._meta(1, 2048, dtype=torch.int32), aot._meta(1, dtype=torch.int32)
+keys, windows = {}, set()
+for window in (None, 1, 512, 4095):
+    with triton_common.recorded_launches() as launches:
+        for plan in (triton_decode.SplitPlan(1, 32768), triton_decode.SplitPlan(8, 4096)):
+            triton_decode.paged_decode_attention(
+                q, caches[0], caches[1], tables, lens, 0.1, plan, caches[2], caches[3], window
+            )
+        aot._prefill_attention(model, 512, 16, precision, window)
+    for launch in launches:
+        keys.setdefault(launch.kernel.__name__, set()).add(aot.specialise(launch, target).key())
+        windows.add(launch.args[launch.kernel.arg_names.index("window")])
+configs = [config for config, _ in aot.recorded_configs(model, "bfloat16")]
+print(json.dumps({"keys": {k: len(v) for k, v in keys.items()}, "windows": sorted(windows),
+                  "matrix": sorted({c.split("window ")[1] for c in configs if "window" in c})}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=repo_root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["keys"] == {"_decode_kernel": 2, "_merge_kernel": 1, "_prefill_kernel": 1}
+    assert found["windows"] == [0, 1, 512, 4095]
+    assert found["matrix"] == ["4096", "512"]

@@ -9,9 +9,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using pybind11::call_guard;
   using pybind11::gil_scoped_release;
   m.def("paged_attention", &paged_attention,
-        "paged attention over a mixed batch (fp32 query; fp32 cache, or int8/fp8 e4m3 with scales)", arg("query"),
+        "paged attention over a mixed batch (fp32 query; fp32 cache, or int8/fp8 e4m3 with scales), with a "
+        "sliding window of `window` tokens (0: full attention)",
+        arg("query"),
         arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start_loc"), arg("scale"),
-        arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none(), call_guard<gil_scoped_release>());
+        arg("k_scales") = pybind11::none(), arg("v_scales") = pybind11::none(), arg("window") = 0,
+        call_guard<gil_scoped_release>());
   m.def("write_kv_cache", &write_kv_cache,
         "store new K/V rows at their cache slots, quantizing for an int8/fp8 cache; slot -1 skips (fp32 rows)",
         arg("key"), arg("value"), arg("k_cache"), arg("v_cache"), arg("slot_mapping"),
@@ -43,11 +46,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              std::optional<torch::Tensor> o_scale, std::optional<torch::Tensor> gate_up_scale,
                              std::optional<torch::Tensor> down_scale, std::optional<torch::Tensor> qkv_blocked,
                              std::optional<torch::Tensor> o_blocked, std::optional<torch::Tensor> gate_up_blocked,
-                             std::optional<torch::Tensor> down_blocked) {
+                             std::optional<torch::Tensor> down_blocked, int64_t window) {
+             TORCH_CHECK(window >= 0, "window must be a positive number of tokens, or 0 for full attention");
              return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
                                         qkv_bias, o_bias, gate_up_bias, down_bias,
                                         qkv_scale, o_scale, gate_up_scale, down_scale,
-                                        qkv_blocked, o_blocked, gate_up_blocked, down_blocked};
+                                        qkv_blocked, o_blocked, gate_up_blocked, down_blocked, window};
            }),
            arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
            arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"),
@@ -56,7 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none(),
            // fp32 linears: the oneDNN blocked weight, for steps past the GEMV's rows.
            arg("qkv_blocked") = pybind11::none(), arg("o_blocked") = pybind11::none(),
-           arg("gate_up_blocked") = pybind11::none(), arg("down_blocked") = pybind11::none());
+           arg("gate_up_blocked") = pybind11::none(), arg("down_blocked") = pybind11::none(),
+           // The layer's sliding window in tokens, 0 for full attention.
+           arg("window") = 0)
+      .def_readonly("window", &DecoderLayerWeights::window);
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());

@@ -7,7 +7,9 @@
 // in the same order (so the numbers are the per-op path's, bit for bit) with the GIL released for the
 // whole stack. The per-op torch path stays the reference and serves everything else: prefill chunks,
 // other dtypes, GPUs. A quantized KV cache (int8, fp8 e4m3) comes with one scale cache per layer and the
-// rotation its keys are stored in (applied to keys and queries after RoPE, as the model does).
+// rotation its keys are stored in (applied to keys and queries after RoPE, as the model does). Every layer
+// reads the one block table; a layer with a sliding window (`DecoderLayerWeights::window`) reads only the
+// blocks its window reaches, so a model whose layers share one KV group, windowed or not, runs here.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -80,7 +82,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     std::optional<torch::Tensor> k_scale, v_scale;
     if (quantized) k_scale = k_scales[i], v_scale = v_scales[i];
     write_kv_cache(k_rot, v, k_caches[i], v_caches[i], slot_mapping, k_scale, v_scale);
-    auto attended = paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale);
+    auto attended =
+        paged_attention(q_rot, k_caches[i], v_caches[i], tables, lens, starts, scale, k_scale, v_scale, w.window);
     auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_blocked, w.o_scale, w.o_bias, gemv_max_rows,
           int8_gemv_max_rows);
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.post_norm, eps, sum);

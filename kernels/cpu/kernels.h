@@ -12,10 +12,12 @@
 #define TANDEM_AVX2 __attribute__((target("avx2,fma")))
 
 // k_scales/v_scales: the fp32 [blocks, block_size, kv_heads] scales of an int8 or fp8 e4m3 cache; none for fp32.
+// window: a sliding window in tokens (the query at position p sees keys p - window < j <= p), 0 for full
+// attention; blocks below every query's window of a sequence are never read (their table entries may be garbage).
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale, std::optional<torch::Tensor> k_scales,
-                              std::optional<torch::Tensor> v_scales);
+                              std::optional<torch::Tensor> v_scales, int64_t window);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
                     std::optional<torch::Tensor> v_scales);
@@ -53,6 +55,8 @@ struct DecoderLayerWeights {
   std::optional<torch::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
   // fp32 linears: the weight reordered into oneDNN's blocked layout, for steps past the GEMV's rows.
   std::optional<torch::Tensor> qkv_blocked, o_blocked, gate_up_blocked, down_blocked;
+  // The layer's sliding window in tokens, 0 for full attention (as `paged_attention` takes it).
+  int64_t window = 0;
 };
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the

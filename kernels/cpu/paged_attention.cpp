@@ -4,6 +4,11 @@
 // never gathered into a copy; the query heads of a GQA group and up to kRowTile query rows share
 // each K/V row while it is in L1. Threads take contiguous task ranges of about equal cost.
 //
+// A sliding window (window > 0; 0 is full attention) limits the query at position p to keys
+// p - window < j <= p. A task starts reading at the block of the first key its first query row can
+// see: earlier blocks of the sequence may have been freed and reused, so their table entries are
+// never looked at, let alone the blocks they name.
+//
 // A quantized cache (int8 or fp8 e4m3 elements, one fp32 scale per token and KV head) is read as it is
 // stored, a quarter of fp32's bytes, and each block's rows a task needs are dequantized once into an L1
 // scratch that the fp32 loops then read: converting inside those loops instead repeated the conversion
@@ -39,7 +44,13 @@ struct Problem {
   float* out;
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, table_width, row_stride, block_stride;
   float scale;
+  int64_t window;  // 0: full attention
 };
+
+// The first key position the query at `pos` sees.
+int64_t first_visible(const Problem& p, int64_t pos) {
+  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
 
 // Query rows [row_begin, row_end) of one sequence (relative to its first new row), one KV head.
 struct Task {
@@ -69,11 +80,12 @@ struct Fp8Element {
   static float load(const uint8_t* row, int64_t d) { return kFp8Values[row[d]]; }
 };
 
-// Rows [0, n) of one KV head in one block of a quantized cache, times their scales, into `out` [n][D].
+// Rows [first, n) of one KV head in one block of a quantized cache, times their scales, into `out` [n][D].
 template <int kD, typename E>
-void dequantize_rows(const Problem& p, const typename E::Stored* rows, const float* scales, int64_t n, float* out) {
+void dequantize_rows(const Problem& p, const typename E::Stored* rows, const float* scales, int64_t first, int64_t n,
+                     float* out) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = first; j < n; ++j) {
     const typename E::Stored* row = rows + j * p.row_stride;
     const float scale = scales[j * p.num_kv_heads];
     float* dst = out + j * D;
@@ -91,6 +103,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   const int64_t first_pos = p.seq_lens[t.seq] - q_len;  // position of the sequence's first new row
   const int64_t nq = (t.row_end - t.row_begin) * G;     // query vectors in this task
   const int64_t kv_end = first_pos + t.row_end;         // the last row sees positions < kv_end
+  const int64_t kv_begin = first_visible(p, first_pos + t.row_begin);  // the first row sees positions >= kv_begin
   scratch.resize(nq * (2 * D + bs + 2) + (kQuantized ? 2 * bs * D : 0));
   float* qbuf = scratch.data();      // [nq][D], pre-scaled
   float* acc = qbuf + nq * D;        // [nq][D]
@@ -108,7 +121,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
     denom[i] = 0.f;
   }
   const int64_t* table = p.tables + t.seq * p.table_width;
-  for (int64_t block_start = 0; block_start < kv_end; block_start += bs) {
+  for (int64_t block_start = kv_begin / bs * bs; block_start < kv_end; block_start += bs) {
     const int64_t block = table[block_start / bs];
     const int64_t offset = block * p.block_stride + t.kv_head * D;
     const float* k_block;
@@ -117,11 +130,12 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
     if constexpr (kQuantized) {
       // Row j's scale is at [j * num_kv_heads] from the block's first.
       const int64_t scale_offset = (block * bs) * p.num_kv_heads + t.kv_head;
+      const int64_t first = std::max<int64_t>(0, kv_begin - block_start);
       const int64_t rows = std::min(bs, kv_end - block_start);
       const Stored* stored = static_cast<const Stored*>(p.k_cache) + offset;
-      dequantize_rows<kD, E>(p, stored, p.k_scales + scale_offset, rows, k_rows);
+      dequantize_rows<kD, E>(p, stored, p.k_scales + scale_offset, first, rows, k_rows);
       stored = static_cast<const Stored*>(p.v_cache) + offset;
-      dequantize_rows<kD, E>(p, stored, p.v_scales + scale_offset, rows, v_rows);
+      dequantize_rows<kD, E>(p, stored, p.v_scales + scale_offset, first, rows, v_rows);
       k_block = k_rows, v_block = v_rows, row_stride = D;
     } else {
       k_block = static_cast<const float*>(p.k_cache) + offset;
@@ -129,13 +143,14 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       row_stride = p.row_stride;
     }
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t visible = first_pos + t.row_begin + i / G + 1 - block_start;  // causal limit
-      const int64_t n = std::min(bs, std::min(visible, kv_end - block_start));
-      if (n <= 0) continue;
+      const int64_t pos = first_pos + t.row_begin + i / G;
+      const int64_t n = std::min(bs, std::min(pos + 1 - block_start, kv_end - block_start));  // causal limit
+      const int64_t j0 = std::max<int64_t>(0, first_visible(p, pos) - block_start);            // window limit
+      if (n <= j0) continue;
       const float* qi = qbuf + i * D;
       float* s = scores + i * bs;
       float block_max = kLowest;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {
         const float* k = k_block + j * row_stride;
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qi[d] * k[d];
@@ -146,7 +161,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       const float rescale = std::exp(row_max[i] - new_max);
       row_max[i] = new_max;
       float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {
         s[j] = std::exp(s[j] - new_max);
         sum += s[j];
       }
@@ -156,7 +171,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
       float* a = acc + i * D;
       float local[kMaxHeadDim];
       for (int64_t d = 0; d < D; ++d) local[d] = a[d] * rescale;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {
         const float* __restrict__ v = v_block + j * row_stride;
         const float w = s[j];
         for (int64_t d = 0; d < D; ++d) local[d] += w * v[d];
@@ -211,7 +226,7 @@ const float* scales_of(const std::optional<torch::Tensor>& scales, const torch::
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale, std::optional<torch::Tensor> k_scales,
-                              std::optional<torch::Tensor> v_scales) {
+                              std::optional<torch::Tensor> v_scales, int64_t window) {
   const auto dtype = k_cache.scalar_type();
   const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && (dtype == torch::kFloat32 || quantized) &&
@@ -231,7 +246,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   Problem p{q.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), k_scale_data, v_scale_data, tables.data_ptr<int64_t>(),
             lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(),
             q.size(1), kc.size(2), q.size(1) / kc.size(2), q.size(2), kc.size(1), tables.size(1),
-            kc.size(2) * kc.size(3), kc.size(1) * kc.size(2) * kc.size(3), static_cast<float>(scale)};
+            kc.size(2) * kc.size(3), kc.size(1) * kc.size(2) * kc.size(3), static_cast<float>(scale), window};
+  TORCH_CHECK(window >= 0, "window must be a positive number of tokens, or 0 for full attention");
   TORCH_CHECK(kc.size(3) == p.head_dim && p.num_heads % p.num_kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(p.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
 
@@ -243,7 +259,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       for (int64_t r = 0; r < q_len; r += kRowTile) {
         const int64_t r_end = std::min(q_len, r + kRowTile);
-        const int64_t cost = (r_end - r) * (first_pos + r_end) + 64;  // rows x KV rows, plus a fixed part
+        const int64_t kv_rows = first_pos + r_end - first_visible(p, first_pos + r);
+        const int64_t cost = (r_end - r) * kv_rows + 64;  // rows x KV rows, plus a fixed part
         tasks.push_back({s, h, r, r_end, cost});
         total_cost += cost;
       }
