@@ -188,3 +188,24 @@ def test_fork_shares_full_computed_blocks_by_reference():
     assert_idle(manager)
     with pytest.raises(ValueError, match="does not start with"):
         manager.fork(computed(manager, list(range(10))), make_seq([7] * 10, name="stranger"))
+
+
+def test_block_table_is_group_zeros_table():
+    seq = make_seq(list(range(5)))
+    assert seq.block_tables == [[]] and seq.block_table is seq.block_tables[0]
+    seq.block_table = [3, 4]
+    assert seq.block_tables == [[3, 4]]
+
+
+def test_extend_grows_without_matching_the_prefix_cache():
+    manager = BlockManager(8, block_size=4)
+    manager.free(computed(manager, list(range(9))))
+    seq = make_seq(list(range(9)))
+    manager.extend(seq, 5)
+    assert seq.num_computed_tokens == 0 and manager.num_queried_tokens == 9, "no lookup, no hit"
+    assert manager.num_held_blocks(seq) == 2
+    with pytest.raises(OutOfBlocksError):
+        manager.extend(seq, 37)
+    assert manager.num_held_blocks(seq) == 2, "a failed extension takes nothing"
+    manager.free(seq)
+    assert_idle(manager)
