@@ -370,6 +370,12 @@ class BlockManager:
         Commit first: a full block released here stays cached (evictable) for later prefix hits."""
         self._release_below(seq.block_tables, seq.num_computed_tokens)
 
+    def release_unread(self, seq: Sequence, reads_from: int) -> None:
+        """Drop the sliding-group blocks no query at `reads_from` or later reads: what `allocate` with
+        `reads_from` would not have taken, for a sequence sent to a remote prefill after its blocks were
+        reserved (its KV up to `reads_from` arrives from there)."""
+        self._release_below(seq.block_tables, reads_from + 1)
+
     def _release_below(self, tables: list[list[int]], num_computed_tokens: int) -> None:
         for group, table in enumerate(tables):
             if self.windows[group] is None:

@@ -1,8 +1,13 @@
 """The KV wire format: turning a request's KV blocks into KVChunk messages and back.
 
-A chunk carries a run of logical blocks for a run of layers as one C-contiguous tensor of shape
-``[2 (K, V), layers, blocks, block_size, num_kv_heads, head_dim]`` in raw little-endian bytes,
-with a CRC32C. A quantized cache's chunk (int8, fp8 e4m3) carries those elements and, right after
+A chunk carries a run of logical blocks of one attention group (`KVLayout.groups`) for a run of that
+group's layers as one C-contiguous tensor of shape ``[2 (K, V), layers, blocks, block_size,
+num_kv_heads, head_dim]`` in raw little-endian bytes, with a CRC32C. Each group has its own block
+table, and a sliding-window group hands over only the blocks from `KVLayout.first_sent_block` on: the
+rest has slid out of every one of its layers' windows before the decode tier's first query, so it is
+never sent (and never reserved by the receiver). A model with one group (every layer attends
+globally) sends group 0, whose layer indices are the model's, and its bytes are what they were before
+groups existed. A quantized cache's chunk (int8, fp8 e4m3) carries those elements and, right after
 them, their fp32 scales ``[2 (K, V), layers, blocks, block_size, num_kv_heads]``: a quarter of the
 fp32 bytes plus 4 bytes per token and head. Sender and receiver have their own block tables (the same
 logical block sits in different physical blocks on each side), so the wire only ever speaks logical
@@ -64,8 +69,9 @@ class ChunkSpan:
 
     block_offset: int
     num_blocks: int
-    layer_start: int
+    layer_start: int  # within the group's layers
     num_layers: int
+    group: int = 0
 
 
 def _split_evenly(total: int, max_per_part: int) -> list[tuple[int, int]]:
@@ -85,9 +91,9 @@ def _split_evenly(total: int, max_per_part: int) -> list[tuple[int, int]]:
 
 
 def plan_chunks(
-    num_blocks: int, layout: KVLayout, max_payload_bytes: int = MAX_MESSAGE_BYTES
+    num_blocks: int, layout: KVLayout, max_payload_bytes: int = MAX_MESSAGE_BYTES, group: int = 0
 ) -> list[ChunkSpan]:
-    """Split ``num_blocks`` blocks x all layers into messages of at most ``max_payload_bytes``.
+    """Split ``num_blocks`` blocks x all layers of ``group`` into messages of at most ``max_payload_bytes``.
 
     Messages hold whole blocks of whole layers. When all layers of a block fit, a message takes
     all layers of as many blocks as fit; otherwise each block is sent as runs of layers. Raises
@@ -103,16 +109,68 @@ def plan_chunks(
         )
     if num_blocks == 0:
         return []
-    layers_per_message = min(layout.num_layers, max_payload_bytes // block_bytes)
-    if layers_per_message == layout.num_layers:
-        blocks_per_message = max_payload_bytes // (layout.num_layers * block_bytes)
+    num_layers = len(layout.groups[group].layers)
+    layers_per_message = min(num_layers, max_payload_bytes // block_bytes)
+    if layers_per_message == num_layers:
+        blocks_per_message = max_payload_bytes // (num_layers * block_bytes)
     else:
         blocks_per_message = 1
     return [
-        ChunkSpan(block_offset, block_count, layer_start, layer_count)
+        ChunkSpan(block_offset, block_count, layer_start, layer_count, group)
         for block_offset, block_count in _split_evenly(num_blocks, blocks_per_message)
-        for layer_start, layer_count in _split_evenly(layout.num_layers, layers_per_message)
+        for layer_start, layer_count in _split_evenly(num_layers, layers_per_message)
     ]
+
+
+def plan_transfer(
+    layout: KVLayout,
+    num_tokens: int,
+    logical_start: int,
+    num_blocks: int,
+    max_payload_bytes: int = MAX_MESSAGE_BYTES,
+) -> list[tuple[int, ChunkSpan]]:
+    """The messages carrying logical blocks [logical_start, +num_blocks) of a ``num_tokens``-token
+    request, group by group: (first logical block, span) each, the span's offset counted from it.
+
+    A sliding-window group's range starts no earlier than `KVLayout.first_sent_block`, so a block that
+    will have slid out of its window by the decode tier's first query is never planned.
+    """
+    planned = []
+    for group in range(layout.num_groups):
+        first = max(logical_start, layout.first_sent_block(group, num_tokens))
+        count = logical_start + num_blocks - first
+        if count > 0:
+            planned.extend((first, span) for span in plan_chunks(count, layout, max_payload_bytes, group))
+    return planned
+
+
+def transfer_payload_bytes(
+    layout: KVLayout, num_tokens: int, first_block: int = 0, max_payload_bytes: int = MAX_MESSAGE_BYTES
+) -> int:
+    """KV payload bytes a request of ``num_tokens`` tokens puts on the wire when the receiver already
+    holds its first ``first_block`` blocks (what the sizes of sliding-window savings are measured by)."""
+    num_blocks = -(-num_tokens // layout.block_size) - first_block
+    return sum(
+        span.num_layers * span.num_blocks * layout.block_bytes()
+        for _, span in plan_transfer(layout, num_tokens, first_block, num_blocks, max_payload_bytes)
+    )
+
+
+BlockTables = Sequence[int] | Sequence[Sequence[int]]
+"""A request's block tables, one per attention group in layout order (``table[i]`` is the physical
+block of logical block i, `engine.kv_layout.NULL_BLOCK` where a block slid out); a model with one
+group may pass its one table alone."""
+
+
+def _tables(block_tables: BlockTables, layout: KVLayout) -> list[Sequence[int]]:
+    """The tables per group; raises ValueError when there is not one per group (a local bug)."""
+    if len(block_tables) == 0 or isinstance(block_tables[0], int):
+        tables: list[Sequence[int]] = [block_tables]  # type: ignore[list-item]
+    else:
+        tables = list(block_tables)  # type: ignore[arg-type]
+    if len(tables) != layout.num_groups:
+        raise ValueError(f"{len(tables)} block tables for a layout of {layout.num_groups} attention groups")
+    return tables
 
 
 @dataclass(frozen=True)
@@ -177,9 +235,9 @@ def _physical_blocks(
 ) -> list[int]:
     """The physical block ids of logical blocks [logical_start, +num_blocks).
 
-    The block table is the caller's own, so a bad entry is a local bug (ValueError), but it is
-    still checked up front: an out-of-range index found halfway through a write would leave
-    some layers written and others not.
+    The block table is the caller's own, so a bad entry (a slid-out block among them too) is a local
+    bug (ValueError), but it is still checked up front: an out-of-range index found halfway through a
+    write would leave some layers written and others not.
     """
     physical = [int(block) for block in block_table[logical_start : logical_start + num_blocks]]
     bad = [block for block in physical if not 0 <= block < num_physical]
@@ -248,16 +306,17 @@ class PagedKV:
 
     def frames(
         self,
-        block_table: Sequence[int],
+        block_tables: BlockTables,
         logical_start: int,
         num_blocks: int,
         *,
         num_tokens: int,
         max_payload_bytes: int = MAX_MESSAGE_BYTES,
     ) -> Iterator[KVFrame]:
-        """KV messages carrying logical blocks [logical_start, logical_start + num_blocks), all layers.
+        """KV messages carrying logical blocks [logical_start, logical_start + num_blocks), all layers,
+        group by group; a sliding-window group's blocks before `KVLayout.first_sent_block` are left out.
 
-        ``block_table[i]`` is the physical block of logical block i and ``num_tokens`` how many tokens
+        ``block_tables`` holds each group's table (`BlockTables`) and ``num_tokens`` how many tokens
         the request holds. Slots at or past ``num_tokens`` go out as zeros: the request's last block
         was usually another request's block before, and its unused slots still hold that request's
         K/V. Arguments are validated here, before the first message is built, so a caller learns of a
@@ -269,32 +328,43 @@ class PagedKV:
         staging tensor and copied to a pinned host buffer (both reused by every message of the call),
         which the join then copies.
         """
-        if logical_start < 0 or num_blocks < 0 or logical_start + num_blocks > len(block_table):
+        tables = _tables(block_tables, self.layout)
+        shortest = min(len(table) for table in tables)
+        if logical_start < 0 or num_blocks < 0 or logical_start + num_blocks > shortest:
             raise ValueError(
                 f"logical blocks [{logical_start}, {logical_start + num_blocks}) are not within the "
-                f"block table's {len(block_table)} blocks"
+                f"block tables' {shortest} blocks"
             )
         if num_blocks and not (logical_start + num_blocks - 1) * self.layout.block_size < num_tokens:
             raise ValueError(
                 f"logical blocks [{logical_start}, {logical_start + num_blocks}) reach past the "
                 f"request's {num_tokens} tokens"
             )
-        spans = plan_chunks(num_blocks, self.layout, max_payload_bytes)
-        physical = _physical_blocks(block_table, logical_start, num_blocks, self.num_physical_blocks)
-        return self._frames(spans, physical, logical_start, num_tokens)
+        planned = plan_transfer(self.layout, num_tokens, logical_start, num_blocks, max_payload_bytes)
+        physical = [
+            _physical_blocks(
+                tables[span.group], first + span.block_offset, span.num_blocks, self.num_physical_blocks
+            )
+            for first, span in planned
+        ]
+        return self._frames(planned, physical, num_tokens)
+
+    def layers_of(self, span: ChunkSpan | prefill_pb2.KVChunk) -> tuple[int, ...]:
+        """The model layers a span or chunk covers: its range of its group's layers."""
+        return self.layout.groups[span.group].layers[span.layer_start : span.layer_start + span.num_layers]
 
     def _frames(
-        self, spans: list[ChunkSpan], physical: list[int], logical_start: int, num_tokens: int
+        self, planned: list[tuple[int, ChunkSpan]], physical: list[list[int]], num_tokens: int
     ) -> Iterator[KVFrame]:
         layout = self.layout
+        spans = [span for _, span in planned]
         staging = _DeviceStaging(self, spans) if self._rows is None and spans else None
-        for span in spans:
-            first = logical_start + span.block_offset
+        for (group_first, span), blocks in zip(planned, physical, strict=True):
+            first = group_first + span.block_offset
             # Slots of the span's last block that belong to the request.
             used_slots = min(
                 layout.block_size, num_tokens - (first + span.num_blocks - 1) * layout.block_size
             )
-            blocks = physical[span.block_offset : span.block_offset + span.num_blocks]
             if staging is None:
                 pieces = self._host_pieces(span, blocks, used_slots)
             else:
@@ -310,6 +380,7 @@ class PagedKV:
                 dtype=layout.dtype_name,
                 shape=(2, span.num_layers, span.num_blocks, *layout.block_shape),
                 crc32c=crc,
+                group=span.group,
             )
             yield frame_kv(header, pieces)
 
@@ -326,7 +397,8 @@ class PagedKV:
             used_bytes = used_slots * plane.slot_bytes
             tail = memoryview(self._zeros)[used_bytes : plane.block_bytes]
             for rows in plane_rows:
-                for layer_rows in rows[span.layer_start : span.layer_start + span.num_layers]:
+                for layer in self.layers_of(span):
+                    layer_rows = rows[layer]
                     pieces.extend(layer_rows[start : start + count] for start, count in runs)
                     pieces.append(layer_rows[last, :used_bytes])
                     if tail:
@@ -336,20 +408,24 @@ class PagedKV:
     # -- receiving -------------------------------------------------------------------------------
 
     def write(
-        self, chunk: KVFrame | prefill_pb2.KVChunk, block_table: Sequence[int], num_logical_blocks: int
+        self, chunk: KVFrame | prefill_pb2.KVChunk, block_tables: BlockTables, num_logical_blocks: int
     ) -> int:
         """Write a received chunk into the request's blocks; returns the payload bytes written.
 
-        ``chunk`` is a frame from ``parse_response`` or a KVChunk parsed by protobuf. ``block_table``
-        is the receiver's own table for the request and ``num_logical_blocks`` the number of blocks
-        it reserved for it. Every field of the chunk is validated before anything is written, so a
-        rejected chunk (KVRangeError, KVLayoutMismatchError, KVPayloadSizeError, KVChecksumError,
-        KVNonFiniteError) leaves the cache untouched. The payload is read where it was received and
+        ``chunk`` is a frame from ``parse_response`` or a KVChunk parsed by protobuf. ``block_tables``
+        are the receiver's own tables for the request (`BlockTables`) and ``num_logical_blocks`` the
+        length of the request's tables; a block the receiver did not reserve (a sliding-window group's
+        block that slid out, `NULL_BLOCK` in its table) is refused with KVRangeError. Every field of
+        the chunk is validated before anything is written, so a rejected chunk (KVRangeError,
+        KVLayoutMismatchError, KVPayloadSizeError, KVChecksumError, KVNonFiniteError) leaves the cache
+        untouched. The payload is read where it was received and
         copied once, into the physical blocks (plus a host-to-device transfer when the cache is on a GPU).
         """
-        if not 0 <= num_logical_blocks <= len(block_table):
+        tables = _tables(block_tables, self.layout)
+        if not 0 <= num_logical_blocks <= min(len(table) for table in tables):
             raise ValueError(
-                f"{num_logical_blocks} reserved blocks, but the block table has {len(block_table)}"
+                f"{num_logical_blocks} reserved blocks, but the block tables have "
+                f"{[len(table) for table in tables]}"
             )
         if isinstance(chunk, KVFrame):
             header, payload = chunk.header, chunk.payload
@@ -357,15 +433,21 @@ class PagedKV:
             # Each read of a upb bytes field returns a fresh copy, so read it exactly once.
             header, payload = chunk, memoryview(chunk.payload)
         _validate_chunk(header, payload, self.layout, num_logical_blocks)
-        physical = _physical_blocks(
-            block_table, header.block_start, header.num_blocks, self.num_physical_blocks
-        )
+        table = tables[header.group]
+        block_end = header.block_start + header.num_blocks
+        if any(block < 0 for block in table[header.block_start : block_end]):
+            raise KVRangeError(
+                f"chunk blocks [{header.block_start}, {block_end}) of group {header.group} include blocks "
+                "not reserved here: they slid out of the group's window before decoding starts"
+            )
+        physical = _physical_blocks(table, header.block_start, header.num_blocks, self.num_physical_blocks)
         if self._rows is None:
             self._scatter_on_device(header, payload, physical)
         else:
             self._scatter_on_host(header, payload, physical)
         logger.debug(
-            "wrote KV layers [%d, %d) blocks [%d, %d): %d bytes",
+            "wrote KV group %d layers [%d, %d) blocks [%d, %d): %d bytes",
+            header.group,
             header.layer_start,
             header.layer_start + header.num_layers,
             header.block_start,
@@ -395,8 +477,8 @@ class PagedKV:
         for plane_rows, part in zip(self._rows, self._plane_payloads(header, payload), strict=True):
             source = np.frombuffer(part, dtype=np.uint8).reshape(2, header.num_layers, header.num_blocks, -1)
             for kv, rows in enumerate(plane_rows):
-                for offset in range(header.num_layers):
-                    rows[header.layer_start + offset][blocks] = source[kv, offset]
+                for offset, layer in enumerate(self.layers_of(header)):
+                    rows[layer][blocks] = source[kv, offset]
 
     def _scatter_on_device(
         self, header: prefill_pb2.KVChunk, payload: memoryview, physical: list[int]
@@ -411,10 +493,8 @@ class PagedKV:
                 raw = torch.frombuffer(part, dtype=torch.uint8)
             data = raw.view(2, header.num_layers, header.num_blocks, *plane.byte_shape).to(self.device)
             for kv, caches in enumerate(plane.caches):
-                for offset in range(header.num_layers):
-                    caches[header.layer_start + offset].view(torch.uint8).index_copy_(
-                        0, index, data[kv, offset]
-                    )
+                for offset, layer in enumerate(self.layers_of(header)):
+                    caches[layer].view(torch.uint8).index_copy_(0, index, data[kv, offset])
 
 
 class _DeviceStaging:
@@ -440,8 +520,8 @@ class _DeviceStaging:
             size = math.prod(shape)
             staging = device[:size].view(shape)
             for kv, caches in enumerate(plane.caches):
-                for offset in range(span.num_layers):
-                    cache = caches[span.layer_start + offset].view(torch.uint8)
+                for offset, layer in enumerate(self._kv.layers_of(span)):
+                    cache = caches[layer].view(torch.uint8)
                     torch.index_select(cache, 0, index, out=staging[kv, offset])
             staging[:, :, -1, used_slots:] = 0
             host = pinned[:size]
@@ -453,7 +533,7 @@ class _DeviceStaging:
 def encode_blocks(
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
-    block_table: Sequence[int],
+    block_tables: BlockTables,
     logical_start: int,
     num_blocks: int,
     layout: KVLayout,
@@ -465,14 +545,14 @@ def encode_blocks(
 ) -> Iterator[KVFrame]:
     """``PagedKV.frames`` for a one-off transfer; long-lived senders keep a PagedKV instead."""
     return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).frames(
-        block_table, logical_start, num_blocks, num_tokens=num_tokens, max_payload_bytes=max_payload_bytes
+        block_tables, logical_start, num_blocks, num_tokens=num_tokens, max_payload_bytes=max_payload_bytes
     )
 
 
 def write_chunk(
     chunk: KVFrame | prefill_pb2.KVChunk,
     layout: KVLayout,
-    block_table: Sequence[int],
+    block_tables: BlockTables,
     num_logical_blocks: int,
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
@@ -481,7 +561,7 @@ def write_chunk(
 ) -> int:
     """``PagedKV.write`` for a one-off chunk; long-lived receivers keep a PagedKV instead."""
     return PagedKV(k_caches, v_caches, layout, k_scales, v_scales).write(
-        chunk, block_table, num_logical_blocks
+        chunk, block_tables, num_logical_blocks
     )
 
 
@@ -489,11 +569,14 @@ def _validate_chunk(
     chunk: prefill_pb2.KVChunk, payload: memoryview, layout: KVLayout, num_logical_blocks: int
 ) -> None:
     """Raise the matching KVTransferError for anything wrong with a received chunk's header or payload."""
+    if chunk.group >= layout.num_groups:
+        raise KVRangeError(f"chunk group {chunk.group} is not one of the layout's {layout.num_groups} groups")
     layer_end = chunk.layer_start + chunk.num_layers
-    if chunk.num_layers == 0 or layer_end > layout.num_layers:
+    group_layers = len(layout.groups[chunk.group].layers)
+    if chunk.num_layers == 0 or layer_end > group_layers:
         raise KVRangeError(
             f"chunk layers [{chunk.layer_start}, {layer_end}) are empty or not within the "
-            f"layout's {layout.num_layers} layers"
+            f"{group_layers} layers of group {chunk.group}"
         )
     block_end = chunk.block_start + chunk.num_blocks
     if chunk.num_blocks == 0 or block_end > num_logical_blocks:

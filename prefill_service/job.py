@@ -26,16 +26,18 @@ class KVReady:
     """Logical blocks [block_start, block_start + num_blocks) hold their final KV and can be sent.
 
     `num_tokens` is the request's token count: slots at or past it hold stale KV of the block's previous
-    owner and must never leave the process. `block_table` is a snapshot of the job's physical blocks, so
-    the sender never reads engine-thread state. On CUDA, `ready` is an event recorded after the step that
-    wrote the blocks; the sender waits on it before reading them (None on the CPU, where the step has
-    finished writing when it returns).
+    owner and must never leave the process; it also says which blocks of a sliding-window group are still
+    read after the prompt (only those are sent, `KVLayout.first_sent_block`). `block_tables` is a snapshot
+    of the job's physical blocks, one table per attention group (a one-group model may give its one table
+    alone, `kv_transfer.wire.BlockTables`), so the sender never reads engine-thread state. On CUDA,
+    `ready` is an event recorded after the step that wrote the blocks; the sender waits on it before
+    reading them (None on the CPU, where the step has finished writing when it returns).
     """
 
     block_start: int
     num_blocks: int
     num_tokens: int
-    block_table: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...] | tuple[int, ...]
     ready: object | None = None
 
 

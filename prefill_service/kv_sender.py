@@ -1,5 +1,8 @@
 """Turning KVReady events into KV frames off the event loop, in step with the engine's writes.
 
+Each event's blocks go out group by group; a sliding-window group's blocks that slide out before the
+decode tier's first query are left out (`kv_transfer.wire.plan_transfer`).
+
 Encoding (copy the blocks into the message's bytes, CRC32C) runs on a small thread pool so the event
 loop keeps serving other streams, one message ahead of the stream so a slow reader holds at most two
 built messages. On CUDA the engine thread records an event after each step and the sender reads on its own
@@ -68,7 +71,7 @@ class KVSender:
 
     def _start(self, ready: KVReady) -> Iterator[KVFrame]:
         return self._blocks.frames(
-            ready.block_table,
+            ready.block_tables,
             ready.block_start,
             ready.num_blocks,
             num_tokens=ready.num_tokens,

@@ -160,7 +160,7 @@ class ChunkedPrefillScheduler:
             job.num_blocks_streamed,
             end - job.num_blocks_streamed,
             job.num_prompt_tokens,
-            tuple(job.seq.block_table),
+            tuple(tuple(table) for table in job.seq.block_tables),
             ready,
         )
         job.num_blocks_streamed = end

@@ -10,7 +10,7 @@ from kv_transfer import KVLayout
 
 
 def engine_kv_layout(engine: Engine) -> KVLayout:
-    """The layout of this engine's paged KV cache."""
+    """The layout of this engine's paged KV cache, its layers grouped by attention window."""
     model = engine.model_config
     return KVLayout(
         num_layers=model.num_layers,
@@ -18,6 +18,7 @@ def engine_kv_layout(engine: Engine) -> KVLayout:
         head_dim=model.head_dim,
         block_size=engine.block_size,
         dtype=engine.kv_dtype,
+        attention=model.kv_layout,
     )
 
 

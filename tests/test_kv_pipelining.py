@@ -146,7 +146,7 @@ def _sender_and_ready(num_blocks: int) -> tuple[KVSender, KVReady, PagedKV]:
 
 def test_sender_streams_the_same_frames_as_the_wire_in_order() -> None:
     sender, ready, blocks = _sender_and_ready(5)
-    frames = blocks.frames(ready.block_table, 0, 5, num_tokens=ready.num_tokens, max_payload_bytes=BUDGET)
+    frames = blocks.frames(ready.block_tables, 0, 5, num_tokens=ready.num_tokens, max_payload_bytes=BUDGET)
     expected = [frame.data for frame in frames]
 
     async def scenario() -> list[bytes]:

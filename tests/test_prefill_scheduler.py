@@ -87,7 +87,7 @@ def test_kv_is_ready_block_by_block_then_the_first_token(hf_model):
     harness.run()
     ready = harness.of(job, KVReady)
     assert [(r.block_start, r.num_blocks) for r in ready] == [(0, 1), (1, 2), (3, 1), (4, 2)]
-    assert all(r.block_table == tuple(job.seq.block_table) and r.ready is None for r in ready)
+    assert all(r.block_tables == (tuple(job.seq.block_table),) and r.ready is None for r in ready)
     kinds = [type(event) for owner, event in harness.events if owner is job]
     assert kinds[0] is Admitted and kinds[-1] is PrefillFinished
     (finished,) = harness.of(job, PrefillFinished)

@@ -273,6 +273,7 @@ def test_prefill_messages() -> None:
         "shape",
         "payload",
         "crc32c",
+        "group",
     }
     assert _fields(prefill_pb2.KVChunk)["payload"].type == FieldDescriptor.TYPE_BYTES
     assert set(_fields(prefill_pb2.KVLayout)) == {
@@ -281,7 +282,9 @@ def test_prefill_messages() -> None:
         "head_dim",
         "block_size",
         "dtype",
+        "groups",
     }
+    assert {field.name for field in prefill_pb2.KVGroup.DESCRIPTOR.fields} == {"window", "layers"}
     assert {"model_fingerprint", "kv_layout", "compatibility_hash", "version"} == set(
         _fields(prefill_pb2.PrefillInfo)
     )

@@ -97,12 +97,7 @@ def describe_incompatibility(
     except KVLayoutMismatchError as exc:
         differences.append(f"unusable KV layout ({exc})")
     else:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
-            theirs, ours = getattr(layout, name), getattr(own_layout, name)
-            if theirs != ours:
-                differences.append(f"{name} {theirs} != ours {ours}")
-        if layout.dtype != own_layout.dtype:
-            differences.append("run both tiers with the same --dtype and --kv-cache-dtype")
+        differences.extend(layout.differences(own_layout))
     if not differences:
         differences.append("KV wire format version differs")
     return "; ".join(differences)

@@ -6,7 +6,9 @@ to this stage, which routes it:
 - locally, with chunked prefill in the decode steps, when fewer than `--local-prefill-threshold`
   tokens are left to compute after this replica's prefix cache hit (moving their KV would cost more
   than computing them), when its first token must suppress EOS or stop tokens (`min_tokens`; the
-  internal API cannot ask prefill to), or when no prefill replica is ready and `--fallback-local` is set;
+  internal API cannot ask prefill to), when its grammar would recompute the last prompt position over a
+  sliding-window block the handoff leaves out (see below), or when no prefill replica is ready and
+  `--fallback-local` is set;
 - otherwise remotely: a `KVTransfer` runs on the event loop (`PrefillClient`), writing arriving KV into
   the reserved blocks, and its outcome comes back to the engine thread through `collect`. The
   `Prefill` call says how many leading blocks this replica's prefix cache already holds, with their
@@ -20,6 +22,12 @@ grammar drops the prefill tier's token instead and recomputes its last history p
 first token is sampled under the grammar like every other. A transfer whose
 request is aborted or preempted is cancelled: the `Prefill` call is cancelled, so the prefill replica
 frees its blocks, and no write reaches the reserved blocks once they are given back.
+
+Sliding-window KV groups: the prefill tier sends a sliding group only the blocks a query at the first
+position after the history reads (`KVLayout.first_sent_block`), so a remote request gives back at once
+the sliding blocks its admission reserved below them (`BlockManager.release_unread`). Should it fall
+back to a local prefill, which reads every window on the way, its blocks are reserved again from
+scratch, or it fails when they no longer fit.
 """
 
 from __future__ import annotations
@@ -103,6 +111,8 @@ class RemotePrefillStage(PrefillStage):
             logger.debug("prefilling %s locally: %s", request.request_id, reason)
             return
         seq, engine = request.seq, self.engine
+        if self.layout.sliding:
+            engine.block_manager.release_unread(seq, seq.num_tokens)
         held = seq.num_computed_tokens // engine.block_size
         held_hash = engine.prefix_hash(seq, held) if held else b""
         routed = min(AFFINITY_BLOCKS, (seq.num_tokens - 1) // engine.block_size)
@@ -121,9 +131,21 @@ class RemotePrefillStage(PrefillStage):
             return f"{seq.num_uncomputed_tokens} tokens to compute, under the local prefill threshold"
         if seq.suppressed_token_ids(self.engine.eos_token_ids):
             return "its first token must not be EOS or a stop token (min_tokens)"
+        if seq.grammar is not None and self._recompute_reads_unsent_block(seq.num_tokens):
+            return "its grammar recomputes the last prompt position, whose window starts a block earlier"
         if self.fallback_local and not self._pool.has_ready:
             return "no prefill replica is ready"
         return None
+
+    def _recompute_reads_unsent_block(self, num_tokens: int) -> bool:
+        """Whether a query at the history's last position reads a sliding block the handoff leaves out
+        (it is sent from where the next position's window starts): when the window's edge falls on a
+        block boundary."""
+        layout = self.layout
+        return any(
+            layout.first_sent_block(group, num_tokens - 1) < layout.first_sent_block(group, num_tokens)
+            for group in range(layout.num_groups)
+        )
 
     def remove(self, request: ServedRequest) -> None:
         super().remove(request)
@@ -154,12 +176,24 @@ class RemotePrefillStage(PrefillStage):
                     self._recompute_last_position(request)
                 continue
             transfer.cancel()
-            if outcome.can_fall_back and self.fallback_local:
+            if outcome.can_fall_back and self.fallback_local and self._reserve_for_local(request):
                 self.stats.fallbacks_local += 1
                 logger.warning("prefilling %s locally instead: %s", request.request_id, outcome.error)
             else:
                 failures.append((request, outcome.error))
         return outputs, failures
+
+    def _reserve_for_local(self, request: ServedRequest) -> bool:
+        """Give a request whose sliding blocks went back at `start` every block a local prefill reads;
+        False when they no longer fit (it then fails with the remote error)."""
+        if not self.layout.sliding:
+            return True
+        seq, engine = request.seq, self.engine
+        engine.free(seq)
+        if not engine.can_allocate(seq, seq.num_tokens):
+            return False
+        engine.allocate(seq, seq.num_tokens)
+        return True
 
     def _first_token(self, request: ServedRequest, outcome: PrefillCompleted) -> TokenOutput:
         return self.engine.append_token_computed_elsewhere(

@@ -67,7 +67,10 @@ class KVTransfer:
     """The KV of one request's prompt arriving from a prefill replica into the blocks decode reserved.
 
     Created on the engine thread with snapshots of everything the other threads need (token ids,
-    sampling, block table), so they never read the engine's `Sequence`.
+    sampling, block tables), so they never read the engine's `Sequence`. Per attention group, the
+    blocks expected start at `first_blocks[group]`: after those this replica's prefix cache holds, and,
+    for a sliding-window group, no earlier than the first block its window still reads
+    (`KVLayout.first_sent_block`), exactly what the prefill tier sends.
     """
 
     def __init__(
@@ -86,18 +89,28 @@ class KVTransfer:
         self.held_prefix_hash = held_prefix_hash
         self.affinity_key = affinity_key
         self.num_blocks = -(-len(self.token_ids) // layout.block_size)
-        self._block_table = tuple(seq.block_table[: self.num_blocks])
-        if len(self._block_table) != self.num_blocks:
-            raise ValueError(
-                f"{self.request_id}: {len(seq.block_table)} blocks reserved, its {len(self.token_ids)} "
-                f"tokens need {self.num_blocks}"
-            )
+        self.first_blocks = tuple(
+            max(self.num_held_blocks, layout.first_sent_block(group, len(self.token_ids)))
+            for group in range(layout.num_groups)
+        )
+        self._block_tables = tuple(tuple(table[: self.num_blocks]) for table in seq.block_tables)
+        for group, table in enumerate(self._block_tables):
+            first = layout.first_sent_block(group, len(self.token_ids))
+            if len(table) != self.num_blocks or any(block < 0 for block in table[first:]):
+                raise ValueError(
+                    f"{self.request_id}: group {group} has blocks reserved {list(table)}, its "
+                    f"{len(self.token_ids)} tokens need logical blocks [{first}, {self.num_blocks})"
+                )
         self._kv = kv
         self._lock = threading.Lock()
         self._cancelled = False
-        # Which (block, layer) pairs the current attempt has written; held blocks count as written.
-        self._written = np.zeros((self.num_blocks, layout.num_layers), dtype=bool)
-        self._written[: self.num_held_blocks] = True
+        # Per group, which (block, layer) pairs the current attempt has written; blocks not expected
+        # (held here, or slid out of a sliding group's window) count as written.
+        self._written = [
+            np.zeros((self.num_blocks, len(group.layers)), dtype=bool) for group in layout.groups
+        ]
+        for written, first in zip(self._written, self.first_blocks, strict=True):
+            written[:first] = True
         self.future: Future[None] | None = None
 
     def write(self, frame: KVFrame) -> int:
@@ -114,15 +127,23 @@ class KVTransfer:
                     f"chunk starts at block {header.block_start}, but blocks below {self.num_held_blocks} "
                     "are held here (cached, shared) and must not be sent"
                 )
-            written = self._kv.write(frame, self._block_table, self.num_blocks)
+            if header.group < len(self.first_blocks) and header.block_start < self.first_blocks[header.group]:
+                raise KVRangeError(
+                    f"chunk of group {header.group} starts at block {header.block_start}, but its blocks "
+                    f"below {self.first_blocks[header.group]} slid out of the group's window and must not "
+                    "be sent"
+                )
+            written = self._kv.write(frame, self._block_tables, self.num_blocks)
             blocks = slice(header.block_start, header.block_start + header.num_blocks)
-            self._written[blocks, header.layer_start : header.layer_start + header.num_layers] = True
+            layers = slice(header.layer_start, header.layer_start + header.num_layers)
+            self._written[header.group][blocks, layers] = True
         return written
 
     def restart(self) -> None:
         """A new attempt re-sends every block: forget what the failed one wrote (it will be overwritten)."""
         with self._lock:
-            self._written[self.num_held_blocks :] = False
+            for written, first in zip(self._written, self.first_blocks, strict=True):
+                written[first:] = False
 
     def check_complete(self, done: prefill_pb2.PrefillDone, vocab_size: int) -> None:
         """Refuse a PrefillDone that does not close a whole, matching transfer (KVRangeError), or whose
@@ -145,10 +166,11 @@ class KVTransfer:
         if asked and any(math.isnan(logprob) for logprob in _logprobs(done)):
             raise KVNonFiniteError("PrefillDone carries a NaN logprob: the prefill replica's numbers broke")
         with self._lock:
-            missing = int(self._written.size - np.count_nonzero(self._written))
+            total = sum(written.size for written in self._written)
+            missing = total - sum(int(np.count_nonzero(written)) for written in self._written)
         if missing:
             raise KVRangeError(
-                f"PrefillDone arrived with {missing} of {self._written.size} (block, layer) pairs never sent"
+                f"PrefillDone arrived with {missing} of {total} (block, layer) pairs never sent"
             )
 
     def cancel(self) -> None:

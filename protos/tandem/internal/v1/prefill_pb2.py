@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tandem.v1 import generation_pb2 as protos_dot_tandem_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'protos/tandem/internal/v1/prefill.proto\x12\x12tandem.internal.v1\x1a!protos/tandem/v1/generation.proto\"\x10\n\x0eGetInfoRequest\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\x86\x01\n\x0bPrefillInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12/\n\tkv_layout\x18\x02 \x01(\x0b\x32\x1c.tandem.internal.v1.KVLayout\x12\x1a\n\x12\x63ompatibility_hash\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"\xce\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x17\n\x0fnum_held_blocks\x18\x06 \x01(\r\x12\x18\n\x10held_prefix_hash\x18\x07 \x01(\x0c\"\x9a\x01\n\x07KVChunk\x12\x13\n\x0b\x62lock_start\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\"@\n\x0ePrefillTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\"\xda\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x33\n\x07timings\x18\x05 \x01(\x0b\x32\".tandem.internal.v1.PrefillTimings\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\"u\n\x0fPrefillResponse\x12)\n\x02kv\x18\x01 \x01(\x0b\x32\x1b.tandem.internal.v1.KVChunkH\x00\x12/\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1f.tandem.internal.v1.PrefillDoneH\x00\x42\x06\n\x04kind2\xaf\x01\n\x07Prefill\x12N\n\x07GetInfo\x12\".tandem.internal.v1.GetInfoRequest\x1a\x1f.tandem.internal.v1.PrefillInfo\x12T\n\x07Prefill\x12\".tandem.internal.v1.PrefillRequest\x1a#.tandem.internal.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'protos/tandem/internal/v1/prefill.proto\x12\x12tandem.internal.v1\x1a!protos/tandem/v1/generation.proto\"\x10\n\x0eGetInfoRequest\")\n\x07KVGroup\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x0e\n\x06layers\x18\x02 \x03(\r\"\x96\x01\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12+\n\x06groups\x18\x06 \x03(\x0b\x32\x1b.tandem.internal.v1.KVGroup\"\x86\x01\n\x0bPrefillInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12/\n\tkv_layout\x18\x02 \x01(\x0b\x32\x1c.tandem.internal.v1.KVLayout\x12\x1a\n\x12\x63ompatibility_hash\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"\xce\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x17\n\x0fnum_held_blocks\x18\x06 \x01(\r\x12\x18\n\x10held_prefix_hash\x18\x07 \x01(\x0c\"\xa9\x01\n\x07KVChunk\x12\x13\n\x0b\x62lock_start\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12\r\n\x05group\x18\t \x01(\r\"@\n\x0ePrefillTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\"\xda\x01\n\x0bPrefillDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x33\n\x07timings\x18\x05 \x01(\x0b\x32\".tandem.internal.v1.PrefillTimings\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\"u\n\x0fPrefillResponse\x12)\n\x02kv\x18\x01 \x01(\x0b\x32\x1b.tandem.internal.v1.KVChunkH\x00\x12/\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1f.tandem.internal.v1.PrefillDoneH\x00\x42\x06\n\x04kind2\xaf\x01\n\x07Prefill\x12N\n\x07GetInfo\x12\".tandem.internal.v1.GetInfoRequest\x1a\x1f.tandem.internal.v1.PrefillInfo\x12T\n\x07Prefill\x12\".tandem.internal.v1.PrefillRequest\x1a#.tandem.internal.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETINFOREQUEST']._serialized_start=98
   _globals['_GETINFOREQUEST']._serialized_end=114
-  _globals['_KVLAYOUT']._serialized_start=116
-  _globals['_KVLAYOUT']._serialized_end=221
-  _globals['_PREFILLINFO']._serialized_start=224
-  _globals['_PREFILLINFO']._serialized_end=358
-  _globals['_PREFILLREQUEST']._serialized_start=361
-  _globals['_PREFILLREQUEST']._serialized_end=567
-  _globals['_KVCHUNK']._serialized_start=570
-  _globals['_KVCHUNK']._serialized_end=724
-  _globals['_PREFILLTIMINGS']._serialized_start=726
-  _globals['_PREFILLTIMINGS']._serialized_end=790
-  _globals['_PREFILLDONE']._serialized_start=793
-  _globals['_PREFILLDONE']._serialized_end=1011
-  _globals['_PREFILLRESPONSE']._serialized_start=1013
-  _globals['_PREFILLRESPONSE']._serialized_end=1130
-  _globals['_PREFILL']._serialized_start=1133
-  _globals['_PREFILL']._serialized_end=1308
+  _globals['_KVGROUP']._serialized_start=116
+  _globals['_KVGROUP']._serialized_end=157
+  _globals['_KVLAYOUT']._serialized_start=160
+  _globals['_KVLAYOUT']._serialized_end=310
+  _globals['_PREFILLINFO']._serialized_start=313
+  _globals['_PREFILLINFO']._serialized_end=447
+  _globals['_PREFILLREQUEST']._serialized_start=450
+  _globals['_PREFILLREQUEST']._serialized_end=656
+  _globals['_KVCHUNK']._serialized_start=659
+  _globals['_KVCHUNK']._serialized_end=828
+  _globals['_PREFILLTIMINGS']._serialized_start=830
+  _globals['_PREFILLTIMINGS']._serialized_end=894
+  _globals['_PREFILLDONE']._serialized_start=897
+  _globals['_PREFILLDONE']._serialized_end=1115
+  _globals['_PREFILLRESPONSE']._serialized_start=1117
+  _globals['_PREFILLRESPONSE']._serialized_end=1234
+  _globals['_PREFILL']._serialized_start=1237
+  _globals['_PREFILL']._serialized_end=1412
 # @@protoc_insertion_point(module_scope)

@@ -11,19 +11,29 @@ class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class KVGroup(_message.Message):
+    __slots__ = ("window", "layers")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class KVLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "groups")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KVGroup]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ...) -> None: ...
 
 class PrefillInfo(_message.Message):
     __slots__ = ("model_fingerprint", "kv_layout", "compatibility_hash", "version")
@@ -56,7 +66,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., compatibility_hash: _Optional[str] = ..., cache_salt: _Optional[str] = ..., num_held_blocks: _Optional[int] = ..., held_prefix_hash: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("block_start", "num_blocks", "layer_start", "num_layers", "dtype", "shape", "payload", "crc32c")
+    __slots__ = ("block_start", "num_blocks", "layer_start", "num_layers", "dtype", "shape", "payload", "crc32c", "group")
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +75,7 @@ class KVChunk(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     block_start: int
     num_blocks: int
     layer_start: int
@@ -73,7 +84,8 @@ class KVChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     payload: bytes
     crc32c: int
-    def __init__(self, block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, block_start: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layer_start: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_seconds", "prefill_seconds")
