@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from conftest import TEST_DEVICE, engine_for, random_prompts, tiny_hf_model
+from window_cases import hidden_blocks, poison_hidden_blocks, windowed_attention
 
 from base.settings import ATTENTION_BACKEND_ENV, CPU_EXTENSION_ENV, SettingsError
 from engine.engine import GenerateRequest
@@ -503,6 +504,120 @@ def test_engine_over_a_quantized_cache_matches_the_torch_backend(monkeypatch, kv
     assert triton_engine.backend.name == "triton" and triton_engine.kv_cache.quantized
     got = [s.output_token_ids for s in triton_engine.generate(requests, max_num_batched_tokens=48)]
     assert got == expected
+
+
+# ---------------------------------------------------------------- sliding window
+
+# Shorter than a chunk, one block, across block edges, wider than every context (must change nothing).
+WINDOWS = [1, 5, 16, 21, 500]
+
+
+def windowed_case(query_lens, seq_lens, heads, kv_heads, window, seed, quantized=None):
+    """Query, clean caches and metadata, and the same caches with every block below the window poisoned
+    (NaN, behind garbage table entries): `(query, clean, meta, poisoned, poisoned_meta)`."""
+    k_cache, v_cache, table = paged_cache(seq_lens, 16, kv_heads, 64, seed=seed)
+    clean = (k_cache, v_cache)
+    if quantized is not None:
+        k, k_scales = ref.quantize_kv(k_cache * 3, quantized)
+        v, v_scales = ref.quantize_kv(v_cache, quantized)
+        clean = (k, v, k_scales, v_scales)
+    meta = metadata(query_lens, seq_lens, table)
+    poisoned, poisoned_meta = poison_hidden_blocks(clean, meta, window)
+    query = torch.randn(sum(query_lens), heads, 64)
+    return query, clean, meta, poisoned, poisoned_meta
+
+
+@pytest.mark.parametrize("window", [1, 16, 21, 500])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (6, 1)])
+def test_windowed_decode_matches_the_definition(window, heads, kv_heads):
+    """One split and four (the plan sized to the visible keys), a padding row of length 0 among them."""
+    seq_lens = [1, 16, 17, 53, 97, 0]
+    query, clean, meta, bad, bad_meta = windowed_case([1] * 6, seq_lens, heads, kv_heads, window, window)
+    expected = windowed_attention(
+        query[:5], *clean, metadata([1] * 5, seq_lens[:5], meta.block_tables[:5]), 0.125, window
+    )
+    for plan in (None, triton_decode.SplitPlan(4, 32)):
+        out = triton_decode.paged_decode_attention(
+            query, *bad, bad_meta.block_tables, bad_meta.seq_lens, 0.125, plan, window=window
+        )
+        assert torch.isfinite(out).all() and torch.equal(out[5], torch.zeros_like(out[5]))
+        torch.testing.assert_close(out[:5], expected, **FP32_TOL)
+
+
+def test_windowed_decode_stages_match_their_references():
+    """Splits start at each sequence's first visible key, and the merge reads only the visible ones."""
+    seq_lens, window = [1, 20, 21, 90], 21
+    query, _, _, bad, bad_meta = windowed_case([1] * 4, seq_lens, 4, 2, window, seed=2)
+    tables, lens = bad_meta.block_tables, bad_meta.seq_lens
+    plan = triton_decode.SplitPlan(num_splits=3, split_size=8)
+    partial, lse = triton_decode.decode_partials(query, *bad, tables, lens, 0.125, plan, window=window)
+    ref_partial, ref_lse = ref.decode_attention_partials(
+        query, *bad, tables, lens, 0.125, 8, 3, window=window
+    )
+    for row, seq_len in enumerate(seq_lens):
+        used = triton.cdiv(min(seq_len, window), plan.split_size)
+        torch.testing.assert_close(partial[row, :, :used], ref_partial[row, :, :used], **FP32_TOL)
+        torch.testing.assert_close(lse[row, :, :used], ref_lse[row, :, :used], **FP32_TOL)
+    merged = triton_decode.merge_partials(ref_partial, ref_lse, lens, 8, torch.float32, window)
+    torch.testing.assert_close(merged, ref.merge_attention_partials(ref_partial, ref_lse), **FP32_TOL)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("tile", [triton_prefill.PrefillTile(16, 16, 4, 1), None], ids=["m16n16", "default"])
+def test_windowed_prefill_matches_the_definition(window, tile):
+    """Decodes and prompt chunks in one launch; query tiles whose rows' windows start at different keys."""
+    query_lens, seq_lens = [1, 1, 16, 17, 37, 1], [1, 50, 16, 40, 90, 16]
+    query, clean, meta, bad, bad_meta = windowed_case(query_lens, seq_lens, 4, 2, window, seed=window)
+    assert window > max(seq_lens) or hidden_blocks(meta, 16, window), "the case must hide blocks"
+    out = triton_prefill.paged_prefill_attention(query, *bad, bad_meta, 0.125, tile, window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, windowed_attention(query, *clean, meta, 0.125, window), **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_windowed_attention_over_a_quantized_cache(dtype):
+    query_lens, seq_lens, window = [1, 1, 9, 1], [20, 45, 50, 70], 21
+    query, clean, meta, bad, bad_meta = windowed_case(query_lens, seq_lens, 6, 2, window, 3, dtype)
+    k, v, k_scales, v_scales = bad
+    expected = windowed_attention(query, *clean[:2], meta, 0.125, window, *clean[2:])
+    tile = triton_prefill.PrefillTile(16, 16, 4, 1)
+    out = triton_prefill.paged_prefill_attention(
+        query, k, v, bad_meta, 0.125, tile, k_scales, v_scales, window
+    )
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **FP32_TOL)
+    decodes = [0, 1, 11]  # the rows of the single-token sequences
+    tables, lens = bad_meta.block_tables[[0, 1, 3]], bad_meta.seq_lens[[0, 1, 3]]
+    plan = triton_decode.SplitPlan(2, 16)
+    out = triton_decode.paged_decode_attention(
+        query[decodes], k, v, tables, lens, 0.125, plan, k_scales, v_scales, window
+    )
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected[decodes], **FP32_TOL)
+
+
+def test_a_window_wider_than_every_context_changes_nothing():
+    query_lens, seq_lens = [1, 9, 1], [16, 40, 70]
+    k_cache, v_cache, table = paged_cache(seq_lens, 16, 2, 64, seed=4)
+    meta = metadata(query_lens, seq_lens, table)
+    query = torch.randn(sum(query_lens), 4, 64)
+    wide = max(seq_lens)
+    assert torch.equal(
+        triton_prefill.paged_prefill_attention(query, k_cache, v_cache, meta, 0.125, window=wide),
+        triton_prefill.paged_prefill_attention(query, k_cache, v_cache, meta, 0.125),
+    )
+    lens = meta.seq_lens
+    args = (query[: len(seq_lens)], k_cache, v_cache, table, lens, 0.125, triton_decode.SplitPlan(3, 32))
+    assert torch.equal(
+        triton_decode.paged_decode_attention(*args, window=wide), triton_decode.paged_decode_attention(*args)
+    )
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 9, 1]], ids=["decode", "mixed"])
+def test_triton_backend_passes_the_window(query_lens):
+    query, clean, meta, bad, bad_meta = windowed_case(query_lens, [40, 45, 70], 4, 2, 19, seed=9)
+    got = triton_backend.TritonBackend().attention(query, *bad, bad_meta, 0.125, window=19)
+    torch.testing.assert_close(got, windowed_attention(query, *clean, meta, 0.125, 19), **FP32_TOL)
 
 
 # ---------------------------------------------------------------- fused ops
