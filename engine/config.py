@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,9 +12,18 @@ import torch
 
 from base.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from engine.kv_layout import KVLayout
+from engine.models import FAMILIES
 from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+logger = logging.getLogger(__name__)
+
+# The gated MLP activations the decoder computes (`engine.models.decoder.GatedMLP`).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# RoPE variants whose tables are a fixed function of the position; `dynamic` rescales them with the
+# sequence length, which a paged cache of already-rotated keys cannot follow.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Config fields that change attention in ways the kernels do not compute, refused when set.
+UNSUPPORTED_WHEN_SET = ("attn_logit_softcapping", "use_bidirectional_attention")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,6 +103,8 @@ class ModelConfig:
     # Each layer's sliding window in tokens (a query attends to the last `window` positions, itself
     # included), None for a layer with full attention.
     layer_windows: tuple[int | None, ...] = ()
+    # The gated MLP's activation (`hidden_act`, Gemma's `hidden_activation`): one of SUPPORTED_ACTIVATIONS.
+    hidden_act: str = "silu"
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -100,51 +113,113 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """The facts of a Hugging Face config of a supported family (a multimodal checkpoint: its text
+        part); what tandem cannot run is refused here, at start, with one line naming the field."""
         model_type = hf_config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; tandem runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"model_type {model_type!r} is not supported; tandem runs {', '.join(sorted(FAMILIES))}"
             )
-        if getattr(hf_config, "use_sliding_window", False) or (
-            model_type == "mistral" and getattr(hf_config, "sliding_window", None)
-        ):
-            raise UnsupportedModelError("sliding-window attention is not supported")
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r} is not supported (only silu)")
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        eos = hf_config.eos_token_id
+        hf = hf_config.get_text_config()
+        activation_field = "hidden_activation" if getattr(hf, "hidden_activation", None) else "hidden_act"
+        activation = getattr(hf, activation_field, None) or "silu"
+        if activation not in SUPPORTED_ACTIVATIONS:
+            supported = ", ".join(SUPPORTED_ACTIVATIONS)
+            raise UnsupportedModelError(
+                f"{activation_field} {activation!r} is not supported; tandem runs {supported}"
+            )
+        for name in UNSUPPORTED_WHEN_SET:
+            if getattr(hf, name, None):
+                raise UnsupportedModelError(f"{name}={getattr(hf, name)!r} is not supported (only unset)")
+        max_positions = hf.max_position_embeddings
+        for params in rope_parameter_sets(hf).values():
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"rope_parameters rope_type {rope_type!r} is not supported; "
+                    f"tandem runs {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+            if rope_type == "longrope":
+                max_positions = min(max_positions, _longrope_short_context(hf, params))
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        eos = getattr(hf, "eos_token_id", None)
+        eos = getattr(hf_config, "eos_token_id", None) if eos is None else eos
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type == "llama",
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             eos_token_ids=eos_ids,
-            hf_config=hf_config,
-            layer_windows=layer_windows(hf_config),
+            hf_config=hf,
+            layer_windows=layer_windows(hf),
+            hidden_act=activation,
         )
 
 
+def rope_parameter_sets(hf_config: Any) -> dict[str | None, Mapping[str, Any]]:
+    """The config's RoPE parameters: `{None: params}` for one set for every layer, or one set per layer
+    type (`{"full_attention": ..., "sliding_attention": ...}`) where the config nests them so (Gemma 3:
+    its local layers rotate with `rope_local_base_freq`, which transformers stores that way)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    layer_types = set(getattr(hf_config, "layer_types", None) or ())
+    if params and all(key in layer_types for key in params):
+        return dict(params)
+    return {None: params}
+
+
+def _longrope_short_context(hf_config: Any, params: Mapping[str, Any]) -> int:
+    """The longest sequence longrope serves here: its short factors up to the pretraining length.
+
+    Hugging Face switches every position to the long factors once a sequence outgrows that length, so a
+    key rotated before the switch would no longer match; the cache keeps rotated keys, so tandem serves
+    the short range only (where it matches Hugging Face exactly) and says so once.
+    """
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", hf_config.max_position_embeddings
+    )
+    if original < hf_config.max_position_embeddings:
+        logger.warning(
+            "longrope RoPE: serving up to original_max_position_embeddings only",
+            extra={
+                "original_max_position_embeddings": original,
+                "max_position_embeddings": hf_config.max_position_embeddings,
+            },
+        )
+    return original
+
+
 def layer_windows(hf_config: Any) -> tuple[int | None, ...]:
-    """Each layer's window from a Hugging Face config: its `layer_types` where it has them, else one
-    `sliding_window` for every layer (Mistral, Mixtral, Phi-3), else full attention everywhere."""
+    """Each layer's sliding window, as the family's Hugging Face code applies it.
+
+    Qwen2/Qwen3 (whose `sliding_window` is None unless `use_sliding_window`, their `layer_types`
+    derived from `max_window_layers`) and Gemma 3 slide on the layers `layer_types` marks; Mistral,
+    Mixtral and Phi-3 apply `sliding_window` to every layer and ignore any `layer_types`; Llama never
+    slides.
+    """
     window = getattr(hf_config, "sliding_window", None)
     types = getattr(hf_config, "layer_types", None)
-    if types:
+    if hf_config.model_type in LAYER_TYPED_WINDOWS and types:
         return tuple(window if kind == "sliding_attention" else None for kind in types)
+    if hf_config.model_type in LAYER_TYPED_WINDOWS or hf_config.model_type == "llama":
+        return (None,) * hf_config.num_hidden_layers
     return (window,) * hf_config.num_hidden_layers
+
+
+# Families whose layers slide where `layer_types` says (the others: every layer or none).
+LAYER_TYPED_WINDOWS = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarDeadEndError, GrammarMask, GrammarState, GrammarViolationError
 from engine.kv_cache import KVCache
-from engine.model import CausalLM
 from engine.model_facts import ModelFacts
 from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.models import build_model
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler, SamplerOutput, TokenHistory, argmax_suffices
 from engine.sequence import FinishReason, Sequence
@@ -108,7 +108,7 @@ class Engine:
         self.backend = self.platform.attention
         check_device_supports(config.kv_dtype, self.device, self.backend.name)
         with torch.device("meta"):
-            model = CausalLM(model_config, self.backend)
+            model = build_model(model_config, self.backend)
         model = model.to_empty(device=self.device).to(config.dtype)
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight

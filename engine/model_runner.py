@@ -8,7 +8,7 @@ from itertools import accumulate
 import torch
 
 from engine.kv_cache import KVCache
-from engine.model import CausalLM
+from engine.models.decoder import CausalLM
 from engine.sequence import Sequence
 from kernels.metadata import AttentionMetadata
 

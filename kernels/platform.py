@@ -77,16 +77,17 @@ class Platform:
         return len(targets)
 
     def specialize(self, model: nn.Module) -> None:
-        """Hand a loaded `engine.model.CausalLM` this platform's CPU kernels: its LM head (first, so the
-        linear swap leaves it alone) and its greedy path, its other fp32 linears, its decoder stack."""
+        """Hand a loaded `engine.models.decoder.CausalLM` this platform's CPU kernels: its LM head (first,
+        so the linear swap leaves it alone) and its greedy path, its other fp32 linears, its decoder stack."""
         if self.cpu_lm_head and cpu_lm_head.use_cpu_lm_head(model, self.extension):
             model.greedy_head = model.lm_head.greedy
         if self.cpu_linears:
             cpu_linear.use_cpu_linears(model, self.extension)
         if self.extension is not None:
             moe.use_cpu_kernels(model, self.extension)
-        if self.decode_stack and len(model.layers) > 0:
-            model.decode_stack = CpuDecodeStack(model.layers, self.extension)
+        # The stack computes the Llama layer over one block table: other families keep the per-op path.
+        if self.decode_stack and len(model.layers) > 0 and model.fits_decode_stack:
+            model.decode_stack = CpuDecodeStack(model.layers, self.extension, model.config.layer_windows)
             logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(model.layers)})
 
 

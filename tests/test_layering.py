@@ -33,7 +33,7 @@ CLI_MODULES = ("tandem/cli.py", "tandem/up*.py")
 
 # The modules that hold the model's weights or its KV cache: the decode front door must not need them,
 # so that it can run in a process that never loads them (it knows the model by `engine.model_facts`).
-WEIGHT_MODULES = ("engine.engine", "engine.model", "engine.model_runner", "engine.kv_cache")
+WEIGHT_MODULES = ("engine.engine", "engine.models", "engine.model_runner", "engine.kv_cache")
 
 
 def product_packages() -> set[str]:

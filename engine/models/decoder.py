@@ -1,0 +1,354 @@
+"""The decoder skeleton every family shares, over the paged KV cache: attention, gated MLP, RMSNorm,
+rotary embeddings, and the `CausalLM` that stacks them and loads a Hugging Face checkpoint.
+
+One forward takes a flat batch of tokens from many sequences at different positions — prefill
+chunks and single decode tokens mixed — and the `AttentionMetadata` that says where each
+sequence's context lives in the cache. Projections are fused (qkv, gate_up) so a step does
+fewer, larger matmuls; `load_weights` maps Hugging Face parameter names onto them.
+
+The base classes are the Llama layer (Llama 2/3, SmolLM2, Mistral, Qwen2). A family (one module
+beside this one, chosen by `engine.models.FAMILIES`) subclasses `CausalLM` and overrides only the
+`make_*` pieces that differ: its norm, its layer's norm arrangement, its attention's scale or
+per-head q/k norm, its MLP (a mixture of experts swaps in here), its embedding scale, its checkpoint
+names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig, rope_parameter_sets
+from engine.kv_cache import KVCache
+from engine.sampler import greedy_argmax
+from kernels.backend import AttentionBackend
+from kernels.cpu_decode_stack import CpuDecodeStack
+from kernels.metadata import AttentionMetadata
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of a step, computed the way Hugging Face does.
+
+    The inverse frequencies come from `transformers`' own RoPE initialisers, so every variant its
+    config can name (default, llama3, linear, yarn, longrope's short factors) gives the same rotation
+    here as there. `layer_type` picks one set of a config whose RoPE differs per layer type (Gemma 3:
+    another base for its sliding layers). A `partial_rotary_factor` below 1 rotates only the first
+    part of each head (the tables are that narrow; `Attention` leaves the rest as it is).
+    """
+
+    def __init__(self, config: ModelConfig, params: Mapping[str, Any], layer_type: str | None) -> None:
+        super().__init__()
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        with torch.device("cpu"):
+            if rope_type == "default":
+                theta = params.get("rope_theta", getattr(config.hf_config, "rope_theta", 10000.0))
+                dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+                exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+                inv_freq, scaling = 1.0 / (theta**exponents), 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                init = ROPE_INIT_FUNCTIONS[rope_type]
+                inv_freq, scaling = init(config.hf_config, torch.device("cpu"), layer_type=layer_type)
+        # A plain attribute, not a buffer: it must stay fp32 when the model is cast to bf16.
+        self.inv_freq = inv_freq.float()
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate(heads: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`heads [T, n, head_dim]` times the fp32 orthonormal `rotation`, in fp32: a half-precision copy of
+    the matrix would be orthonormal only to 2**-9, and that error would land on every score."""
+    return torch.matmul(heads.float(), rotation).to(heads.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (`weight * normed`), with the residual add fused in front."""
+
+    def __init__(self, size: int, eps: float, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
+
+
+NormFactory = Callable[[int], nn.Module]
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over its paged cache, with its window and its KV group's metadata.
+
+    `qk_norm` (Qwen3, Gemma 3) builds a norm over one head's features, applied to every query and key
+    head before RoPE; `scale` replaces 1/sqrt(head_dim) (Gemma's `query_pre_attn_scalar`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        scale: float | None = None,
+        qk_norm: NormFactory | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.window = config.layer_windows[layer_index] if config.layer_windows else None
+        self.kv_group = config.kv_layout.group_of_layer[layer_index]
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = None if qk_norm is None else qk_norm(self.head_dim)
+        self.k_norm = None if qk_norm is None else qk_norm(self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, kv_cache: KVCache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, _ = self.q_norm(q.reshape(-1, self.head_dim))
+            k, _ = self.k_norm(k.reshape(-1, self.head_dim))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self._rope(q, k, *cos_sin)
+        if kv_cache.rotation is not None:
+            q, k = rotate(q, kv_cache.rotation), rotate(k, kv_cache.rotation)
+        layer_meta = meta.for_group(self.kv_group)
+        k_cache, v_cache = kv_cache.k[self.layer_index], kv_cache.v[self.layer_index]
+        k_scales, v_scales = kv_cache.scales(self.layer_index)
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, layer_meta.slot_mapping, k_scales, v_scales)
+        out = self.backend.attention(
+            q, k_cache, v_cache, layer_meta, self.scale, k_scales, v_scales, window=self.window
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE over all of each head, or over its first `cos.shape[-1]` features (partial rotary)."""
+        width = cos.shape[-1]
+        if width == self.head_dim:
+            return self.backend.apply_rope(q, k, cos, sin)
+        q_rot, k_rot = self.backend.apply_rope(
+            q[..., :width].contiguous(), k[..., :width].contiguous(), cos, sin
+        )
+        return torch.cat((q_rot, q[..., width:]), dim=-1), torch.cat((k_rot, k[..., width:]), dim=-1)
+
+
+# The gated activations `ModelConfig.hidden_act` may name: `act(gate) * up`, by torch's GELU variant
+# (SiLU runs on the backend's fused kernel).
+GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.activation = config.hidden_act
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(hidden)
+        if self.activation == "silu":
+            return self.down_proj(self.backend.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        approximate = GELU_APPROXIMATIONS[self.activation]
+        return self.down_proj(nn.functional.gelu(gate, approximate=approximate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer: `h += attn(norm(h))`, then `h += mlp(norm(h))`, the residual add fused into
+    the next norm (each returns the normed input and the running residual)."""
+
+    def __init__(self, input_norm: nn.Module, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = input_norm
+        self.self_attn = attention
+        self.post_attention_layernorm = post_norm
+        self.mlp = mlp
+
+    def forward(self, hidden, residual, cos_sin: CosSin, kv_cache: KVCache, meta: AttentionMetadata):
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Decoder stack plus LM head; `forward` returns hidden states, `compute_logits` the fp32 logits."""
+
+    # Checkpoint projections this model fuses: Hugging Face name part -> (our fused part, shard index).
+    stacked_params: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # True where each layer is exactly the Llama layer the C++ decode stack (`kernels.cpu_decode_stack`)
+    # computes: SiLU MLP, two plain RMSNorms, no q/k norm, 1/sqrt(head_dim) scale, full RoPE.
+    llama_layers: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        # An explicit (uninitialised) weight skips nn.Embedding's random init: the weights are loaded
+        # anyway, and on the meta device that init imports torch._dynamo and with it Triton, whose
+        # native objects then leak noisily at exit on a CPU machine that never uses them.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        rope_sets = rope_parameter_sets(config.hf_config)
+        # One table per distinct RoPE (key None: the whole model's), and the key each layer reads.
+        self.rotaries = {key: RotaryEmbedding(config, params, key) for key, params in rope_sets.items()}
+        layer_types = getattr(config.hf_config, "layer_types", None)
+        self.layer_rope = tuple(
+            layer_types[i] if None not in rope_sets else None for i in range(config.num_layers)
+        )
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_layers))
+        self.norm = self.make_norm(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Handed over by the platform (`kernels.platform.Platform.specialize`) where the device has them:
+        # the layers of a decode-only step in one call, and each row's greedy token straight from the
+        # hidden states. None: the layer loop below and the argmax of the logits, which they match.
+        self.decode_stack: CpuDecodeStack | None = None
+        self.greedy_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    # The pieces a family replaces.
+
+    def make_norm(self, size: int) -> nn.Module:
+        return RMSNorm(size, self.config.rms_norm_eps, self.backend)
+
+    def make_attention(self, layer_index: int) -> nn.Module:
+        return Attention(self.config, layer_index, self.backend)
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        return GatedMLP(self.config, self.backend)
+
+    def make_layer(self, layer_index: int) -> nn.Module:
+        size = self.config.hidden_size
+        attention, mlp = self.make_attention(layer_index), self.make_mlp(layer_index)
+        return DecoderLayer(self.make_norm(size), attention, self.make_norm(size), mlp)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor (before fusing), or None for one that is skipped."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        return name
+
+    @property
+    def fits_decode_stack(self) -> bool:
+        """Whether the C++ decode stack computes this model's layers exactly: Llama layers (each with
+        its own window, if any) over one KV group's block table."""
+        return self.llama_layers and self.config.kv_layout.num_groups == 1
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        tables = {key: rotary(positions, hidden.dtype) for key, rotary in self.rotaries.items()}
+        if self.decode_stack is not None and self.decode_stack.accepts(hidden, meta):
+            hidden, residual = self.decode_stack(hidden, tables[self.layer_rope[0]], kv_cache, meta)
+        else:
+            residual = None
+            for layer, rope in zip(self.layers, self.layer_rope, strict=True):
+                hidden, residual = layer(hidden, residual, tables[rope], kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax token; a greedy head finds it without writing the logits out."""
+        if self.greedy_head is not None:
+            return self.greedy_head(hidden)
+        return greedy_argmax(self.compute_logits(hidden))
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face parameters in, concatenating the `stacked_params` into our fused layers.
+
+        A quantized layer (`engine.quantization`) has no full-precision weight to copy into: its
+        `load_weight_rows(offset, tensor)` quantizes each checkpoint tensor into its rows instead.
+        """
+        params = dict(self.named_parameters())
+        row_loaders = self._weight_row_loaders()
+        loaded: set[str] = set()
+        for hf_name, tensor in state_dict.items():
+            name = self.checkpoint_name(hf_name)
+            if name is None:
+                continue
+            shard = None
+            for hf_part, (ours, index) in self.stacked_params.items():
+                if f".{hf_part}." in name:
+                    name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
+                    break
+            offset = 0 if shard is None else self._shard_offset(name, shard)
+            if name in row_loaders:
+                row_loaders[name](offset, tensor)
+            elif name not in params:
+                raise KeyError(f"checkpoint parameter {hf_name!r} has no place in the model")
+            elif shard is None:
+                params[name].data.copy_(tensor)
+            else:
+                params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        missing = self._expected_shards() - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+    def _shard_offset(self, name: str, shard: int) -> int:
+        cfg = self.config
+        if ".qkv_proj." in name:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return (0, q, q + kv)[shard]
+        return shard * cfg.intermediate_size
+
+    def _weight_row_loaders(self) -> dict[str, Callable[[int, torch.Tensor], None]]:
+        """`<module>.weight` -> the loader of each quantized layer's weight."""
+        return {
+            f"{name}.weight": module.load_weight_rows
+            for name, module in self.named_modules()
+            if hasattr(module, "load_weight_rows")
+        }
+
+    def _expected_shards(self) -> set[str]:
+        shard_counts = Counter(ours for ours, _ in self.stacked_params.values())
+        expected = set()
+        for name in [*(name for name, _ in self.named_parameters()), *self._weight_row_loaders()]:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            fused = [count for part, count in shard_counts.items() if f".{part}." in name]
+            shards = tuple(range(fused[0])) if fused else (None,)
+            expected.update(f"{name}#{s}" for s in shards)
+        return expected
