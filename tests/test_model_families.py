@@ -21,6 +21,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from base.errors import UnsupportedModelError
@@ -52,6 +53,10 @@ CONFIGS = {
         **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     ),
     "mistral_window": lambda: MistralConfig(**COMMON, head_dim=48, sliding_window=WINDOW),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=48),
+    "qwen3_window": lambda: Qwen3Config(
+        **COMMON, head_dim=48, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2
+    ),
 }
 
 
@@ -127,6 +132,7 @@ def test_registry_covers_the_families() -> None:
         ("llama", (None, None, None)),
         ("qwen2", (None, None, None)),
         ("qwen2_window", (None, WINDOW, WINDOW)),
+        ("qwen3_window", (None, None, WINDOW)),
         ("mistral_window", (WINDOW, WINDOW, WINDOW)),
     ],
 )
@@ -139,7 +145,7 @@ def test_mistral_ignores_layer_types_as_hugging_face_does() -> None:
     assert ModelConfig.from_hf(config).layer_windows == (WINDOW,) * 3
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3"])
 def test_decode_stack_only_for_llama_layers_over_one_group(name: str) -> None:
     """The C++ decode stack computes the Llama layer (with its window) over one block table: a model
     with two KV groups or another family's layer keeps the per-op path."""

@@ -21,6 +21,7 @@ FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
+    "qwen3": "qwen3",
 }
 
 
