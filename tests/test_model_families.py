@@ -17,6 +17,8 @@ import torch
 from conftest import TINY_VOCAB, engine_for, hf_greedy
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -45,6 +47,18 @@ COMMON = dict(
     bos_token_id=None,
     pad_token_id=None,
 )
+GEMMA_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+}
+GEMMA_TEXT = dict(
+    COMMON,
+    head_dim=48,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    rope_parameters=GEMMA_ROPE,
+    query_pre_attn_scalar=40,
+)
 # name -> the Hugging Face config of a tiny model of that family.
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, head_dim=48),
@@ -56,6 +70,19 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=48),
     "qwen3_window": lambda: Qwen3Config(
         **COMMON, head_dim=48, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2
+    ),
+    "gemma3_text": lambda: Gemma3TextConfig(**GEMMA_TEXT),
+    "gemma3": lambda: Gemma3Config(
+        text_config=GEMMA_TEXT,
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        mm_tokens_per_image=4,
     ),
 }
 
@@ -134,6 +161,8 @@ def test_registry_covers_the_families() -> None:
         ("qwen2_window", (None, WINDOW, WINDOW)),
         ("qwen3_window", (None, None, WINDOW)),
         ("mistral_window", (WINDOW, WINDOW, WINDOW)),
+        ("gemma3_text", (WINDOW, WINDOW, None)),
+        ("gemma3", (WINDOW, WINDOW, None)),
     ],
 )
 def test_layer_windows_follow_each_family(name: str, windows: tuple) -> None:
@@ -145,7 +174,25 @@ def test_mistral_ignores_layer_types_as_hugging_face_does() -> None:
     assert ModelConfig.from_hf(config).layer_windows == (WINDOW,) * 3
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3"])
+def test_gemma3_checkpoint_reads_its_text_part() -> None:
+    config = ModelConfig.from_hf(CONFIGS["gemma3"]())
+    assert config.model_type == "gemma3"
+    assert (config.head_dim, config.hidden_act, config.tie_word_embeddings) == (48, "gelu_pytorch_tanh", True)
+
+
+def test_gemma_final_logit_softcapping_matches_hf() -> None:
+    """Gemma 3 sets no cap, but a config that does gets Hugging Face's capped logits (and logprobs)."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(**(GEMMA_TEXT | {"final_logit_softcapping": 3.0}))
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = engine_for(hf, num_blocks=8).model
+    hidden = torch.randn(3, config.hidden_size)
+    with torch.no_grad():
+        expected = torch.tanh(hf.lm_head(hidden) / 3.0) * 3.0
+    torch.testing.assert_close(model.compute_logits(hidden), expected)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3", "gemma3_text"])
 def test_decode_stack_only_for_llama_layers_over_one_group(name: str) -> None:
     """The C++ decode stack computes the Llama layer (with its window) over one block table: a model
     with two KV groups or another family's layer keeps the per-op path."""
@@ -160,10 +207,12 @@ def test_decode_stack_only_for_llama_layers_over_one_group(name: str) -> None:
     [
         (GPT2Config(), "model_type 'gpt2'"),
         (LlamaConfig(**COMMON, hidden_act="relu"), "hidden_act 'relu'"),
+        (Gemma3TextConfig(**(GEMMA_TEXT | {"hidden_activation": "relu"})), "hidden_activation 'relu'"),
         (
             LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
             "rope_type 'dynamic'",
         ),
+        (Gemma3TextConfig(**(GEMMA_TEXT | {"attn_logit_softcapping": 50.0})), "attn_logit_softcapping"),
     ],
 )
 def test_refusals_name_the_field(config, field: str) -> None:

@@ -22,6 +22,8 @@ FAMILIES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
 }
 
 
