@@ -22,6 +22,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -59,6 +60,13 @@ GEMMA_TEXT = dict(
     rope_parameters=GEMMA_ROPE,
     query_pre_attn_scalar=40,
 )
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10_000.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
+
 # name -> the Hugging Face config of a tiny model of that family.
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, head_dim=48),
@@ -83,6 +91,16 @@ CONFIGS = {
             patch_size=14,
         ),
         mm_tokens_per_image=4,
+    ),
+    "phi3_window": lambda: Phi3Config(
+        **COMMON,
+        sliding_window=WINDOW,
+        rope_parameters={"rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+    ),
+    "phi3_longrope": lambda: Phi3Config(
+        **(COMMON | {"max_position_embeddings": 384}),
+        original_max_position_embeddings=96,
+        rope_parameters=dict(LONGROPE, partial_rotary_factor=0.5),
     ),
 }
 
@@ -161,6 +179,7 @@ def test_registry_covers_the_families() -> None:
         ("qwen2_window", (None, WINDOW, WINDOW)),
         ("qwen3_window", (None, None, WINDOW)),
         ("mistral_window", (WINDOW, WINDOW, WINDOW)),
+        ("phi3_window", (WINDOW, WINDOW, WINDOW)),
         ("gemma3_text", (WINDOW, WINDOW, None)),
         ("gemma3", (WINDOW, WINDOW, None)),
     ],
@@ -192,7 +211,11 @@ def test_gemma_final_logit_softcapping_matches_hf() -> None:
     torch.testing.assert_close(model.compute_logits(hidden), expected)
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3", "gemma3_text"])
+def test_longrope_serves_its_short_context_only() -> None:
+    assert ModelConfig.from_hf(CONFIGS["phi3_longrope"]()).max_position_embeddings == 96
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3", "gemma3_text", "phi3_window"])
 def test_decode_stack_only_for_llama_layers_over_one_group(name: str) -> None:
     """The C++ decode stack computes the Llama layer (with its window) over one block table: a model
     with two KV groups or another family's layer keeps the per-op path."""

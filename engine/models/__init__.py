@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "phi3": "phi3",
 }
 
 
