@@ -170,11 +170,11 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--chat-template",
-        type=Path,
         default=None,
-        metavar="PATH",
-        help="Jinja chat template file that replaces the model's own, e.g. one that renders tools "
-        "(default: the template in the model's tokenizer files)",
+        metavar="TEMPLATE",
+        help="Jinja chat template, a file or the template text itself, that replaces the model's own (e.g. "
+        "one that renders tools) or gives a model without one chat endpoints (default: the template in the "
+        "model's tokenizer files; without one, chat requests are refused)",
     )
     group.add_argument(
         "--tool-call-parser",

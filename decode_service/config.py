@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from base.errors import ConfigError
+from decode_service.chat_template import read_chat_template
 from decode_service.engine_core.remote_prefill.targets import (
     PrefillTarget,
     PrefillTargetError,
@@ -58,7 +59,8 @@ class DecodeServiceConfig(ServerConfig):
     grammar is larger than `max_grammar_memory` bytes, is refused; a tenant may have at most
     `max_compiles_per_tenant` compiles waiting or running, and tenants take turns at the compiler. At most
     `grammar_cache_size` compiled grammars, and `grammar_cache_memory` bytes of them, are kept.
-    `chat_template` (a Jinja file) replaces the model's template. `tool_call_parser` reads the calls a
+    `chat_template` (a Jinja file, or the template inline) replaces the model's template, or gives a
+    model without one (a base model) chat endpoints. `tool_call_parser` reads the calls a
     model writes under tool_choice auto; `reasoning_parser` splits off its `<think>` reasoning, and
     grammars then apply only after `</think>`.
 
@@ -105,7 +107,7 @@ class DecodeServiceConfig(ServerConfig):
     grammar_cache_memory: int = 512 * 2**20
     max_grammar_memory: int = 64 * 2**20
     max_compiles_per_tenant: int = 4
-    chat_template: Path | None = None
+    chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     engine_heartbeat_timeout_s: float = 30.0
@@ -165,8 +167,8 @@ class DecodeServiceConfig(ServerConfig):
         for name in ("max_grammar_memory", "max_compiles_per_tenant"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chat_template is not None and not self.chat_template.is_file():
-            raise ConfigError(f"chat template {self.chat_template} is not a readable file")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
         for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             value = getattr(self, name)
             if value is not None and value not in known:

@@ -150,7 +150,10 @@ class Tokenizer:
         """
         template = self._chat_template or self._hf.chat_template
         if template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt")
+            raise InvalidRequestError(
+                "this model has no chat template; pass --chat-template (a Jinja file or the template text) "
+                "to the server to chat with it, or send a plain prompt (completions)"
+            )
         if not messages:
             raise InvalidRequestError("messages must not be empty")
         conversation: object = [_checked_message(index, message) for index, message in enumerate(messages)]

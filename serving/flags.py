@@ -28,8 +28,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="model directory (safetensors, config, tokenizer) or the default model's name "
-        "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model` first)",
+        help="model directory (safetensors, config, tokenizer) or a fetched model's name, e.g. gemma-3-270m "
+        "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model [NAME]` first)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")

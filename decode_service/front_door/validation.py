@@ -25,10 +25,10 @@ import asyncio
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 from base.errors import ConfigError, InvalidRequestError
+from decode_service.chat_template import read_chat_template
 from decode_service.engine_core.messages import GrammarSource
 from decode_service.front_door import json_text
 from decode_service.front_door.constraints import (
@@ -151,16 +151,13 @@ def cache_salt(request: pb.GenerateRequest, salt_tenant: str | None) -> str:
     return f"{len(salt_tenant)}:{salt_tenant}:{request.cache_salt}"
 
 
-def use_chat_template(model: ModelFacts, path: Path) -> None:
-    """Render this server's chats with the Jinja template in `path` (--chat-template), read now; set on the
-    tokenizer object, so whoever shares it with `model` (the engine that built it) renders the same."""
+def use_chat_template(model: ModelFacts, value: str) -> None:
+    """Render this server's chats with the template `value` (--chat-template: a Jinja file, read now, or
+    the template inline); set on the tokenizer object, so whoever shares it with `model` (the engine that
+    built it) renders the same."""
     if model.tokenizer is None:
         raise ConfigError("--chat-template needs the model's tokenizer")
-    try:
-        template = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the chat template {path}: {exc}") from None
-    model.tokenizer.set_chat_template(template)
+    model.tokenizer.set_chat_template(read_chat_template(value))
 
 
 def rendered_tools(request: pb.GenerateRequest, tools: list[Tool]) -> list[Tool]:

@@ -29,8 +29,8 @@ from tandem.client.sync_client import TandemClient
 STDIN_PROMPT = "-"
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
-# The start of the server's INVALID_ARGUMENT message for chat messages sent to a model without a template.
-NO_CHAT_TEMPLATE = "this model's tokenizer has no chat template"
+# In the server's INVALID_ARGUMENT message for chat messages sent to a model without a template (old and new).
+NO_CHAT_TEMPLATE = "has no chat template"
 
 
 def _int_list(text: str) -> list[int]:
