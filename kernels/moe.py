@@ -34,6 +34,9 @@ from kernels.int8_linear import Int8Linear, quantize_per_channel
 # Rows up to which an fp32 expert runs on the extension's streaming GEMV rather than MKL: the dense
 # linears' threshold (`kernels.cpu_linear.GEMV_MAX_ROWS`), whose measurement holds for one expert too.
 FP32_GEMV_MAX_ROWS = 16
+# (token, expert) pairs up to which a step groups them by expert in Python rather than with a sort and
+# a bincount: a decode step's few pairs, where each tensor op costs more than the grouping.
+HOST_GROUPING_MAX_PAIRS = 64
 
 SiluAndMul = Callable[[torch.Tensor], torch.Tensor]
 
@@ -234,6 +237,27 @@ def has_experts(model: nn.Module) -> bool:
     return any(isinstance(m, Experts | Int8Experts) for m in model.modules())
 
 
+def _groups_on_host(ids: torch.Tensor) -> list[tuple[int, int | torch.Tensor]]:
+    """`(expert, pairs)` for a small step, grouped in Python from one host copy of `ids`: a pair index
+    alone where an expert has one pair (its rows are then views, not gathers), else their tensor."""
+    groups: dict[int, list[int]] = {}
+    for pair, expert in enumerate(ids.reshape(-1).tolist()):
+        groups.setdefault(expert, []).append(pair)
+    return [
+        (expert, pairs[0] if len(pairs) == 1 else torch.tensor(pairs, device=ids.device))
+        for expert, pairs in sorted(groups.items())
+    ]
+
+
+def _groups_by_sort(ids: torch.Tensor, num_experts: int) -> list[tuple[int, int | torch.Tensor]]:
+    """`(expert, pairs)` for a large step: pairs sorted by expert (stably: token order within an expert),
+    split by the per-expert counts, which come to the host once."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return [(e, pairs) for e, pairs in enumerate(order.split(counts)) if counts[e]]
+
+
 def sorted_experts(
     hidden: torch.Tensor,
     experts: AnyExperts,
@@ -243,26 +267,31 @@ def sorted_experts(
 ) -> torch.Tensor:
     """The CPU path: every active expert once, over all rows routed to it (module doc).
 
-    The pairs are sorted by expert (stably, so each expert's rows keep token order); the per-expert
-    counts come to the host once, and each expert's weighted output is added into its tokens' rows in
-    the activation dtype, as Hugging Face does.
+    Experts run in increasing id order and each adds its weighted rows into the output in the
+    activation dtype, as Hugging Face's loop does, so the sums round alike. A decode-sized step groups
+    its pairs on the host (`HOST_GROUPING_MAX_PAIRS`), where a sort and a bincount would cost more
+    than the experts' GEMVs; a larger one sorts on the tensor side.
     """
     top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    tokens = order // top_k
-    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+    if ids.numel() <= HOST_GROUPING_MAX_PAIRS:
+        groups = _groups_on_host(ids)
+    else:
+        groups = _groups_by_sort(ids, experts.num_experts)
+    pair_weights = weights.reshape(-1)
     out = torch.zeros_like(hidden)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
-        x = hidden.index_select(0, rows)
+    for expert, pairs in groups:
+        if isinstance(pairs, int):
+            token = pairs // top_k
+            x, weight = hidden.narrow(0, token, 1), pair_weights.narrow(0, pairs, 1)
+        else:
+            tokens = pairs // top_k
+            x, weight = hidden.index_select(0, tokens), pair_weights.index_select(0, pairs)
         y = experts.down(expert, silu_and_mul(experts.gate_up(expert, x)))
-        out.index_add_(0, rows, (y * pair_weights[start : start + count]).to(out.dtype))
-        start += count
+        y = (y * weight.unsqueeze(1)).to(out.dtype)
+        if isinstance(pairs, int):
+            out.narrow(0, token, 1).add_(y)
+        else:
+            out.index_add_(0, tokens, y)
     return out
 
 

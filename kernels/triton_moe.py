@@ -39,6 +39,11 @@ def block_m_for(num_pairs: int) -> int:
     return 16 if num_pairs <= SMALL_M_PAIRS else 64
 
 
+def capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """The length of `align_by_expert`'s pair list: every pair, plus a partly filled tile per expert."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+
+
 def align_by_expert(
     ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,10 +65,10 @@ def align_by_expert(
     first_pair = torch.cumsum(counts, 0) - counts
     rank = torch.arange(pairs, device=flat.device) - first_pair[sorted_experts]
     slots = (ends - padded)[sorted_experts] + rank
-    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
-    pair_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    length = capacity(pairs, num_experts, block_m)
+    pair_ids = torch.full((length,), pairs, dtype=torch.int32, device=flat.device)
     pair_ids[slots] = order.to(torch.int32)
-    tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
+    tile_starts = torch.arange(0, length, block_m, device=flat.device)
     block_experts = torch.searchsorted(ends, tile_starts, right=True).clamp_(max=num_experts - 1)
     return pair_ids, block_experts.to(torch.int32), ends[-1:].to(torch.int32)
 
@@ -174,7 +179,9 @@ def _grouped_gemm(
         "BLOCK_N": BLOCK_N,
         "BLOCK_K": BLOCK_K,
     }
-    launch(KernelLaunch(_fused_moe_kernel, grid, args, constexprs, num_warps=4))
+    # A 64-row tile's fp32 accumulator (and an fp32 or widened int8 weight tile) would spill over 4 warps.
+    num_warps = 4 if block_m <= 16 else 8
+    launch(KernelLaunch(_fused_moe_kernel, grid, args, constexprs, num_warps=num_warps))
 
 
 def fused_moe(
@@ -189,19 +196,35 @@ def fused_moe(
     """The experts' weighted sum for `hidden [T, H]` (module doc) with `w_gate_up [E, 2I, H]`,
     `w_down [E, H, I]` in `hidden`'s dtype, or int8 with `gate_up_scale [E, 2I]`, `down_scale [E, H]`;
     `weights`/`ids` `[T, top_k]` as `kernels.moe.route` gives them."""
+    tokens, top_k = ids.shape
+    if tokens * top_k == 0:
+        return torch.zeros_like(hidden)
+    block_m = block_m_for(tokens * top_k)
+    plan = align_by_expert(ids, w_gate_up.shape[0], block_m)
+    return fused_moe_planned(hidden, w_gate_up, w_down, weights, plan, block_m, gate_up_scale, down_scale)
+
+
+def fused_moe_planned(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_m: int,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_moe` over a plan `align_by_expert` made with `block_m` (`kernels.aot` hands one of `meta`
+    tensors, whose contents the launches never need)."""
     if (gate_up_scale is None) != (down_scale is None):
         raise ValueError("int8 experts need the scales of both their matrices")
-    tokens, top_k = ids.shape
+    tokens, top_k = weights.shape
     pairs = tokens * top_k
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-    out = torch.empty((pairs, w_down.shape[1]), dtype=hidden.dtype, device=hidden.device)
-    if pairs == 0:
-        return out.view(tokens, top_k, -1).sum(dim=1)
-    block_m = block_m_for(pairs)
-    plan = align_by_expert(ids, w_gate_up.shape[0], block_m)
     gate_up = torch.empty((pairs, w_gate_up.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(hidden, w_gate_up, gate_up_scale, gate_up, plan, block_m, top_k, None)
     act = triton_fused.silu_and_mul(gate_up)
     pair_weights = weights.reshape(-1).float().contiguous()
+    out = torch.empty((pairs, w_down.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(act, w_down, down_scale, out, plan, block_m, 1, pair_weights)
     return out.view(tokens, top_k, -1).sum(dim=1)

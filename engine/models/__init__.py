@@ -25,6 +25,8 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
 }
 
 

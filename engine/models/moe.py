@@ -19,12 +19,14 @@ what the quantizer swaps): it is E rows, and a flipped expert choice would chang
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.decoder import CausalLM
 from kernels.backend import AttentionBackend
 from kernels.moe import Experts, Int8Experts, fused_experts, route
 
@@ -149,3 +151,61 @@ def expected_shards(model: nn.Module) -> set[str]:
                 expected.update(shard_key(name, "gate_up", e, s) for s in (0, 1))
                 expected.add(shard_key(name, "down", e, 0))
     return expected
+
+
+class _WithoutExperts(Mapping[str, torch.Tensor]):
+    """A checkpoint seen without its expert tensors (which `MoeCausalLM` loads itself), lazily: a
+    lazily loaded checkpoint reads each tensor once, when the skeleton's loader asks for it."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], expert_names: set[str]) -> None:
+        self._state_dict, self._expert_names = state_dict, expert_names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._expert_names:
+            raise KeyError(name)
+        return self._state_dict[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._state_dict if name not in self._expert_names)
+
+    def __len__(self) -> int:
+        return len(self._state_dict) - len(self._expert_names)
+
+
+class MoeCausalLM(CausalLM):
+    """The skeleton with expert layers: `moe_spec` says their shape and routing, `is_sparse` which layers
+    have them; the others keep the dense gated MLP. Loads expert tensors by any of the names in the
+    module doc, everything else by the skeleton's loader."""
+
+    def moe_spec(self) -> MoeSpec:
+        raise NotImplementedError
+
+    def is_sparse(self, layer_index: int) -> bool:
+        return True
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        if not self.is_sparse(layer_index):
+            return super().make_mlp(layer_index)
+        return SparseMoeBlock(self.config.hidden_size, self.moe_spec(), self.backend)
+
+    def checkpoint_name(self, hf_name: str) -> str | None:
+        name = super().checkpoint_name(hf_name)
+        return None if name is None else router_name(name)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        loaded: set[str] = set()
+        expert_names: set[str] = set()
+        for hf_name in state_dict:
+            name = self.checkpoint_name(hf_name)
+            target = None if name is None else expert_target(name)
+            if target is not None:
+                loaded.update(load_expert_tensor(self, target, state_dict[hf_name]))
+                expert_names.add(hf_name)
+        super().load_weights(_WithoutExperts(state_dict, expert_names))
+        missing = expected_shards(self) - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks expert weights: {sorted(missing)[:5]}")
+
+    def _expected_shards(self) -> set[str]:
+        """The skeleton's, less the experts' tensors (`load_weights` checks those by expert)."""
+        return {key for key in super()._expected_shards() if ".mlp.experts." not in key}
