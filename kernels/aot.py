@@ -51,7 +51,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from kernels import triton_cache, triton_decode, triton_fused, triton_prefill  # noqa: E402
+from kernels import triton_cache, triton_decode, triton_fused, triton_moe, triton_prefill  # noqa: E402
 from kernels.kv_quant import (  # noqa: E402
     FP8_MIN_CUDA_CAPABILITY,
     KV_CACHE_DTYPE_CHOICES,
@@ -87,12 +87,27 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
+    # Mixture-of-experts layers (0: dense): experts, experts per token, each expert's intermediate size.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
 
 MODELS = (
     ModelShape("smollm2-135m", hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64),
     ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128),
     ModelShape("llama-3.1-70b", hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128),
+    ModelShape(
+        "mixtral-8x7b",
+        hidden=4096,
+        intermediate=14336,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=14336,
+    ),
 )
 
 
@@ -235,6 +250,29 @@ def _prefill_attention(
     triton_prefill.paged_prefill_attention(q, k_cache, v_cache, meta, scale, None, k_scales, v_scales, window)
 
 
+def _moe_layer(model: ModelShape, tokens: int, dtype: torch.dtype, int8: bool) -> None:
+    """The expert layer of a step of `tokens` rows (`triton_moe.fused_moe`), over a plan of the size
+    the step can need; int8 experts (`--quantization int8`) with their per-row scales."""
+    experts, inter, pairs = model.experts, model.expert_intermediate, tokens * model.experts_per_token
+    block_m = triton_moe.block_m_for(pairs)
+    length = triton_moe.capacity(pairs, experts, block_m)
+    plan = (
+        _meta(length, dtype=torch.int32),
+        _meta(length // block_m, dtype=torch.int32),
+        _meta(1, dtype=torch.int32),
+    )
+    weight_dtype = torch.int8 if int8 else dtype
+    w_gate_up = _meta(experts, 2 * inter, model.hidden, dtype=weight_dtype)
+    w_down = _meta(experts, model.hidden, inter, dtype=weight_dtype)
+    scales = (
+        _meta(experts, 2 * inter, dtype=torch.float32),
+        _meta(experts, model.hidden, dtype=torch.float32),
+    )
+    hidden = _meta(tokens, model.hidden, dtype=dtype)
+    weights = _meta(tokens, model.experts_per_token, dtype=torch.float32)
+    triton_moe.fused_moe_planned(hidden, w_gate_up, w_down, weights, plan, block_m, *(scales if int8 else ()))
+
+
 def recorded_configs(
     model: ModelShape, dtype_name: str, kv_cache_dtype: str = "auto"
 ) -> Iterator[tuple[str, KernelLaunch]]:
@@ -258,6 +296,10 @@ def recorded_configs(
         for context in DECODE_CONTEXTS:
             run = lambda b=batch, c=context: _decode_attention(model, b, c, block_size, precision)  # noqa: E731
             steps.append((f"decode batch {batch} context {context}", run))
+    for tokens in (1, budget) if model.experts else ():
+        for int8 in (False, True):
+            run = lambda t=tokens, q=int8: _moe_layer(model, t, dtype, q)  # noqa: E731
+            steps.append((f"experts, {tokens} tokens{', int8' if int8 else ''}", run))
     context = max(DECODE_CONTEXTS)
     for window in SLIDING_WINDOWS:
         run = lambda w=window: _prefill_attention(model, budget, block_size, precision, w)  # noqa: E731

@@ -179,8 +179,9 @@ def _grouped_gemm(
         "BLOCK_N": BLOCK_N,
         "BLOCK_K": BLOCK_K,
     }
-    # A 64-row tile's fp32 accumulator (and an fp32 or widened int8 weight tile) would spill over 4 warps.
-    num_warps = 4 if block_m <= 16 else 8
+    # fp32 activations in a 64-row tile (with fp32 or widened int8 weight tiles) spill over 4 warps; half
+    # ones fit in 4 and spill over 8 on sm_80 (`python -m kernels.aot --model mixtral-8x7b`).
+    num_warps = 8 if block_m > 16 and a.dtype == torch.float32 else 4
     launch(KernelLaunch(_fused_moe_kernel, grid, args, constexprs, num_warps=num_warps))
 
 

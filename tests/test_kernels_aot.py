@@ -30,6 +30,8 @@ KERNELS = {
     "_rope_kernel",
     "_silu_and_mul_kernel",
 }
+# Launched only for models with expert layers (`kernels.aot.MODELS` with `experts`).
+MOE_KERNELS = {"_fused_moe_kernel"}
 
 
 def nvidia_backend_missing() -> str | None:
@@ -58,12 +60,14 @@ def run_aot(repo_root: Path, *args: str) -> tuple[int, list[dict], str]:
     return done.returncode, json.loads(done.stdout or "[]"), done.stderr
 
 
-def check_report(returncode: int, rows: list[dict], stderr: str, archs: tuple[str, ...]) -> None:
+def check_report(
+    returncode: int, rows: list[dict], stderr: str, archs: tuple[str, ...], kernels: set[str] = KERNELS
+) -> None:
     failures = [row for row in rows if not row["ok"]]
     assert not failures, json.dumps(failures, indent=1)
     assert returncode == 0, stderr
     for arch in archs:
-        assert {row["kernel"] for row in rows if row["arch"] == arch} == KERNELS
+        assert {row["kernel"] for row in rows if row["arch"] == arch} == kernels
     for row in rows:
         assert row["compiled"] and row["spills"] == 0
         assert 0 < row["registers"] <= 255 and row["shared_bytes"] <= row["max_shared_bytes"]
@@ -96,9 +100,28 @@ def test_every_kernel_compiles_without_spills(repo_root, aot_available, arch, mo
 @pytest.mark.slow
 def test_full_matrix_compiles_without_spills(repo_root, aot_available):
     returncode, rows, stderr = run_aot(repo_root, "--arch", "sm_80,sm_90")
-    check_report(returncode, rows, stderr, ("sm_80", "sm_90"))
+    check_report(returncode, rows, stderr, ("sm_80", "sm_90"), KERNELS | MOE_KERNELS)
     assert {row["config"].split()[1] for row in rows} == {"float16", "bfloat16", "float32"}
     assert {row["config"].split()[2] for row in rows} == {"kv=auto", "kv=int8", "kv=fp8_e4m3"}
+
+
+@pytest.mark.slow
+def test_moe_kernel_compiles_without_spills(repo_root, aot_available):
+    """Mixtral's expert layer on both archs: decode (16-row tiles) and a full step budget (64-row tiles),
+    experts in the model's dtype and int8, half and fp32 activations (its attention kernels are the
+    other tests' to judge)."""
+    args = ("--arch", "sm_80,sm_90", "--model", "mixtral-8x7b", "--dtype", "bfloat16,float32")
+    _, rows, stderr = run_aot(repo_root, *args, "--kv-cache-dtype", "auto")
+    moe_rows = [row for row in rows if row["kernel"] in MOE_KERNELS]
+    assert moe_rows, stderr
+    check_report(0, moe_rows, stderr, ("sm_80", "sm_90"), MOE_KERNELS)
+    steps = {row["config"].split(" kv=auto ")[1] for row in moe_rows}
+    assert steps == {
+        "experts, 1 tokens",
+        "experts, 1 tokens, int8",
+        "experts, 512 tokens",
+        "experts, 512 tokens, int8",
+    }
 
 
 def test_aot_rejects_an_unknown_arch_and_model(repo_root):
