@@ -141,10 +141,13 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    # The first key the tile's first row sees; every other row's window starts later.
+    # Each row sees keys in (lowest, query_pos]; the tile's first row's window starts first.
     windowed = window > 0
+    lowest = tl.where(windowed, query_pos - window, -1)
     kv_begin = tl.where(windowed, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # A finite floor, not -inf: under a window a row may see no key of a tile (one below its window),
+    # and its max must stay a number for alpha and p to come out 0, not NaN. Scores never get near it.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for tile_start in range(kv_begin, kv_end, BLOCK_N):
@@ -163,22 +166,20 @@ def _prefill_kernel(
             k_scale = tl.load(k_scale_ptr + scale_offsets, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
             scores = scores * k_scale[None, :]
-        visible = valid[None, :] & (positions[None, :] <= query_pos[:, None])
-        visible &= ~windowed | (positions[None, :] > query_pos[:, None] - window)
+        # A real row's keys up to itself are all below kv_end, so `valid` matters only to padding rows
+        # past the chunk, whose output is never stored.
+        visible = (positions[None, :] <= query_pos[:, None]) & (positions[None, :] > lowest[:, None])
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
-        # Under a window a row may see no key of a tile (one below its window): its max stays -inf,
-        # and 0 stands in for it so that its alpha and p come out 0, not NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANTIZED:
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / l_i[:, None]
     o_offsets = tokens[:, None] * stride_o_token + head.to(tl.int64) * stride_o_head + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
