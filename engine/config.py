@@ -259,7 +259,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.
     grammar_jump_forward: bool = False
-    # Weight quantization of the decoder layers' linears (`engine.quantization`): "none" or a method name.
+    # Weight quantization of the decoder linears, LM head and embedding (`engine.quantization`): "none" or a
+    # method name.
     quantization: str = "none"
 
     def __post_init__(self) -> None:

@@ -104,6 +104,7 @@ class Engine:
             config.dtype,
             quantization.linear_module(config.quantization),
             config.attention_backend,
+            quantized_embedding=quantization.embedding_module(config.quantization),
         )
         self.backend = self.platform.attention
         check_device_supports(config.kv_dtype, self.device, self.backend.name)
@@ -115,6 +116,7 @@ class Engine:
         # Before loading: the checkpoint is quantized as it is copied in (the empty full-precision
         # weights this drops were never written, so they never took memory).
         self.platform.quantize_linears(model.layers)
+        self.platform.quantize_embeddings(model)
         model.load_weights(state_dict)
         self.platform.specialize(model)
         self.model = model.eval()

@@ -1,10 +1,13 @@
 """Weight quantization methods, by the name `--quantization` takes: how a linear layer is quantized, which
 module (and so which kernel) runs it, and where it can run.
 
-Only the linear layers of the decoder layers are quantized (q/k/v/o and gate/up/down, fused or not);
-the embedding and the LM head keep the model's dtype. Quantization happens at load: the engine swaps
-the empty model's decoder linears for the method's modules before the checkpoint is copied in, and each
-checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision decoder
+The linear layers of the decoder layers (q/k/v/o and gate/up/down, fused or not), the LM head and the
+token embedding are quantized; norms and biases keep the model's dtype. The head is the method's linear
+module; the embedding is the method's table of the same rows, and when the two are tied it reads the
+head's quantized rows, so one quantized copy of the matrix is held (for a 262k vocabulary that matrix
+is most of the model: Gemma 3 270M). Logits stay fp32. Quantization happens at load: the engine swaps
+the empty model's linears, head and embedding for the method's modules before the checkpoint is copied
+in, and each checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision
 weights never live in the model, and an int8 load peaks lower than an fp32 one (bench/README.md, "CPU
 kernels", has the figures).
 
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from base.errors import ConfigError
+from kernels.int8_embedding import Int8Embedding
 from kernels.int8_linear import Int8Linear
 
 NONE = "none"
@@ -44,8 +48,14 @@ class QuantizationMethod:
     # `load_weight_rows(offset, weight)` that quantizes checkpoint rows into it; the extension is the C++
     # CPU kernels (or None). The module's forward picks the kernel.
     empty_like: Callable[[nn.Linear, ModuleType | None], nn.Module]
+    # The empty quantized table that replaces the token embedding, given the embedding and, when it is
+    # tied to the LM head, the head's quantized module (built by `empty_like`) whose rows it then reads.
+    empty_embedding: Callable[[nn.Embedding, nn.Module | None], nn.Module]
     # Raises ConfigError, naming the flags, when the method cannot run on this device and dtype.
     check: Callable[[torch.device, torch.dtype], None]
+    # What `weights_fingerprint` appends: it names what the method quantizes, so replicas that quantize
+    # different parts (and so compute different KV) never exchange it.
+    fingerprint_mark: str
 
 
 def _check_int8(device: torch.device, dtype: torch.dtype) -> None:
@@ -57,7 +67,10 @@ def _check_int8(device: torch.device, dtype: torch.dtype) -> None:
 
 
 METHODS: dict[str, QuantizationMethod] = {
-    "int8": QuantizationMethod("int8", Int8Linear.empty_like, _check_int8),
+    # Before the embedding was quantized too, int8 replicas announced "+int8-weights".
+    "int8": QuantizationMethod(
+        "int8", Int8Linear.empty_like, Int8Embedding.empty_like, _check_int8, "int8-weights-and-embedding"
+    ),
 }
 CHOICES = (NONE, *METHODS)
 
@@ -78,10 +91,16 @@ def linear_module(name: str) -> Callable[[nn.Linear, ModuleType | None], nn.Modu
     return None if name == NONE else METHODS[name].empty_like
 
 
+def embedding_module(name: str) -> Callable[[nn.Embedding, nn.Module | None], nn.Module] | None:
+    """The empty table `name`'s method builds the token embedding as (`QuantizationMethod.empty_embedding`);
+    None for full-precision weights. `kernels.platform.Platform.quantize_embeddings` swaps it in."""
+    return None if name == NONE else METHODS[name].empty_embedding
+
+
 def weights_fingerprint(model_fingerprint: str, name: str) -> str:
     """The fingerprint a tier announces for its weights: the checkpoint's, marked with the quantization.
 
     Unquantized weights keep the checkpoint's fingerprint as it was, so replicas of earlier versions
     still agree with them.
     """
-    return model_fingerprint if name == NONE else f"{model_fingerprint}+{name}-weights"
+    return model_fingerprint if name == NONE else f"{model_fingerprint}+{METHODS[name].fingerprint_mark}"

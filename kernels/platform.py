@@ -4,14 +4,15 @@ The attention backend, the linear layers (full precision and quantized), the LM 
 decoder stack all follow from the same few facts: the device, the model's dtype, the weight quantization
 and the environment switches (`base.settings`). Deciding them together keeps them consistent (one C++
 extension or none for all of them) and keeps the engine and the model free of device branches: the
-engine builds its model over `Platform.attention`, lets the platform swap the quantized linears in
-before the checkpoint loads (`quantize_linears`) and its CPU kernels in after (`specialize`), and the
-model runs whatever it was handed.
+engine builds its model over `Platform.attention`, lets the platform swap the quantized linears, LM
+head and embedding in before the checkpoint loads (`quantize_linears`, `quantize_embeddings`) and its CPU
+kernels in after (`specialize`), and the model runs whatever it was handed.
 
-On CUDA: Triton attention (torch's when asked), no C++ kernels, `nn.Linear` (a quantized layer runs its
-torch reference) and the plain LM head. On the CPU: the C++ kernels unless switched off or unbuildable,
-torch attention over them (Triton's under the interpreter when asked), and for fp32 models the
-GEMV/oneDNN linears, the greedy LM head of narrow models and the decoder stack.
+On CUDA: Triton attention (torch's when asked), no C++ kernels, `nn.Linear` and the plain LM head (a
+quantized layer, the head included, runs its torch reference). On the CPU: the C++ kernels unless
+switched off or unbuildable, torch attention over them (Triton's under the interpreter when asked), the
+int8 GEMV/GEMM for quantized layers and head, and for fp32 models the GEMV/oneDNN linears, the greedy LM
+head of narrow models and the decoder stack.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Platform:
     # The quantization method's empty module (`engine.quantization.linear_module`) each decoder linear
     # becomes before loading, given `extension`; None: full-precision weights.
     quantized_linear: Callable[[nn.Linear, ModuleType | None], nn.Module] | None
+    # The method's empty token-embedding table (`engine.quantization.embedding_module`), given the
+    # embedding and, when tied, the quantized LM head whose rows it reads; None: full-precision weights.
+    quantized_embedding: Callable[[nn.Embedding, nn.Module | None], nn.Module] | None
     # fp32 linears become `CpuLinear`s: the extension's GEMV for a few rows, oneDNN beyond.
     cpu_linears: bool
     # A narrow fp32 LM head becomes a `CpuLmHead`, whose greedy path never writes the logits.
@@ -76,6 +80,26 @@ class Platform:
         )
         return len(targets)
 
+    def quantize_embeddings(self, model: nn.Module) -> bool:
+        """Replace a `CausalLM`'s LM head by the quantized linear module and its token embedding by the
+        method's quantized table, which, when the two are tied, reads the head's rows: one quantized copy
+        of the matrix. Called before the checkpoint is loaded, as `quantize_linears` is; True when done.
+
+        The head then runs the method's kernels (on the CPU the int8 GEMV/GEMM; elsewhere its torch
+        reference), never the fp32 `CpuLmHead` nor a `CpuLinear`, which leave non-`nn.Linear` heads alone.
+        """
+        if self.quantized_linear is None or self.quantized_embedding is None:
+            return False
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        head = self.quantized_linear(model.lm_head, self.extension)
+        model.embed_tokens = self.quantized_embedding(model.embed_tokens, head if tied else None)
+        model.lm_head = head
+        logger.info(
+            "LM head and embedding load quantized",
+            extra={"tied": tied, "vocab": head.out_features, "cpu_kernels": self.extension is not None},
+        )
+        return True
+
     def specialize(self, model: nn.Module) -> None:
         """Hand a loaded `engine.models.decoder.CausalLM` this platform's CPU kernels: its LM head (first,
         so the linear swap leaves it alone) and its greedy path, its other fp32 linears, its decoder stack."""
@@ -107,10 +131,11 @@ def choose_platform(
     quantized_linear: Callable[[nn.Linear, ModuleType | None], nn.Module] | None = None,
     attention_backend: str | None = None,
     settings: Settings | None = None,
+    quantized_embedding: Callable[[nn.Embedding, nn.Module | None], nn.Module] | None = None,
 ) -> Platform:
-    """The kernels for a model of `dtype` on `device`, its decoder linears built as `quantized_linear`
-    (None: full precision). `attention_backend` overrides `TANDEM_ATTENTION_BACKEND`; `settings`
-    defaults to the environment's now."""
+    """The kernels for a model of `dtype` on `device`, its decoder linears and LM head built as
+    `quantized_linear` and its embedding as `quantized_embedding` (None: full precision).
+    `attention_backend` overrides `TANDEM_ATTENTION_BACKEND`; `settings` defaults to the environment's now."""
     device = torch.device(device)
     settings = get_settings() if settings is None else settings
     backend = (attention_backend or settings.attention_backend).lower()
@@ -125,6 +150,7 @@ def choose_platform(
         attention=_attention(device, backend, extension),
         extension=extension,
         quantized_linear=quantized_linear,
+        quantized_embedding=quantized_embedding,
         cpu_linears=fp32_on_cpu and settings.onednn_linear and cpu_linear.available(),
         cpu_lm_head=fp32_on_cpu and settings.onednn_linear and extension is not None,
         decode_stack=fp32_on_cpu and settings.cpu_decode_stack and extension is not None,

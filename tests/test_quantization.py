@@ -1,7 +1,7 @@
 """`--quantization int8` in the engine and on the command line: greedy output equals Hugging Face running
-the dequantized weights (q * scale) token for token, only the decoder layers' linears are quantized, the
-C++ decoder stack computes what the per-layer path computes, and bad values or combinations are refused
-before the model loads."""
+the dequantized weights (q * scale) token for token, the decoder layers' linears, the LM head and the
+embedding are quantized (one int8 copy when the last two are tied), the C++ decoder stack computes what
+the per-layer path computes, and bad values or combinations are refused before the model loads."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from engine.engine import GenerateRequest, kv_namespace
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import int8_linear
+from kernels.int8_embedding import Int8Embedding
 from kernels.int8_linear import Int8Linear, dequantize, quantize_per_channel
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -29,12 +30,15 @@ DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def dequantized_hf(hf: nn.Module) -> nn.Module:
-    """A copy of an HF model whose decoder-layer linears hold q * scale: what int8 serving must equal."""
+    """A copy of an HF model whose decoder-layer linears, embedding and LM head hold q * scale: what int8
+    serving must equal (a tied head is the embedding's weight, so it is dequantized once, with it)."""
     reference = copy.deepcopy(hf)
     for layer in reference.model.layers:
         for name, module in layer.named_modules():
             if name.rpartition(".")[2] in DECODER_LINEARS:
                 module.weight.data = dequantize(*quantize_per_channel(module.weight))
+    for table in {id(m.weight): m for m in (reference.get_input_embeddings(), reference.lm_head)}.values():
+        table.weight.data = dequantize(*quantize_per_channel(table.weight))
     return reference
 
 
@@ -60,7 +64,7 @@ def test_int8_greedy_equals_hf_on_dequantized_weights(kind, heads, kv_heads, hea
     assert engine.block_manager.num_free_blocks == 160
 
 
-def test_only_the_decoder_linears_are_quantized():
+def test_the_decoder_linears_are_quantized_per_row():
     hf = tiny_hf_model(14, kind="qwen2")
     engine = engine_for(hf, quantization="int8")
     model = engine.model
@@ -74,8 +78,6 @@ def test_only_the_decoder_linears_are_quantized():
         assert all(isinstance(linear, Int8Linear) for linear in linears)
         assert all(linear.qweight.dtype == torch.int8 for linear in linears)
         assert layer.self_attn.qkv_proj.bias.dtype == torch.float32, "the qkv bias stays as it was"
-    assert model.embed_tokens.weight.dtype == torch.float32
-    assert not isinstance(model.lm_head, Int8Linear)
     fused = model.layers[0].mlp.gate_up_proj
     gate = hf.model.layers[0].mlp.gate_proj.weight
     expected_q, expected_scale = quantize_per_channel(gate)
@@ -83,11 +85,55 @@ def test_only_the_decoder_linears_are_quantized():
     assert torch.equal(fused.scale[: gate.shape[0]], expected_scale)
 
 
+def vocab_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every distinct tensor (by storage) the model holds with a row per vocabulary entry."""
+    vocab, seen = model.config.vocab_size, {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dim() >= 1 and tensor.shape[0] == vocab:
+            seen.setdefault((tensor.untyped_storage().data_ptr(), tensor.dtype), tensor)
+    return list(seen.values())
+
+
+def test_a_tied_head_and_embedding_hold_one_int8_copy():
+    """qwen2's tiny config ties them: the head is int8 through the int8 kernels, the lookup reads the same
+    int8 rows, and no full-precision copy of the matrix is left in the model."""
+    hf = tiny_hf_model(19, kind="qwen2")
+    model = engine_for(hf, quantization="int8").model
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed_tokens, Int8Embedding)
+    assert (
+        model.embed_tokens.qweight is model.lm_head.qweight
+        and model.embed_tokens.scale is model.lm_head.scale
+    )
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    held = sorted((t.numel(), t.dtype) for t in vocab_tensors(model))
+    assert held == [(vocab, torch.float32), (vocab * hidden, torch.int8)], "one int8 matrix, no fp32 copy"
+    expected_q, expected_scale = quantize_per_channel(hf.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.qweight, expected_q) and torch.equal(model.lm_head.scale, expected_scale)
+    ids = torch.tensor([0, 5, vocab - 1, 5])
+    assert torch.equal(model.embed_tokens(ids), dequantize(expected_q, expected_scale)[ids])
+    hidden_states = torch.randn(3, hidden)
+    torch.testing.assert_close(
+        model.compute_logits(hidden_states), hidden_states @ dequantize(expected_q, expected_scale).T
+    )
+
+
+def test_an_untied_head_and_embedding_are_quantized_each_from_its_own_weight():
+    hf = tiny_hf_model(20, kind="llama")
+    model = engine_for(hf, quantization="int8").model
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed_tokens, Int8Embedding)
+    assert model.embed_tokens.qweight.data_ptr() != model.lm_head.qweight.data_ptr()
+    for ours, theirs in ((model.lm_head, hf.lm_head), (model.embed_tokens, hf.model.embed_tokens)):
+        expected_q, expected_scale = quantize_per_channel(theirs.weight)
+        assert torch.equal(ours.qweight, expected_q) and torch.equal(ours.scale, expected_scale)
+    assert all(t.dtype != torch.float32 or t.dim() == 1 for t in vocab_tensors(model)), "no fp32 matrix"
+
+
 def test_unquantized_engines_are_untouched():
     engine = engine_for(tiny_hf_model(15))
-    assert not any(isinstance(m, Int8Linear) for m in engine.model.modules())
+    assert not any(isinstance(m, Int8Linear | Int8Embedding) for m in engine.model.modules())
     assert engine.platform.quantized_linear is None
     assert engine.platform.quantize_linears(engine.model.layers) == 0
+    assert not engine.platform.quantize_embeddings(engine.model)
 
 
 def test_decoder_stack_equals_the_per_layer_path_with_int8_weights(extension):
@@ -121,7 +167,9 @@ def test_quantized_kv_is_cached_apart():
 
 def test_weights_fingerprint_marks_quantized_weights_only():
     assert quantization.weights_fingerprint("abc", "none") == "abc"
-    assert quantization.weights_fingerprint("abc", "int8") == "abc+int8-weights"
+    assert quantization.weights_fingerprint("abc", "int8") == "abc+int8-weights-and-embedding", (
+        "int8 replicas from before the embedding was quantized announced +int8-weights: they must differ"
+    )
 
 
 @pytest.mark.parametrize(

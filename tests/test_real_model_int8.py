@@ -1,5 +1,6 @@
 """`--quantization int8` on the real default model, SmolLM2-135M-Instruct: greedy chat replies equal
-Hugging Face running the dequantized weights (q * scale), token for token."""
+Hugging Face running the dequantized weights (q * scale: decoder linears and the tied embedding / LM
+head), token for token."""
 
 from __future__ import annotations
 
@@ -23,4 +24,5 @@ def test_smollm2_int8_greedy_matches_transformers_on_dequantized_weights(real_mo
     replies = assert_chat_replies_match_hf(
         real_model_dir, CHATS, NEW_TOKENS, num_blocks=96, reference=dequantized_hf, quantization="int8"
     )
-    assert "8" in replies[3], "a spider has 8 legs"
+    # The fp32 model's first reply names the Nile; the spider reply (fp32's too) never says how many legs.
+    assert "Nile" in replies[0], "an African river"
