@@ -10,8 +10,9 @@ backend launches and compiles exactly that:
   int8, fp8_e4m3: a quantized cache adds its scale caches), with their launches recorded instead
   of run (`triton_common.recorded_launches`); decode attention runs over the batches and contexts
   the split planner sees, so every split count it can choose appears, and attention runs once more
-  with each sliding window of `SLIDING_WINDOWS` (the window is a runtime scalar, so these launches
-  must compile to the same kernels: a window never costs a JIT compile on the GPU). Tile
+  with each sliding window of `SLIDING_WINDOWS` (a window's size is a runtime scalar, so one windowed
+  prefill kernel serves every size, and decode's kernels are the causal ones; a window can still
+  change the split plan, hence the launches). Tile
   sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
 - each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
   the signature, constexprs and divisibility attributes, and `triton.compile(ASTSource(...),

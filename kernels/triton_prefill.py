@@ -7,9 +7,10 @@ computes a tile of `BLOCK_M` query rows of one query head with an fp32 online so
 causal mask (query at position p sees keys 0..p, or with a sliding window of w tokens keys
 p - w < j <= p); KV positions past the tile's last query position, or below the first one its first
 row's window reaches, are never visited (under a window those blocks may be freed and reused). The
-window is a runtime scalar (0: none), so windowed and global layers share one compiled kernel.
-A single-token decode is simply a sequence with q_len 1, so prefill chunks and decodes share the
-launch.
+window's size is a runtime scalar, so every window shares one compiled kernel; whether there is one
+at all is a constexpr (`WINDOWED`), which keeps the causal kernel exactly as it was (the extra bound
+cost its largest tiles a spill). A single-token decode is simply a sequence with q_len 1, so prefill
+chunks and decodes share the launch.
 
 The grid is `(query tiles of the longest chunk, sequences, query heads)`; tiles past a shorter
 chunk's end exit at once. A quantized cache (int8, fp8 e4m3) is dequantized as in
@@ -117,6 +118,7 @@ def _prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -141,13 +143,15 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     kv_head_offset = (head // GROUP).to(tl.int64) * stride_c_head
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    # Each row sees keys in (lowest, query_pos]; the tile's first row's window starts first.
-    windowed = window > 0
-    lowest = tl.where(windowed, query_pos - window, -1)
-    kv_begin = tl.where(windowed, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
-    # A finite floor, not -inf: under a window a row may see no key of a tile (one below its window),
-    # and its max must stay a number for alpha and p to come out 0, not NaN. Scores never get near it.
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    if WINDOWED:
+        # Each row sees keys in (query_pos - window, query_pos]; the tile's first row's window starts first.
+        kv_begin = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+        # A finite floor, not -inf: a row may see no key of a tile (one below its window), and its max
+        # must stay a number for alpha and p to come out 0, not NaN. Scores never get near it.
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    else:
+        kv_begin = 0
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for tile_start in range(kv_begin, kv_end, BLOCK_N):
@@ -166,10 +170,16 @@ def _prefill_kernel(
             k_scale = tl.load(k_scale_ptr + scale_offsets, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_offsets, mask=valid, other=0.0)
             scores = scores * k_scale[None, :]
-        # A real row's keys up to itself are all below kv_end, so `valid` matters only to padding rows
-        # past the chunk, whose output is never stored.
-        visible = (positions[None, :] <= query_pos[:, None]) & (positions[None, :] > lowest[:, None])
+        if WINDOWED:
+            # Both bounds in one unsigned compare, 0 <= p - j < window (a key past the row wraps to a
+            # huge distance), and no kv_end mask, which only padding rows past the chunk need and their
+            # output is never stored: two compares and the mask spilled 72 bytes on sm_80 (`kernels.aot`).
+            distance = (query_pos[:, None] - positions[None, :]).to(tl.uint32)
+            visible = distance < window.to(tl.uint32)
+        else:
+            visible = valid[None, :] & (positions[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        # Without a window every row sees key 0, so m_new is finite from the first tile on.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -244,6 +254,7 @@ def paged_prefill_attention(
         "DOT_DTYPE": dot_type,
         "DOT_PRECISION": dot_precision(dot_type),
         "QUANTIZED": quantized,
+        "WINDOWED": window is not None,
     }
     launch(KernelLaunch(_prefill_kernel, grid, args, constexprs, tile.num_warps, tile.num_stages))
     return out
