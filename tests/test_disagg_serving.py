@@ -101,11 +101,12 @@ class RunningPrefill:
         prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         quantization: str = "none",
+        max_model_len: int = MAX_MODEL_LEN,
     ) -> None:
         engine_config = EngineConfig(
             dtype=dtype,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_model_len,
             max_num_seqs=16,
             max_num_batched_tokens=token_budget,
             enable_prefix_caching=prefix_caching,
@@ -149,11 +150,12 @@ class RunningDecode:
         prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
         quantization: str = "none",
+        max_model_len: int = MAX_MODEL_LEN,
         **config_kwargs,
     ) -> None:
         engine_config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_model_len,
             max_num_seqs=16,
             max_num_batched_tokens=64,
             enable_prefix_caching=prefix_caching,
