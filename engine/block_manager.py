@@ -255,6 +255,9 @@ class BlockManager:
         for a sequence whose KV up to there arrives from elsewhere (a remote prefill): the first position
         this replica will run a query at, so a sliding group gets no block such a query cannot read.
         """
+        if self.num_groups == 1 and reads_from is None and seq.block_tables[0]:
+            self.grow(seq.block_tables[0], num_tokens)  # a decode's growth: one table, nothing to match
+            return
         needed = self.blocks_needed(seq, num_tokens, reads_from)
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(

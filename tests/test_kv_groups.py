@@ -1,6 +1,7 @@
-"""KV groups in the block manager: one table per group, sliding blocks released as they leave the window,
-exact accounting through finish, abort, preemption and forks, prefix hits that respect the window, and
-the sliding-window saving on Gemma 3 270M's layout."""
+"""KV groups: one block table per group, sliding blocks released as they leave the window, exact
+accounting through finish, abort, preemption and forks, prefix hits that respect the window, the
+sliding-window saving on Gemma 3 270M's layout, and the engine's greedy output on tiny windowed models
+equal to Hugging Face's."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import TINY_VOCAB, engine_for, hf_greedy, random_prompts
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig
+from engine.engine import Engine, GenerateRequest
 from engine.kv_layout import NULL_BLOCK, KVLayout, first_visible_block
+from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import Sequence
 
@@ -304,3 +309,123 @@ def test_gemma3_270m_holds_at_most_0_35x_the_kv_of_a_full_attention_layout():
     ratio = hybrid_bytes / full_bytes
     assert ratio <= 0.35, ratio
     assert round(ratio, 3) == 0.273
+
+
+# -- the engine on tiny windowed models, against Hugging Face -------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def windowed_hf_model(kind: str, seed: int) -> torch.nn.Module:
+    """4 layers, window 8: Qwen2 with layers 0, 1, 3 sliding and 2 global (four KV groups), or Mistral
+    sliding everywhere (one sliding group)."""
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        initializer_range=0.08,
+        sliding_window=WINDOW,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if kind == "qwen2":
+        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        cfg = Qwen2Config(**common, use_sliding_window=True, layer_types=types)
+    else:
+        cfg = MistralConfig(**common)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    return windowed_hf_model("qwen2", 3)
+
+
+def greedy(prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(prompt, GREEDY, StoppingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    assert_idle(engine.block_manager)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_engine_matches_hf_on_a_hybrid_model_with_prompts_longer_than_the_window(hybrid_model, caching):
+    # Two at a time (the driver never preempts) in a pool the five prompts cycle through, so released
+    # blocks are written again by later sequences.
+    engine = engine_for(
+        hybrid_model, block_size=BS, num_blocks=128, shuffle_seed=1, enable_prefix_caching=caching
+    )
+    assert engine.model_config.kv_layout == LAYOUT
+    prompts = random_prompts(5, 3, min_len=10, max_len=40)
+    seqs = engine.generate([greedy(p, 12) for p in prompts], max_num_batched_tokens=16, max_num_seqs=2)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(hybrid_model, prompt, 12)
+    assert_engine_idle(engine)
+
+
+def test_engine_multi_turn_hits_with_a_window_and_stays_exact(hybrid_model):
+    engine = engine_for(hybrid_model, block_size=BS, num_blocks=96, shuffle_seed=2)
+    rng = random.Random(9)
+    history = [rng.randrange(TINY_VOCAB) for _ in range(20)]
+    for _ in range(3):
+        history += [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(3, 9))]
+        (seq,) = engine.generate([greedy(history, 8)], max_num_batched_tokens=16)
+        assert seq.output_token_ids == hf_greedy(hybrid_model, history, 8)
+        history += seq.output_token_ids
+    assert seq.num_cached_tokens > WINDOW, "the last turn reused the history past a window"
+    assert_engine_idle(engine)
+
+
+def test_engine_releases_slid_out_blocks_in_the_step_that_computes_past_them(hybrid_model):
+    engine = engine_for(hybrid_model, block_size=BS, num_blocks=96, enable_prefix_caching=False)
+    seq = engine.make_sequence(random_prompts(1, 4, 30, 30)[0], GREEDY, StoppingParams(max_tokens=9))
+    engine.allocate(seq, seq.num_tokens)
+    engine.step([ScheduledChunk(seq, 20)])
+    for table in seq.block_tables[1:]:  # last computed position 19 reads 12..19: blocks 3 and 4
+        assert table[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in table[3:]
+    while not seq.is_finished:
+        engine.allocate(seq, seq.num_tokens)
+        engine.step([ScheduledChunk(seq, seq.num_uncomputed_tokens)])
+        assert engine.block_manager.num_held_blocks(seq) <= len(seq.block_table) + 3 * 3
+    engine.free(seq)
+    assert_engine_idle(engine)
+
+
+def test_forked_choices_share_the_window_and_decode_like_their_parent(hybrid_model):
+    engine = engine_for(hybrid_model, block_size=BS, num_blocks=96, shuffle_seed=5)
+    prompt = random_prompts(1, 6, 27, 27)[0]
+    parent = engine.make_sequence(prompt, GREEDY, StoppingParams(max_tokens=10, ignore_eos=True))
+    engine.allocate(parent, parent.num_tokens)
+    engine.step([ScheduledChunk(parent, parent.num_tokens)])
+    children = [engine.fork(parent, GREEDY, share_kv=True) for _ in range(2)]
+    live = [parent, *children]
+    while live:
+        for seq in live:
+            engine.allocate(seq, seq.num_tokens)
+        for out in engine.step([ScheduledChunk(s, s.num_uncomputed_tokens) for s in live]):
+            if out.finish_reason is not None:
+                live.remove(out.seq)
+                engine.free(out.seq)
+    expected = hf_greedy(hybrid_model, prompt, 10)
+    assert parent.output_token_ids == expected
+    assert [c.output_token_ids for c in children] == [expected, expected]
+    assert_engine_idle(engine)
+
+
+def test_engine_matches_hf_when_every_layer_slides():
+    hf_model = windowed_hf_model("mistral", 4)
+    engine = engine_for(hf_model, block_size=BS, num_blocks=24, shuffle_seed=3)
+    assert engine.model_config.kv_layout.num_groups == 1 and engine.block_manager.sliding
+    prompts = random_prompts(4, 5, min_len=12, max_len=30)
+    seqs = engine.generate([greedy(p, 10) for p in prompts], max_num_batched_tokens=16, max_num_seqs=2)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(hf_model, prompt, 10)
+    assert_engine_idle(engine)
