@@ -42,6 +42,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "bench.quantized",
         "tandem fp32 / int8 / int8 + int8 KV against llama-server F32 and Q8_0: one run, the README table",
     ),
+    (
+        "gemma",
+        "bench.gemma",
+        "Gemma 3 270M: tandem int8 against llama-server on the same Q4_K_M GGUF, completions",
+    ),
     ("perf-report", "bench.perf_report", "issue 17's figures in one run, each against its target"),
     ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
     ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),
