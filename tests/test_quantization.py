@@ -16,14 +16,16 @@ from test_cpu_decode_stack import forward_both_ways
 from torch import nn
 
 from base.errors import ConfigError
+from base.settings import CPU_EXTENSION_ENV, Settings
 from engine import quantization
 from engine.config import EngineConfig
 from engine.engine import GenerateRequest, kv_namespace
 from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
-from kernels import int8_linear
+from kernels import cpu_extension, int8_linear
 from kernels.int8_embedding import Int8Embedding
 from kernels.int8_linear import Int8Linear, dequantize, quantize_per_channel
+from kernels.platform import choose_platform
 
 GREEDY = SamplingParams(temperature=0.0)
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,6 +128,55 @@ def test_an_untied_head_and_embedding_are_quantized_each_from_its_own_weight():
         expected_q, expected_scale = quantize_per_channel(theirs.weight)
         assert torch.equal(ours.qweight, expected_q) and torch.equal(ours.scale, expected_scale)
     assert all(t.dtype != torch.float32 or t.dim() == 1 for t in vocab_tensors(model)), "no fp32 matrix"
+
+
+def test_int8_greedy_equals_hf_on_the_torch_reference_path(monkeypatch):
+    """Without the C++ kernels the int8 head and linears run their torch reference, the path a GPU takes."""
+    monkeypatch.setenv(CPU_EXTENSION_ENV, "0")
+    hf = tiny_hf_model(21, kind="qwen2")
+    engine = engine_for(hf, num_blocks=64, device="cpu", quantization="int8")
+    assert engine.platform.extension is None and isinstance(engine.model.lm_head, Int8Linear)
+    reference = dequantized_hf(hf)
+    prompts = random_prompts(3, 21, min_len=2, max_len=40)
+    stopping = StoppingParams(max_tokens=6, ignore_eos=True)
+    seqs = engine.generate([GenerateRequest(p, GREEDY, stopping) for p in prompts])
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(reference, prompt, 6)
+
+
+class TiedPair(nn.Module):
+    """The two modules `Platform.quantize_embeddings` replaces, tied as `CausalLM` ties them."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
+def test_a_gpu_platform_quantizes_a_bf16_head_and_embedding_for_its_torch_reference(monkeypatch):
+    """No GPU needed: a CUDA platform builds the same one-copy pair with no C++ kernels; the lookup returns
+    the model's dtype and the head computes the dequantized product (here on CPU tensors)."""
+    monkeypatch.setattr(cpu_extension, "load", lambda: pytest.fail("no C++ CPU kernels on a GPU"))
+    platform = choose_platform(
+        "cuda",
+        torch.bfloat16,
+        quantization.linear_module("int8"),
+        quantized_embedding=quantization.embedding_module("int8"),
+        settings=Settings(),
+    )
+    pair = TiedPair(50, 24, torch.bfloat16)
+    weight = torch.randn(50, 24)
+    assert platform.quantize_embeddings(pair)
+    pair.embed_tokens.load_weight_rows(0, weight)
+    assert pair.lm_head._extension is None and pair.embed_tokens.qweight is pair.lm_head.qweight
+    dequantized = dequantize(*quantize_per_channel(weight)).to(torch.bfloat16)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    looked_up = pair.embed_tokens(ids)
+    assert looked_up.dtype == torch.bfloat16 and looked_up.shape == (2, 2, 24)
+    assert torch.equal(looked_up, dequantized[ids])
+    x = torch.randn(4, 24, dtype=torch.bfloat16)
+    assert torch.equal(pair.lm_head(x), nn.functional.linear(x, dequantized))
 
 
 def test_unquantized_engines_are_untouched():
