@@ -103,12 +103,13 @@ def test_moe_loads_what_save_pretrained_writes(kind, tmp_path: Path):
 
 
 def dequantized_reference(hf: torch.nn.Module) -> torch.nn.Module:
-    """`hf` with every decoder linear and expert matrix replaced by its int8 round trip (rows quantized
-    as `--quantization int8` does); the routers, norms, embedding and LM head as they were."""
+    """`hf` with every decoder linear, expert matrix, the embedding and the LM head replaced by its int8
+    round trip (rows quantized as `--quantization int8` does); the routers and norms as they were."""
     state = hf.state_dict()
     for name, tensor in state.items():
-        quantized = name.startswith("model.layers.") and name.endswith(("proj.weight", "_proj"))
-        if quantized and tensor.dim() >= 2:
+        layer_weight = name.startswith("model.layers.") and name.endswith(("proj.weight", "_proj"))
+        vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if (layer_weight or vocabulary) and tensor.dim() >= 2:
             rows = tensor.reshape(-1, tensor.shape[-1])
             state[name] = dequantize(*quantize_per_channel(rows)).reshape(tensor.shape)
     hf.load_state_dict(state)
