@@ -21,6 +21,16 @@ the token chain's hash tagged with the group (so groups never share an entry), b
 is released; a hit needs every full group's blocks for the whole prefix and each sliding group's blocks
 for the last window before the hit point, the longest prefix where all agree (as vLLM's hybrid manager
 finds it). One full-attention group (today's models) takes the same paths it always did.
+
+Admission for chunked prefill (`admit`): a sliding group of a sequence whose prompt is computed in chunks
+of at most `chunk_tokens` never holds more than the blocks one chunk plus its window touch, so a model
+with several groups reserves that peak per sliding group (and the whole prompt in each full group, taken
+at once) instead of the whole prompt everywhere. The sliding blocks are taken chunk by chunk from the
+sequence's reservation, which `num_free_blocks` leaves out, so an admitted prompt never runs out of
+blocks mid-way. A reservation counts the blocks the sequence *owns* (took from the pool and alone
+references): a block it releases that another sequence still references gives nothing back to the pool,
+so only owned blocks shrink what is reserved, and a prefix hit that takes a reference to an owned block
+pays for it at its own admission. The reservation ends when the prompt is computed, or on free.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
 
 from base.errors import OutOfBlocksError
 from engine.kv_layout import NULL_BLOCK, KVLayout, first_visible_block
@@ -49,6 +60,22 @@ def root_hash(namespace: bytes, cache_salt: str) -> bytes:
 def chain_hash(parent: bytes, token_ids: SequenceOf[int]) -> bytes:
     """The hash of a full block: its parent's hash and its token ids (fixed-width, so unambiguous)."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass
+class _Reservation:
+    """The sliding-group blocks a sequence admitted for chunked prefill may hold at once (`claim`), and
+    how many of them it owns now; the rest stays reserved until its `history` tokens are computed."""
+
+    seq: Sequence
+    history: int
+    target: int
+    claim: int
+    owned: int = 0
+
+    @property
+    def left(self) -> int:
+        return max(0, self.claim - self.owned)
 
 
 class BlockManager:
@@ -84,13 +111,19 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # Chunked-prefill admissions of multi-group layouts, by id(seq); the blocks they own; the blocks
+        # still reserved for them (kept out of `num_free_blocks`).
+        self._reservations: dict[int, _Reservation] = {}
+        self._owner: dict[int, int] = {}
+        self._num_reserved = 0
 
     # -- counting --------------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take: never-registered ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation may take: never-registered ones plus evictable cached ones, less the ones
+        reserved for prompts admitted by `admit`."""
+        return len(self._free) + len(self._evictable) - self._num_reserved
 
     @property
     def num_cached_blocks(self) -> int:
@@ -258,6 +291,11 @@ class BlockManager:
         if self.num_groups == 1 and reads_from is None and seq.block_tables[0]:
             self.grow(seq.block_tables[0], num_tokens)  # a decode's growth: one table, nothing to match
             return
+        if self._reservations and reads_from is None:
+            reservation = self._reservations.get(id(seq))
+            if reservation is not None:
+                self._take_reserved(reservation, num_tokens)
+                return
         needed = self.blocks_needed(seq, num_tokens, reads_from)
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(
@@ -265,20 +303,158 @@ class BlockManager:
             )
         tables = self._tables(seq)
         if not tables[0]:
-            for table, hits in zip(tables, self.match_prefix_groups(seq), strict=True):
-                for block in hits:
-                    if block != NULL_BLOCK:
-                        self._reference(block)
-                table.extend(hits)
-            hit_blocks = len(tables[0])
-            seq.num_committed_blocks = hit_blocks
-            seq.num_computed_tokens = hit_blocks * self.block_size
-            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-            self.num_queried_tokens += seq.num_tokens
-            self.num_hit_tokens += seq.num_computed_tokens
+            self._take_prefix(seq, tables, self.match_prefix_groups(seq))
         self._extend(tables, num_tokens, reads_from)
         if reads_from is not None and self.sliding:
             self._release_below(tables, reads_from + 1)
+
+    def _take_prefix(self, seq: Sequence, tables: list[list[int]], hits: list[list[int]]) -> None:
+        """Reference the cached blocks a new sequence starts from; its cached tokens count as computed."""
+        for table, blocks in zip(tables, hits, strict=True):
+            for block in blocks:
+                if block != NULL_BLOCK:
+                    self._reference(block)
+            table.extend(blocks)
+        hit_blocks = len(tables[0])
+        seq.num_committed_blocks = hit_blocks
+        seq.num_computed_tokens = hit_blocks * self.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    # -- admission for chunked prefill: reserve each sliding group's peak --------------------------------
+
+    def _reserves_peak(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `admit` reserves peaks: several groups, one sliding, a new sequence, and at most the
+        one-token margin past its history (a reservation for more tokens than that is not a prefill's)."""
+        return (
+            self.num_groups > 1
+            and self.sliding
+            and not seq.block_tables[0]
+            and 0 <= num_tokens - seq.num_tokens <= 1
+        )
+
+    def _admission_plan(
+        self, seq: Sequence, num_tokens: int, chunk_tokens: int
+    ) -> tuple[int, list[list[int]], int]:
+        """Free blocks `admit` consumes, the prefix hits it takes, and its sliding groups' claim.
+
+        A sliding group's table spans, while a chunk of `take` tokens past `computed` runs, the blocks from
+        the first one a query at computed - 1 reads to the one holding token computed + take + margin: at
+        most ceil((block_size - 1 + window + chunk_tokens + margin) / block_size), and never more than the
+        whole prompt past its first kept block."""
+        hits = self.match_prefix_groups(seq)
+        target = self.blocks_for_tokens(num_tokens)
+        margin = num_tokens - seq.num_tokens
+        cost = claim = 0
+        for group, blocks in enumerate(hits):
+            window = self.windows[group]
+            held = [block for block in blocks if block != NULL_BLOCK]
+            # A hit on a block a reservation owns moves it off that reservation: this admission pays.
+            cost += sum(1 for block in held if block in self._owner)
+            if window is None:
+                cost += target - len(blocks) + sum(1 for block in held if self._refcount[block] == 0)
+            else:
+                span = -(-(self.block_size - 1 + window + chunk_tokens + margin) // self.block_size)
+                claim += min(target - (len(blocks) - len(held)), span)
+        return cost + claim, hits, claim
+
+    def admission_blocks(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> int:
+        """Free blocks `admit(seq, num_tokens, chunk_tokens)` would consume (reserved ones included)."""
+        if not self._reserves_peak(seq, num_tokens):
+            return self.blocks_needed(seq, num_tokens)
+        return self._admission_plan(seq, num_tokens, chunk_tokens)[0]
+
+    def can_admit(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> bool:
+        return self.admission_blocks(seq, num_tokens, chunk_tokens) <= self.num_free_blocks
+
+    def admit(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> None:
+        """Admit a new sequence whose history is then computed in chunks of at most `chunk_tokens` tokens,
+        each grown with `allocate(seq, computed + chunk [+ 1])`, up to `num_tokens` (its history, or one
+        more); all or nothing.
+
+        Full groups get every block at once; sliding groups their prefix hits and first chunk, the rest of
+        their peak reserved. One-group layouts (and anything else `_reserves_peak` refuses) allocate
+        everything as `allocate` does."""
+        if not self._reserves_peak(seq, num_tokens):
+            self.allocate(seq, num_tokens)
+            return
+        needed, hits, claim = self._admission_plan(seq, num_tokens, chunk_tokens)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"need {needed} KV blocks, {self.num_free_blocks} free of {self.num_blocks}"
+            )
+        reservation = _Reservation(seq, seq.num_tokens, num_tokens, claim)
+        self._reservations[id(seq)] = reservation
+        self._num_reserved += claim
+        tables = self._tables(seq)
+        self._take_prefix(seq, tables, hits)
+        for group, table in enumerate(tables):
+            # A sliding hit revived from the evictable LRU came out of the pool: the reservation owns it.
+            if self.windows[group] is not None:
+                for block in table:
+                    if block != NULL_BLOCK and self._refcount[block] == 1:
+                        self._own(reservation, block)
+        self._take_reserved(reservation, min(num_tokens, seq.num_computed_tokens + chunk_tokens), full=True)
+
+    def _take_reserved(self, reservation: _Reservation, num_tokens: int, full: bool = False) -> None:
+        """Grow a reserved sequence's sliding tables (and, with `full`, its full ones to the whole target)
+        to hold `num_tokens` tokens, sliding blocks first from its reservation; the chunk that ends the
+        history grows every table to the admission's target, so all of them end equally long."""
+        seq = reservation.seq
+        if num_tokens >= reservation.history:
+            num_tokens = max(num_tokens, reservation.target)
+        wanted = [
+            self.blocks_for_tokens(reservation.target if full and window is None else num_tokens)
+            for window in self.windows
+        ]
+        tables = seq.block_tables
+        sliding = from_pool = 0
+        for group, table in enumerate(tables):
+            missing = max(0, wanted[group] - len(table))
+            if self.windows[group] is None:
+                from_pool += missing
+            else:
+                sliding += missing
+        from_pool += max(0, sliding - reservation.left)
+        if from_pool > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"need {from_pool} KV blocks, {self.num_free_blocks} free of {self.num_blocks}"
+            )
+        for group, table in enumerate(tables):
+            for _ in range(wanted[group] - len(table)):
+                block = self._free.popleft() if self._free else self._evict()
+                self._refcount[block] = 1
+                table.append(block)
+                if self.windows[group] is not None:
+                    self._own(reservation, block)
+
+    def _own(self, reservation: _Reservation, block: int) -> None:
+        self._owner[block] = id(reservation.seq)
+        self._count_owned(reservation, 1)
+
+    def _disown(self, block: int) -> None:
+        """`block` leaves its reservation: freed, or referenced by another sequence too."""
+        key = self._owner.pop(block, None)
+        if key is not None:
+            self._count_owned(self._reservations[key], -1)
+
+    def _count_owned(self, reservation: _Reservation, delta: int) -> None:
+        left = reservation.left
+        reservation.owned += delta
+        self._num_reserved += reservation.left - left
+
+    def _end_reservation(self, seq: Sequence) -> None:
+        """Give back what `seq`'s reservation still holds back; its blocks become ordinary ones."""
+        reservation = self._reservations.pop(id(seq), None)
+        if reservation is None:
+            return
+        self._num_reserved -= reservation.left
+        key = id(seq)
+        for table in seq.block_tables:
+            for block in table:
+                if block != NULL_BLOCK and self._owner.get(block) == key:
+                    del self._owner[block]
 
     def _extend(self, tables: list[list[int]], num_tokens: int, reads_from: int | None = None) -> None:
         """Grow every group's table to hold `num_tokens` tokens; the caller checked the free count."""
@@ -370,14 +546,30 @@ class BlockManager:
     def release_slid_out(self, seq: Sequence) -> None:
         """Drop every sliding-group block of `seq` that no query it will run can read any more.
 
-        Commit first: a full block released here stays cached (evictable) for later prefix hits."""
+        Commit first: a full block released here stays cached (evictable) for later prefix hits. A
+        reservation whose history is now computed ends here."""
         self._release_below(seq.block_tables, seq.num_computed_tokens)
+        if self._reservations:
+            reservation = self._reservations.get(id(seq))
+            if reservation is not None and seq.num_computed_tokens >= reservation.history:
+                self._end_reservation(seq)
 
     def release_unread(self, seq: Sequence, reads_from: int) -> None:
         """Drop the sliding-group blocks no query at `reads_from` or later reads: what `allocate` with
         `reads_from` would not have taken, for a sequence sent to a remote prefill after its blocks were
-        reserved (its KV up to `reads_from` arrives from there)."""
-        self._release_below(seq.block_tables, reads_from + 1)
+        reserved (its KV up to `reads_from` arrives from there). A sequence admitted by `admit` then takes,
+        from its reservation, the blocks of the last window that KV lands in, and its reservation ends."""
+        tables = seq.block_tables
+        self._release_below(tables, reads_from + 1)
+        reservation = self._reservations.get(id(seq)) if self._reservations else None
+        if reservation is None:
+            return
+        target = self.blocks_for_tokens(reservation.target)
+        for group, table in enumerate(tables):
+            first = first_visible_block(reads_from, self.windows[group], self.block_size)
+            table.extend([NULL_BLOCK] * (min(first, target) - len(table)))
+        self._take_reserved(reservation, reservation.target)
+        self._end_reservation(seq)
 
     def _release_below(self, tables: list[list[int]], num_computed_tokens: int) -> None:
         for group, table in enumerate(tables):
@@ -392,7 +584,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, last block first (so a chain's tail is evicted before its head),
-        and empty its tables; a second call is harmless."""
+        and empty its tables (ending its reservation); a second call is harmless."""
+        if self._reservations:
+            self._end_reservation(seq)
         for table in reversed(seq.block_tables):
             for block in reversed(table):
                 if block != NULL_BLOCK:
@@ -405,6 +599,8 @@ class BlockManager:
             raise ValueError(f"block {block} freed twice")
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
+            if self._owner:
+                self._disown(block)
             if self._hash[block] is None:
                 self._free.append(block)
             else:
@@ -413,6 +609,8 @@ class BlockManager:
     def _reference(self, block: int) -> None:
         if self._refcount[block] == 0:
             del self._evictable[block]
+        elif self._owner:
+            self._disown(block)  # shared now: its owner's release would give nothing back to the pool
         self._refcount[block] += 1
 
     def _evict(self) -> int:

@@ -357,6 +357,20 @@ class Engine:
         """Whether `allocate(seq, num_tokens, reads_from)` would succeed now."""
         return self.block_manager.can_allocate(seq, num_tokens, reads_from)
 
+    def admit(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> None:
+        """Reserve a new sequence's blocks for a history computed here in chunks of at most `chunk_tokens`
+        tokens, each grown with `allocate` before its step (`BlockManager.admit`): with sliding-window
+        groups only the most blocks a chunk and its window can hold is reserved, not the whole prompt."""
+        self.block_manager.admit(seq, num_tokens, chunk_tokens)
+
+    def can_admit(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> bool:
+        """Whether `admit(seq, num_tokens, chunk_tokens)` would succeed now."""
+        return self.block_manager.can_admit(seq, num_tokens, chunk_tokens)
+
+    def admission_blocks(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> int:
+        """Free blocks `admit(seq, num_tokens, chunk_tokens)` would consume, reserved ones included."""
+        return self.block_manager.admission_blocks(seq, num_tokens, chunk_tokens)
+
     def holds_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """True when `seq`'s blocks already hold `num_tokens` tokens (`allocate` would add nothing); the
         scheduler's per-token fast path, so it is one comparison."""
@@ -405,7 +419,8 @@ class Engine:
     ) -> list[Sequence]:
         """Run requests to completion FCFS with chunked prefill: decodes first, then prompt chunks.
 
-        Admits a request only when its uncached prompt fits in free blocks; never preempts. Meant for
+        Admits a request only when its uncached prompt fits in free blocks (a sliding group's: the most a
+        chunk and its window hold, `admit`); never preempts. Meant for
         tests and benchmarks of the engine alone.
         """
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
@@ -422,10 +437,10 @@ class Engine:
             while (
                 waiting
                 and len(running) < max_seqs
-                and self.can_allocate(waiting[0], waiting[0].num_tokens + 1)
+                and self.can_admit(waiting[0], waiting[0].num_tokens + 1, budget)
             ):
                 seq = waiting.pop(0)
-                self.allocate(seq, seq.num_tokens + 1)
+                self.admit(seq, seq.num_tokens + 1, budget)
                 running.append(seq)
             if not running:
                 raise InvalidRequestError("a prompt does not fit in the KV pool")

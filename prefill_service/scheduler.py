@@ -3,7 +3,9 @@
 Prefill is compute-bound, so each step packs as many prompt tokens as the budget allows, taking
 chunks from several prompts, oldest admitted first: short prompts ride along with the tail of a long
 one instead of each paying for its own forward. A prompt is admitted only when blocks for all of its
-tokens are free, so admitted prompts never wait on each other for memory and none ever deadlocks.
+tokens are free (in a sliding-window group: for the most a chunk and its window hold, taken chunk by
+chunk from what admission reserved, `Engine.admit`), so admitted prompts never wait on each other for
+memory and none ever deadlocks.
 
 A prompt whose KV is computed keeps its blocks until its stream has sent them (or failed, or was
 cancelled): only `release`, called once the stream is over, frees them. Everything here runs on the
@@ -53,6 +55,8 @@ class ChunkedPrefillScheduler:
         self.running: list[PrefillJob] = []
         # Computed or failed, blocks still reserved until the job's stream is over.
         self.held: dict[int, PrefillJob] = {}
+        # Sliding-window groups take their blocks chunk by chunk; one group holds the prompt's from admission.
+        self._grows_chunks = engine.block_manager.num_groups > 1 and engine.block_manager.sliding
 
     @property
     def has_work(self) -> bool:
@@ -64,8 +68,8 @@ class ChunkedPrefillScheduler:
         return bool(self.running) or (bool(self.waiting) and self._can_admit_head())
 
     def _can_admit_head(self) -> bool:
-        return len(self.running) < self.max_num_seqs and self.engine.can_allocate(
-            self.waiting[0].seq, self.waiting[0].num_prompt_tokens
+        return len(self.running) < self.max_num_seqs and self.engine.can_admit(
+            self.waiting[0].seq, self.waiting[0].num_prompt_tokens, self.max_num_batched_tokens
         )
 
     def add(self, job: PrefillJob) -> None:
@@ -92,12 +96,13 @@ class ChunkedPrefillScheduler:
         return where
 
     def schedule(self) -> StepPlan:
-        """Admit what fits (FIFO, whole prompts), then fill the token budget, oldest prompts first."""
+        """Admit what fits (FIFO, whole prompts), then fill the token budget, oldest prompts first, growing
+        sliding-window groups by each chunk."""
         plan = StepPlan()
         now = self._clock()
         while self.waiting and self._can_admit_head():
             job = self.waiting.popleft()
-            self.engine.allocate(job.seq, job.num_prompt_tokens)
+            self.engine.admit(job.seq, job.num_prompt_tokens, self.max_num_batched_tokens)
             job.admitted_time = now
             self.running.append(job)
             plan.admitted.append(job)
@@ -106,6 +111,8 @@ class ChunkedPrefillScheduler:
             if budget == 0:
                 break
             take = min(job.seq.num_uncomputed_tokens, budget)
+            if self._grows_chunks:
+                self.engine.allocate(job.seq, job.seq.num_computed_tokens + take)
             plan.chunks.append(ScheduledChunk(job.seq, take))
             plan.jobs.append(job)
             budget -= take

@@ -71,6 +71,9 @@ class ContinuousScheduler:
                 "so that every running sequence gets its token each step"
             )
         self.watermark_blocks = int(config.admission_watermark * engine.num_blocks)
+        # Sliding-window groups take a local prefill's blocks chunk by chunk (`Engine.admit`).
+        manager = engine.block_manager
+        self._grows_chunks = manager.num_groups > 1 and manager.sliding
         self.waiting: list[ServedRequest] = []
         self.running: list[ServedRequest] = []
         self.num_preemptions = 0
@@ -150,6 +153,8 @@ class ContinuousScheduler:
         if not plan.preempted:
             self._admit(now)
         for chunk in self.prefill_stage.plan_chunks(budget):
+            if self._grows_chunks:
+                self.engine.allocate(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_tokens)
             plan.add(chunk, "prefill")
         return plan
 
@@ -215,6 +220,14 @@ class ContinuousScheduler:
         """Tokens to reserve blocks for at admission: the known history (prompt + outputs so far)."""
         return request.seq.num_tokens
 
+    def _admission_blocks(self, request: ServedRequest) -> int:
+        """Free blocks admitting `request` consumes: its history's, a sliding group's only up to the most
+        a prefill chunk and its window hold (`Engine.admit`)."""
+        return self.engine.admission_blocks(request.seq, self._reserved_tokens(request), self.token_budget)
+
+    def _reserve(self, request: ServedRequest) -> None:
+        self.engine.admit(request.seq, self._reserved_tokens(request), self.token_budget)
+
     def _admit(self, now: float) -> None:
         """Admit waiting requests in policy order while slots and blocks last; stop at the first misfit.
 
@@ -226,13 +239,13 @@ class ContinuousScheduler:
         engine = self.engine
         while self.waiting and len(self.running) + len(self.prefill_stage) < self.max_num_seqs:
             request = min(self.waiting, key=lambda r: self._rank(r, now))
-            needed = engine.blocks_needed(request.seq, self._reserved_tokens(request))
+            needed = self._admission_blocks(request)
             busy = bool(self.running) or len(self.prefill_stage) > 0
             reserve = self.watermark_blocks if busy else 0
             if needed + reserve > engine.num_free_blocks:
                 break
             self.waiting.remove(request)
-            engine.allocate(request.seq, self._reserved_tokens(request))
+            self._reserve(request)
             request.state = RequestState.PREFILLING
             if request.admitted_time is None:
                 request.admitted_time = now
@@ -400,6 +413,12 @@ class StaticScheduler(ContinuousScheduler):
 
     def _reserved_tokens(self, request: ServedRequest) -> int:
         return request.seq.num_prompt_tokens + request.seq.stopping.max_tokens
+
+    def _admission_blocks(self, request: ServedRequest) -> int:
+        return self.engine.blocks_needed(request.seq, self._reserved_tokens(request))
+
+    def _reserve(self, request: ServedRequest) -> None:
+        self.engine.allocate(request.seq, self._reserved_tokens(request))
 
     def idle_wait_seconds(self) -> float | None:
         if not self.waiting or self._batch_in_flight():
