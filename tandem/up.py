@@ -16,6 +16,7 @@ exit status says which: see EXIT_STATUSES.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
@@ -266,26 +267,46 @@ def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
     ]
 
 
-def how_to_call(host: str, port: int, http_port: int, model: str) -> str:
-    """The lines printed once both tiers serve: `tandem generate`, `grpcurl`, `curl` and the openai SDK."""
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the checkpoint ships a chat template (`chat_template.jinja` or in `tokenizer_config.json`),
+    read without loading the tokenizer."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def how_to_call(host: str, port: int, http_port: int, model: str, chat: bool = True) -> str:
+    """The lines printed once both tiers serve: `tandem generate`, `grpcurl`, `curl` and the openai SDK;
+    chat turns when the model has a chat template, plain completions when it has none (a base model)."""
     target = f"{connect_host(host)}:{port}"
     base_url = f"http://{connect_host(host)}:{http_port}/v1"
-    grpcurl_body = (
-        '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], '
-        '"stopping": {"max_tokens": 64}}'
-    )
-    curl_body = '{"messages": [{"role": "user", "content": "What is a tandem bicycle?"}], "max_tokens": 64}'
-    sdk = (
-        f'from openai import OpenAI; print(OpenAI(base_url="{base_url}", api_key="none").chat.completions'
-        f'.create(model="{model}", messages=[{{"role": "user", "content": "What is a tandem bicycle?"}}])'
-        ".choices[0].message.content)"
-    )
+    if chat:
+        question = "What is a tandem bicycle?"
+        generate = f'tandem generate --target {target} --max-tokens 64 "{question}"'
+        grpcurl_body = (
+            f'{{"messages": [{{"role": "user", "content": "{question}"}}], "stopping": {{"max_tokens": 64}}}}'
+        )
+        endpoint = "chat/completions"
+        curl_body = f'{{"messages": [{{"role": "user", "content": "{question}"}}], "max_tokens": 64}}'
+        message = f'{{"role": "user", "content": "{question}"}}'
+        sdk_call = (
+            f'chat.completions.create(model="{model}", messages=[{message}]).choices[0].message.content'
+        )
+    else:
+        prompt = "A tandem bicycle is"
+        generate = f'tandem generate --target {target} --raw --max-tokens 64 "{prompt}"'
+        grpcurl_body = f'{{"prompt": "{prompt}", "stopping": {{"max_tokens": 64}}}}'
+        endpoint = "completions"
+        curl_body = f'{{"prompt": "{prompt}", "max_tokens": 64}}'
+        sdk_call = f'completions.create(model="{model}", prompt="{prompt}", max_tokens=64).choices[0].text'
+    sdk = f'from openai import OpenAI; print(OpenAI(base_url="{base_url}", api_key="none").{sdk_call})'
     return "\n".join(
         (
             f"tandem is up: gRPC on {target}, OpenAI-compatible HTTP on {base_url}. Try:",
-            f'  tandem generate --target {target} --max-tokens 64 "What is a tandem bicycle?"',
+            f"  {generate}",
             f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
-            f"  curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{curl_body}'",
+            f"  curl {base_url}/{endpoint} -H 'Content-Type: application/json' -d '{curl_body}'",
             f"  python -c '{sdk}'",
             "Ctrl-C stops both tiers.",
         )
@@ -362,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
             _stop_all(tiers, args.stop_timeout)
             return EXIT_STARTUP_FAILED
         if died is None and not stop.event.is_set():
-            print(how_to_call(args.host, args.port, args.http_port, model_dir.name), flush=True)
+            chat = args.chat_template is not None or has_chat_template(model_dir)
+            print(how_to_call(args.host, args.port, args.http_port, model_dir.name, chat), flush=True)
             died = _serve(args, tiers, stop.event, forwarder)
         if died is not None:
             returncode = died.process.returncode

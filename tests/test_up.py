@@ -24,7 +24,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_service.front_door.openai_http.protocol import Endpoint, translate
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
-from tandem.up import EXIT_OK, EXIT_PREFILL_EXITED, how_to_call, split_threads, tier_specs
+from tandem.up import (
+    EXIT_OK,
+    EXIT_PREFILL_EXITED,
+    has_chat_template,
+    how_to_call,
+    split_threads,
+    tier_specs,
+)
 from tandem.up_status import StatusLine
 
 START_TIMEOUT_S = 180
@@ -76,6 +83,18 @@ def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
     assert decode.argv[decode.argv.index("--metrics-port") + 1] == "0"
     assert decode.argv[decode.argv.index("--http-port") + 1] == "8000" and "--http-port" not in prefill.argv
     assert decode.argv[-4:] == ["--max-num-seqs", "4", "--threads", "3"]
+
+
+def test_a_base_model_is_shown_completions_not_chat(tmp_path):
+    """A model without a chat template (Gemma 3 270M) answers chat with 400: the banner shows completions."""
+    assert not has_chat_template(tmp_path)
+    text = how_to_call("0.0.0.0", 7001, 8001, "gemma-3-270m", chat=False)
+    assert "--raw" in text and "/v1/completions " in text and "chat" not in text
+    body = re.search(r"grpcurl -plaintext -d '(.+?)' 127\.0\.0\.1:7001 tandem\.v1\.Generation/Generate", text)
+    request = json_format.Parse(body.group(1), pb.GenerateRequest())
+    assert request.prompt and not request.messages
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert has_chat_template(tmp_path)
 
 
 def test_how_to_call_lines_are_a_tandem_generate_and_a_valid_grpcurl_request():
