@@ -420,8 +420,9 @@ class Engine:
         """Run requests to completion FCFS with chunked prefill: decodes first, then prompt chunks.
 
         Admits a request only when its uncached prompt fits in free blocks (a sliding group's: the most a
-        chunk and its window hold, `admit`); never preempts. Meant for
-        tests and benchmarks of the engine alone.
+        chunk and its window hold, `admit`). A decoding sequence whose next block is not free sits out
+        steps until finishing sequences free one; when none can grow, the latest admitted is preempted
+        and recomputed later. Meant for tests and benchmarks of the engine alone.
         """
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
         max_seqs = max_num_seqs or self.config.max_num_seqs
@@ -433,9 +434,13 @@ class Engine:
         ]
         done_order = list(waiting)
         running: list[Sequence] = []
+        # Set by a preemption, cleared when a sequence finishes: the preempted one is not readmitted into
+        # the very shortage that preempted it.
+        hold_admission = False
         while waiting or running:
             while (
                 waiting
+                and not hold_admission
                 and len(running) < max_seqs
                 and self.can_admit(waiting[0], waiting[0].num_tokens + 1, budget)
             ):
@@ -449,11 +454,25 @@ class Engine:
                 take = min(seq.num_uncomputed_tokens, left)
                 if take == 0:
                     break
+                decoding = take == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                if decoding and not self.can_allocate(seq, seq.num_computed_tokens + take + 1):
+                    continue  # it waits for the blocks that finishing sequences free
                 self.allocate(seq, seq.num_computed_tokens + take + 1)
                 chunks.append(ScheduledChunk(seq, take))
                 left -= take
+            if not chunks:
+                if len(running) == 1:
+                    raise OutOfBlocksError("one request's decoding does not fit in the KV pool")
+                # No running sequence can grow: the latest admitted gives its blocks back and waits to be
+                # recomputed (prompt and output so far), as the decode tier's scheduler preempts.
+                victim = running.pop()
+                self.free(victim)
+                waiting.insert(0, victim)
+                hold_admission = True
+                continue
             for out in self.step(chunks):
                 if out.finish_reason is not None:
                     running.remove(out.seq)
                     self.free(out.seq)
+                    hold_admission = False
         return done_order

@@ -214,6 +214,19 @@ def test_engine_generate_admits_a_prompt_that_fits_only_at_its_peak(hybrid_model
     assert engine.num_free_blocks == PEAK_POOL
 
 
+def test_engine_generate_decodes_more_prompts_than_their_growth_fits_at_once(hybrid_model):
+    """Peak-sized admission lets in more prompts than the pool holds once they all decode and grow their
+    full group: a decode whose next block is not free waits for a finishing sequence (it used to raise
+    OutOfBlocksError, as on Gemma 3 270M with 12 prompts)."""
+    pool = 58
+    engine = engine_for(hybrid_model, block_size=BS, num_blocks=pool, shuffle_seed=5)
+    prompts = long_prompts(3)
+    seqs = engine.generate([greedy(p, 24) for p in prompts], max_num_batched_tokens=CHUNK, max_num_seqs=3)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(hybrid_model, prompt, 24)
+    assert engine.num_free_blocks == pool
+
+
 def test_prefill_tier_admits_a_prompt_that_fits_only_at_its_peak(hybrid_model):
     engine = engine_for(hybrid_model, block_size=BS, num_blocks=PEAK_POOL, shuffle_seed=5)
     scheduler = ChunkedPrefillScheduler(engine, CHUNK, 4)
