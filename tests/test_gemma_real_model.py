@@ -180,8 +180,14 @@ def disaggregated(gemma_dir: Path) -> Iterator[tuple[RunningPrefill, RunningDeco
     """A prefill server and a decode server that sends it every prompt, on loopback, both at fp32, each
     engine's blocks held per request recorded."""
     prefill = RunningPrefill(gemma_dir, token_budget=512, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    # Twelve prompts of up to 3,000 tokens on one 2-core prefill tier: on a loaded machine the last one's
+    # prefill ends minutes after it was sent, past the 60 s default of one Prefill call.
     decode = RunningDecode(
-        gemma_dir, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, prefill=prefill.address
+        gemma_dir,
+        num_blocks=NUM_BLOCKS,
+        max_model_len=MAX_MODEL_LEN,
+        prefill=prefill.address,
+        prefill_timeout_s=900.0,
     )
     held = {"prefill": HeldBlocks(prefill.engine), "decode": HeldBlocks(decode.engine)}
     try:
