@@ -35,6 +35,7 @@ from torch import nn
 from base.errors import ConfigError
 from kernels.int8_embedding import Int8Embedding
 from kernels.int8_linear import Int8Linear
+from kernels.w8a8_linear import W8A8Linear
 
 NONE = "none"
 
@@ -58,18 +59,34 @@ class QuantizationMethod:
     fingerprint_mark: str
 
 
-def _check_int8(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type == "cpu" and dtype != torch.float32:
-        raise ConfigError(
-            f"--quantization int8 on the CPU runs fp32 activations; use --dtype float32, not "
-            f"{str(dtype).removeprefix('torch.')}"
-        )
+def _fp32_on_cpu(name: str) -> Callable[[torch.device, torch.dtype], None]:
+    def check(device: torch.device, dtype: torch.dtype) -> None:
+        if device.type == "cpu" and dtype != torch.float32:
+            raise ConfigError(
+                f"--quantization {name} on the CPU runs fp32 activations; use --dtype float32, not "
+                f"{str(dtype).removeprefix('torch.')}"
+            )
+
+    return check
 
 
 METHODS: dict[str, QuantizationMethod] = {
     # Before the embedding was quantized too, int8 replicas announced "+int8-weights".
     "int8": QuantizationMethod(
-        "int8", Int8Linear.empty_like, Int8Embedding.empty_like, _check_int8, "int8-weights-and-embedding"
+        "int8",
+        Int8Linear.empty_like,
+        Int8Embedding.empty_like,
+        _fp32_on_cpu("int8"),
+        "int8-weights-and-embedding",
+    ),
+    # int8 weights as above, with each token's activations quantized to int8 before every linear and the
+    # LM head (`kernels.w8a8_linear`); the embedding lookup is int8's.
+    "w8a8_int8": QuantizationMethod(
+        "w8a8_int8",
+        W8A8Linear.empty_like,
+        Int8Embedding.empty_like,
+        _fp32_on_cpu("w8a8_int8"),
+        "w8a8-int8-weights-activations-and-embedding",
     ),
 }
 CHOICES = (NONE, *METHODS)

@@ -38,6 +38,7 @@ SOURCES = [
     CPU_DIR / "gemv.cpp",
     CPU_DIR / "gemv_int8.cpp",
     CPU_DIR / "gemm_int8.cpp",
+    CPU_DIR / "w8a8.cpp",
     CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",

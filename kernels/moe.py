@@ -30,6 +30,8 @@ from torch import nn
 from kernels import torch_reference
 from kernels.int8_linear import GEMV_MAX_ROWS as INT8_GEMV_MAX_ROWS
 from kernels.int8_linear import Int8Linear, quantize_per_channel
+from kernels.w8a8_linear import GEMV_MAX_ROWS as W8A8_GEMV_MAX_ROWS
+from kernels.w8a8_linear import W8A8Linear, w8a8_linear_reference
 
 # Rows up to which an fp32 expert runs on the extension's streaming GEMV rather than MKL: the dense
 # linears' threshold (`kernels.cpu_linear.GEMV_MAX_ROWS`), whose measurement holds for one expert too.
@@ -194,12 +196,23 @@ class Int8Experts(nn.Module):
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
 
 
+class W8A8Experts(Int8Experts):
+    """`Int8Experts` computed W8A8: each routed row's activations are quantized to int8 before each expert
+    (`kernels.w8a8_linear`), as the dense layers of a `w8a8_int8` model are."""
+
+    def _linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if self.extension is None or x.device.type != "cpu" or x.dtype != torch.float32:
+            return w8a8_linear_reference(x, qweight, scale, None)
+        return self.extension.linear_w8a8(x, qweight, scale, None, W8A8_GEMV_MAX_ROWS)
+
+
 AnyExperts = Experts | Int8Experts
 
 # The int8 experts a quantization method's linear module stands for (`engine.quantization.linear_module`
 # gives the platform the module's constructor only; this maps it to the experts' one).
 _QUANTIZED_EXPERTS: dict[object, Callable[[Experts, ModuleType | None], nn.Module]] = {
     Int8Linear.empty_like: Int8Experts.empty_like,
+    W8A8Linear.empty_like: W8A8Experts.empty_like,
 }
 
 

@@ -29,6 +29,7 @@ from base.settings import ATTENTION_BACKENDS, Settings, get_settings
 from kernels import cpu_extension, cpu_linear, cpu_lm_head, moe
 from kernels.backend import AttentionBackend, TorchBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
+from kernels.w8a8_linear import W8A8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +110,16 @@ class Platform:
             cpu_linear.use_cpu_linears(model, self.extension)
         if self.extension is not None:
             moe.use_cpu_kernels(model, self.extension)
-        # The stack computes the Llama layer over one block table: other families keep the per-op path.
-        if self.decode_stack and len(model.layers) > 0 and model.fits_decode_stack:
+        # The stack computes the Llama layer over one block table with fp32 activations: other families
+        # and W8A8 linears keep the per-op path.
+        if self.decode_stack and len(model.layers) > 0 and model.fits_decode_stack and not w8a8(model):
             model.decode_stack = CpuDecodeStack(model.layers, self.extension, model.config.layer_windows)
             logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(model.layers)})
+
+
+def w8a8(model: nn.Module) -> bool:
+    """Whether `model`'s linears quantize their activations (`kernels.w8a8_linear`)."""
+    return any(isinstance(module, W8A8Linear) for module in model.modules())
 
 
 def _attention(device: torch.device, choice: str, extension: ModuleType | None) -> AttentionBackend:

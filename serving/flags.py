@@ -36,9 +36,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8"],
-        help="weights of the decoder layers' linears: int8 is weight-only, symmetric per output channel, "
-        "quantized at load (needs --dtype float32 on the CPU); both tiers must agree (default: none)",
+        choices=["none", "int8", "w8a8_int8"],
+        help="weights of the linears, LM head and embedding, quantized at load (needs --dtype float32 on "
+        "the CPU): int8 is weight-only, symmetric per output channel (greedy output equals the dequantized "
+        "weights'); w8a8_int8 also quantizes each token's activations to int8 (int8 dot products: 2-3x "
+        "the compute of fp32 in prefill and large batches). Both tiers must agree (default: none)",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument(

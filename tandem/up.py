@@ -123,9 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8"],
-        help="weight quantization of both tiers: int8 is weight-only, per output channel, quantized at load "
-        "(default: the tiers' own, none)",
+        choices=["none", "int8", "w8a8_int8"],
+        help="weight quantization of both tiers: int8 is weight-only, per output channel, quantized at load; "
+        "w8a8_int8 also quantizes activations per token (default: the tiers' own, none)",
     )
     parser.add_argument(
         "--block-size",

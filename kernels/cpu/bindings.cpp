@@ -30,6 +30,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_gemm", &linear_int8_gemm,
         "(x Wq^T) * scale + b for many rows: panels of Wq converted to fp32 for a register-tiled GEMM",
         call_guard<gil_scoped_release>());
+  m.def("quantize_rows_int8", &quantize_rows_int8,
+        "each fp32 row as int8 round(x / s) with s = max|x| / 127: (int8 rows, fp32 scales)",
+        call_guard<gil_scoped_release>());
+  m.def("linear_w8a8", &linear_w8a8,
+        "x quantized to int8 per row, times int8 Wq in int32, scaled back (+ b); the GEMV up to gemv_max_rows rows",
+        call_guard<gil_scoped_release>());
   m.def("gemv_isa", &gemv_isa,
         "the instruction set linear_gemv and the int8 linears run on: avx512, avx2 or portable");
   m.def("greedy_lm_head", &greedy_lm_head,

@@ -42,6 +42,12 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
 // The same for many rows: panels of Wq converted to fp32 q * scale, multiplied by a register-tiled GEMM.
 torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                                std::optional<torch::Tensor> bias);
+// W8A8: x quantized to int8 per row (`quantize_rows_int8`: int8 rows and one fp32 scale each), multiplied by
+// int8 Wq in exact int32 sums, scaled back by both scales (w8a8.cpp); the GEMV up to gemv_max_rows rows of x,
+// oneDNN's int8 GEMM beyond.
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x);
+torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                          std::optional<torch::Tensor> bias, int64_t gemv_max_rows);
 // The argument checks both int8 linears share; returns the bias pointer (null without one).
 const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
                                const std::optional<torch::Tensor>& bias);

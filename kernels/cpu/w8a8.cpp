@@ -1,0 +1,295 @@
+// The W8A8 int8 linear: int8 weights (one fp32 scale per output row) times activations quantized to int8
+// per row as they arrive (one fp32 scale per row), accumulated exactly in int32.
+//
+// Past a few rows a linear layer is bound by arithmetic, and an fp32 FMA does one multiply-add per lane
+// where int8 dot products do four: oneDNN's int8 GEMM (`at::_int_mm`) runs 2-4x the fp32 GEMM's rate on
+// this kind of CPU. Few rows are bound by reading W, where oneDNN's int8 path is slower than streaming W
+// ourselves, so those take the GEMV below. Both paths quantize x with the same function and finish each
+// output with the same function, and the int32 sums are exact whatever the order, so a row's output does
+// not depend on how many rows share its step (a sequence decodes to the same tokens alone or in a batch).
+//
+// Numerics, which `kernels.w8a8_linear.w8a8_linear_reference` spells out in torch: `s = max|x| / 127`,
+// `xq = round_half_even(x / s)` clamped to ±127 (0 where s is 0), `acc = xq . q` in int32, and
+// `y = float(acc) * s * scale + bias`, left to right. The float steps are compiled without -ffast-math's
+// reassociation, reciprocals or contraction (`kExactFloat`), so they equal torch's bit for bit.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+#define TANDEM_AVX512BW __attribute__((target("avx512f,avx512bw")))
+#define TANDEM_EXACT_FLOAT __attribute__((noinline, optimize("no-fast-math", "fp-contract=off")))
+
+namespace {
+
+constexpr float kQmax = 127.f;
+// |acc| <= 127 * 127 * K must fit an int32.
+constexpr int64_t kMaxFeatures = INT32_MAX / (127 * 127);
+// Columns of W the GEMV pads x's and each W row's int16 copy to: one AVX-512 vector of int16.
+constexpr int64_t kPad = 32;
+// Output rows a GEMV thread finishes at a time (its int32 sums wait in a buffer of m x kRowsPerFinish).
+constexpr int64_t kRowsPerFinish = 256;
+// The int32 sums of one `_int_mm` call are kept near this size (bytes), so they are finished while in cache.
+constexpr int64_t kChunkBytes = int64_t{4} << 20;
+
+// One row of x quantized: `q[i] = round(x[i] / s)` clamped, with `s = max|x| / 127` returned. T is int8
+// (for oneDNN) or int16 (the GEMV's widened copy). The AVX-512 loop divides, rounds half to even and
+// clamps exactly as the scalar tail does.
+template <typename T>
+TANDEM_EXACT_FLOAT TANDEM_AVX512BW float quantize_row_avx512(const float* x, int64_t k, T* q) {
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (int64_t t = i; t < k; ++t) amax = std::max(amax, std::fabs(x[t]));
+  const float s = amax / kQmax;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, static_cast<size_t>(k) * sizeof(T));
+    return 0.f;
+  }
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-kQmax), hi = _mm512_set1_ps(kQmax);
+  for (i = 0; i + 16 <= k; i += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    if constexpr (sizeof(T) == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm512_cvtepi32_epi16(v));
+    }
+  }
+  for (; i < k; ++i) q[i] = static_cast<T>(std::min(std::max(std::nearbyint(x[i] / s), -kQmax), kQmax));
+  return s;
+}
+
+template <typename T>
+TANDEM_EXACT_FLOAT float quantize_row_portable(const float* x, int64_t k, T* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / kQmax;
+  if (!(s > 0.f)) {
+    std::memset(q, 0, static_cast<size_t>(k) * sizeof(T));
+    return 0.f;
+  }
+  for (int64_t i = 0; i < k; ++i) q[i] = static_cast<T>(std::min(std::max(std::nearbyint(x[i] / s), -kQmax), kQmax));
+  return s;
+}
+
+bool has_avx512bw() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return supported;
+}
+
+// The instruction set the W8A8 kernels run on: the GEMVs' (tests narrow it), where AVX-512 also needs BW.
+GemvIsa w8a8_isa() {
+  const GemvIsa isa = current_gemv_isa();
+  return isa == GemvIsa::kAvx512 && !has_avx512bw() ? GemvIsa::kAvx2 : isa;
+}
+
+template <typename T>
+float quantize_row(const float* x, int64_t k, T* q) {
+  return w8a8_isa() == GemvIsa::kAvx512 ? quantize_row_avx512(x, k, q) : quantize_row_portable(x, k, q);
+}
+
+// Each row of x [m, k] (rows ldx apart) quantized into q (rows ldq apart); the scales into s.
+template <typename T>
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, T* q, int64_t ldq, float* s) {
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) s[r] = quantize_row(x + r * ldx, k, q + r * ldq);
+  });
+}
+
+// `y[j] = float(acc[j]) * s * scale[j] (+ bias[j])` for one row of output, left to right.
+TANDEM_EXACT_FLOAT void finish_row(const int32_t* acc, float s, const float* scale, const float* bias, float* y,
+                                   int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = static_cast<float>(acc[j]) * s * scale[j];
+    y[j] = bias ? v + bias[j] : v;
+  }
+}
+
+struct Gemv {
+  const int16_t* x;  // [m, kp]: the quantized rows widened to int16, zero past k
+  const int8_t* w;  // [n, k]
+  int64_t m, n, k, kp;
+};
+
+// The int32 dot products of W rows [n0, n1) with every x row, into acc[row of x][n - n0] (stride ld).
+// Each W row is widened to int16 once (into `wide`, kp values) and multiplied against up to 4 x rows
+// per pass with `madd` (pairs of int16 products summed into int32: exact).
+template <int MR>
+TANDEM_AVX512BW void rows_avx512(const Gemv& p, const int16_t* wide, int64_t n, int64_t m0, int32_t* acc,
+                                 int64_t ld) {
+  __m512i sums[MR];
+  for (int j = 0; j < MR; ++j) sums[j] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < p.kp; c += kPad) {
+    const __m512i wv = _mm512_loadu_si512(wide + c);
+    for (int j = 0; j < MR; ++j) {
+      const __m512i xv = _mm512_loadu_si512(p.x + (m0 + j) * p.kp + c);
+      sums[j] = _mm512_add_epi32(sums[j], _mm512_madd_epi16(wv, xv));
+    }
+  }
+  for (int j = 0; j < MR; ++j) acc[(m0 + j) * ld + n] = _mm512_reduce_add_epi32(sums[j]);
+}
+
+TANDEM_AVX512BW void widen_avx512(const int8_t* w, int64_t k, int16_t* wide) {
+  int64_t c = 0;
+  for (; c + kPad <= k; c += kPad) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + c + 4096), _MM_HINT_T0);
+    _mm512_storeu_si512(wide + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c))));
+  }
+  for (; c < k; ++c) wide[c] = w[c];
+}
+
+// One row of x (single-stream decode): each W row is widened in registers and read once, in order, with
+// two independent sums, as a stream the prefetchers follow.
+TANDEM_AVX512BW void block_one_row_avx512(const Gemv& p, int64_t n0, int64_t n1, int32_t* acc) {
+  const int64_t whole = p.k / kPad * kPad;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.k;
+    __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t c = 0; c < whole; c += kPad) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c + 4096), _MM_HINT_T0);
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c)));
+      sums[(c / kPad) & 1] = _mm512_add_epi32(sums[(c / kPad) & 1], _mm512_madd_epi16(wv, _mm512_loadu_si512(p.x + c)));
+    }
+    int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(sums[0], sums[1]));
+    for (int64_t c = whole; c < p.k; ++c) dot += static_cast<int32_t>(w[c]) * p.x[c];
+    acc[n - n0] = dot;
+  }
+}
+
+TANDEM_AVX512BW void block_avx512(const Gemv& p, int64_t n0, int64_t n1, int16_t* wide, int32_t* acc) {
+  if (p.m == 1) return block_one_row_avx512(p, n0, n1, acc);
+  for (int64_t n = n0; n < n1; ++n) {
+    widen_avx512(p.w + n * p.k, p.k, wide);
+    int64_t m0 = 0;
+    for (; m0 + 4 <= p.m; m0 += 4) rows_avx512<4>(p, wide, n - n0, m0, acc, n1 - n0);
+    switch (p.m - m0) {
+      case 3: rows_avx512<3>(p, wide, n - n0, m0, acc, n1 - n0); break;
+      case 2: rows_avx512<2>(p, wide, n - n0, m0, acc, n1 - n0); break;
+      case 1: rows_avx512<1>(p, wide, n - n0, m0, acc, n1 - n0); break;
+      default: break;
+    }
+  }
+}
+
+TANDEM_AVX2 int32_t reduce_epi32_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+TANDEM_AVX2 void block_avx2(const Gemv& p, int64_t n0, int64_t n1, int16_t* wide, int32_t* acc) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.k;
+    int64_t c = 0;
+    for (; c + 16 <= p.k; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + c),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c))));
+    for (; c < p.k; ++c) wide[c] = w[c];
+    for (int64_t m = 0; m < p.m; ++m) {
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = 0; i < p.kp; i += 16) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wide + i));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x + m * p.kp + i));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(wv, xv));
+      }
+      acc[m * (n1 - n0) + (n - n0)] = reduce_epi32_avx2(sum);
+    }
+  }
+}
+
+void block_portable(const Gemv& p, int64_t n0, int64_t n1, int32_t* acc) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* w = p.w + n * p.k;
+    for (int64_t m = 0; m < p.m; ++m) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < p.k; ++i) sum += static_cast<int32_t>(w[i]) * p.x[m * p.kp + i];
+      acc[m * (n1 - n0) + (n - n0)] = sum;
+    }
+  }
+}
+
+void gemv(const Gemv& p, const float* row_scale, const float* scale, const float* bias, float* y) {
+  const GemvIsa isa = w8a8_isa();
+  // ~64 KiB of W per thread at least, below which a second thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(1, p.k));
+  at::parallel_for(0, p.n, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<int16_t> wide;
+    thread_local std::vector<int32_t> acc;
+    wide.assign(static_cast<size_t>(p.kp), 0);
+    acc.resize(static_cast<size_t>(p.m * kRowsPerFinish));
+    for (int64_t n0 = begin; n0 < end; n0 += kRowsPerFinish) {
+      const int64_t n1 = std::min(end, n0 + kRowsPerFinish);
+      switch (isa) {
+        case GemvIsa::kAvx512: block_avx512(p, n0, n1, wide.data(), acc.data()); break;
+        case GemvIsa::kAvx2: block_avx2(p, n0, n1, wide.data(), acc.data()); break;
+        case GemvIsa::kPortable: block_portable(p, n0, n1, acc.data()); break;
+      }
+      for (int64_t m = 0; m < p.m; ++m)
+        finish_row(acc.data() + m * (n1 - n0), row_scale[m], scale + n0, bias ? bias + n0 : nullptr,
+                   y + m * p.n + n0, n1 - n0);
+    }
+  });
+}
+
+void gemm(const torch::Tensor& xq, const float* row_scale, const torch::Tensor& qweight, const float* scale,
+          const float* bias, float* y) {
+  const int64_t m = xq.size(0), n = qweight.size(0);
+  const int64_t columns = std::max<int64_t>(256, kChunkBytes / (4 * m) / 64 * 64);
+  for (int64_t n0 = 0; n0 < n; n0 += columns) {
+    const int64_t count = std::min(columns, n - n0);
+    const torch::Tensor acc = at::_int_mm(xq, qweight.narrow(0, n0, count).t());
+    const int32_t* sums = acc.data_ptr<int32_t>();
+    at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        finish_row(sums + r * count, row_scale[r], scale + n0, bias ? bias + n0 : nullptr, y + r * n + n0, count);
+    });
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be 2-D fp32 with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({m}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, q.data_ptr<int8_t>(), k, s.data_ptr<float>());
+  return {q, s};
+}
+
+torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
+                          std::optional<torch::Tensor> bias, int64_t gemv_max_rows) {
+  const float* bias_ptr = check_int8_linear(x, qweight, scale, bias);
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(k <= kMaxFeatures, "a W8A8 linear takes at most ", kMaxFeatures, " input features, not ", k);
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  if (m > gemv_max_rows) {
+    auto [xq, row_scale] = quantize_rows_int8(x);
+    gemm(xq, row_scale.data_ptr<float>(), qweight, scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
+    return y;
+  }
+  // The GEMV reads x widened to int16 and zero-padded to kp columns, quantized straight into that form.
+  const int64_t kp = (k + kPad - 1) / kPad * kPad;
+  std::vector<int16_t> wide(static_cast<size_t>(m * kp), 0);
+  std::vector<float> row_scale(static_cast<size_t>(m));
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, wide.data(), kp, row_scale.data());
+  const Gemv p{wide.data(), qweight.data_ptr<int8_t>(), m, n, k, kp};
+  gemv(p, row_scale.data(), scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
+  return y;
+}

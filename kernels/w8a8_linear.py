@@ -1,0 +1,77 @@
+"""W8A8 int8 linear layers: `kernels.int8_linear`'s weights, with the activations quantized to int8 too.
+
+Weight-only int8 keeps fp32 activations, so every multiply-add is an fp32 FMA, and once a linear layer
+has a few dozen rows (a prefill chunk, a large decode batch) the FMA units, not memory, bound it. W8A8
+quantizes each row of x as it arrives (symmetric, one fp32 scale per row: vLLM's and SGLang's dynamic
+per-token scheme) and multiplies int8 by int8 with exact int32 sums, which the CPU's int8 dot products
+run at several times the fp32 rate. llama.cpp's Q8_0 and Q4_K dot products quantize activations the same
+way (to 8 bits per block of 32 or 256).
+
+The output differs from the dequantized weights' by the activation rounding (up to half a step of
+`max|x| / 127` per element), so it equals `w8a8_linear_reference`, not `F.linear` on `q * scale`. Each row
+is quantized alone and the int32 sums are exact, so a row's output is the same whatever else shares
+its step.
+
+On the CPU with fp32 activations the C++ extension runs it (`linear_w8a8`: its own int8 GEMV up to
+`GEMV_MAX_ROWS` rows, oneDNN's int8 GEMM beyond); elsewhere the torch path does, with `torch._int_mm`
+where the device takes the shape and exact float64 sums where it does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.int8_linear import QMAX, Int8Linear
+
+# Largest row count the extension's int8 GEMV takes; beyond it oneDNN's int8 GEMM is faster
+# (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
+GEMV_MAX_ROWS = 8
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(xq, s)` of fp32 rows `x [M, K]`: `s = max|x_row| / 127` and `xq = round(x / s)` (half to even),
+    clamped to ±127; an all-zero row gets `s = 0` and zeros."""
+    x = x.float()
+    scale = x.abs().amax(dim=1) / QMAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    xq = torch.round(x / divisor.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return xq, scale
+
+
+def _int_mm_takes(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether `torch._int_mm` runs this product: any shape on the CPU; on CUDA more than 16 rows and both
+    dimensions multiples of 8."""
+    if xq.device.type == "cpu":
+        return True
+    rows, features = xq.shape
+    return xq.device.type == "cuda" and rows > 16 and features % 8 == 0 and qweight.shape[0] % 8 == 0
+
+
+def _int8_matmul(xq: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    """Exact int32 `xq qweight^T`: `torch._int_mm` where it runs, else float64 sums of the integers (exact:
+    every partial sum is an integer far below 2^53)."""
+    if _int_mm_takes(xq, qweight):
+        return torch._int_mm(xq, qweight.t())
+    return (xq.double() @ qweight.double().t()).to(torch.int32)
+
+
+def w8a8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`float(xq qweight^T) * s * scale + b` in torch, left to right: the numbers every path gives (the
+    C++ kernels bit for bit), and the path off the CPU."""
+    shape = x.shape
+    xq, row_scale = quantize_activations(x.reshape(-1, shape[-1]))
+    y = _int8_matmul(xq, qweight).float() * row_scale.unsqueeze(1) * scale.float().unsqueeze(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
+
+
+class W8A8Linear(Int8Linear):
+    """`Int8Linear`'s weights and loading, computed W8A8 (module doc)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._uses_extension(x):
+            return w8a8_linear_reference(x, self.qweight, self.scale, self.bias)
+        return self._extension.linear_w8a8(x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS)
