@@ -1,4 +1,4 @@
-"""`tandem bench gemma`: Gemma 3 270M, tandem `--quantization int8` against llama-server on the same GGUF.
+"""`tandem bench gemma`: Gemma 3 270M, tandem int8 and W8A8 int8 against llama-server on the same GGUF.
 
     tandem bench gemma [--systems ...] [--quick] [--out-dir bench/results]
 
@@ -6,8 +6,9 @@ Gemma 3 270M is a base model, so both systems are measured on completions: held-
 prompts (`bench.heldout_text`, tokenized once with the model's tokenizer and sent as token ids, so both
 servers compute the same tokens), greedy, EOS ignored, exact output lengths. llama-server (`-np 16 -cb
 -t 2`) serves the very Q4_K_M GGUF tandem's checkpoint was dequantized from; tandem serves that
-checkpoint with int8 weights (embedding and LM head included). Each system is a fresh server measured
-alone, one after the other:
+checkpoint with int8 weights (embedding and LM head included), once with fp32 activations
+(`--quantization int8`) and once with activations quantized per token (`w8a8_int8`, as llama.cpp's
+dot products quantize theirs). Each system is a fresh server measured alone, one after the other:
 
 - all at once: 32 completions of 128 tokens sent together: output tok/s;
 - single stream: 4 completions of 256 tokens, one at a time: decode tok/s (1 / TPOT p50), TTFT p50;
@@ -33,8 +34,15 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "gemma-3-270m"
-SYSTEMS = ("tandem-int8", "llama-server")
-LABELS = {"tandem-int8": "tandem int8", "llama-server": "llama-server Q4_K_M"}
+# tandem systems and the --quantization each runs.
+TANDEM = {"tandem-int8": "int8", "tandem-w8a8": "w8a8_int8"}
+SYSTEMS = (*TANDEM, "llama-server")
+COLORS = {"tandem-int8": "tab:blue", "tandem-w8a8": "tab:green", "llama-server": "tab:gray"}
+LABELS = {
+    "tandem-int8": "tandem int8",
+    "tandem-w8a8": "tandem w8a8_int8",
+    "llama-server": "llama-server Q4_K_M",
+}
 MAX_START_LOAD = 1.0
 LLAMA_PARALLEL = 16
 LLAMA_CONTEXT = 32768
@@ -77,8 +85,8 @@ def serving(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[tu
     from bench import servers
     from bench.compare import SystemSkipped
 
-    if name == "tandem-int8":
-        server_args = ["--quantization", "int8", "--kv-cache-memory", "1GiB", "--max-num-seqs", "64"]
+    if name in TANDEM:
+        server_args = ["--quantization", TANDEM[name], "--kv-cache-memory", "1GiB", "--max-num-seqs", "64"]
         decode, target = servers.tandem_decode_server(name, str(model_dir), args.threads, server_args)
         with decode:
             yield "tandem", target, {"threads": args.threads, "server_args": server_args}
@@ -170,16 +178,20 @@ def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloa
     return result
 
 
-def ratios(runs: list[dict]) -> dict | None:
-    """tandem int8 over llama-server on each figure, where both ran."""
+def ratios(runs: list[dict]) -> dict[str, dict]:
+    """Each tandem system over llama-server on each figure, where both ran."""
     by_name = {run["system"]: run for run in runs}
-    if not set(SYSTEMS) <= set(by_name):
-        return None
-    ours, peer = by_name["tandem-int8"], by_name["llama-server"]
+    peer = by_name.get("llama-server")
+    if peer is None:
+        return {}
     return {
-        "all_at_once_throughput": ours["all_at_once_tok_s"] / peer["all_at_once_tok_s"],
-        "single_decode": ours["single_decode_tok_s"] / peer["single_decode_tok_s"],
-        "single_ttft": peer["single_ttft_ms_p50"] / ours["single_ttft_ms_p50"],
+        name: {
+            "all_at_once_throughput": ours["all_at_once_tok_s"] / peer["all_at_once_tok_s"],
+            "single_decode": ours["single_decode_tok_s"] / peer["single_decode_tok_s"],
+            "single_ttft": peer["single_ttft_ms_p50"] / ours["single_ttft_ms_p50"],
+        }
+        for name, ours in by_name.items()
+        if name in TANDEM
     }
 
 
@@ -195,10 +207,9 @@ def table(document: dict) -> str:
             f"| {run['label']} | {run['all_at_once_tok_s']:.1f} | {run['single_decode_tok_s']:.1f} "
             f"| {run['single_ttft_ms_p50']:.0f} | {run['peak_rss_bytes'] / 2**20:.0f} |"
         )
-    ratio = document.get("ratios")
-    if ratio:
+    for name, ratio in document.get("ratios", {}).items():
         lines.append(
-            f"| **tandem / llama-server** | **{ratio['all_at_once_throughput']:.2f}x** "
+            f"| **{LABELS[name]} / llama-server** | **{ratio['all_at_once_throughput']:.2f}x** "
             f"| **{ratio['single_decode']:.2f}x** | {ratio['single_ttft']:.2f}x faster | |"
         )
     machine = document["machine"]
@@ -223,7 +234,7 @@ def draw(document: dict, out_dir: Path) -> Path:
         (axes[0], "all_at_once_tok_s", "32 completions at once: output tok/s"),
         (axes[1], "single_decode_tok_s", "single stream: decode tok/s"),
     ):
-        axis.bar(labels, [run[key] for run in runs], color=["tab:blue", "tab:gray"][: len(runs)])
+        axis.bar(labels, [run[key] for run in runs], color=[COLORS[run["system"]] for run in runs])
         axis.set_title(title, fontsize=10)
     fig.suptitle(f"Gemma 3 270M on {document['machine']['cpu']}", fontsize=10)
     fig.tight_layout()

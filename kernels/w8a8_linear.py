@@ -13,8 +13,9 @@ is quantized alone and the int32 sums are exact, so a row's output is the same w
 its step.
 
 On the CPU with fp32 activations the C++ extension runs it (`linear_w8a8`: its own int8 GEMV up to
-`GEMV_MAX_ROWS` rows, oneDNN's int8 GEMM beyond); elsewhere the torch path does, with `torch._int_mm`
-where the device takes the shape and exact float64 sums where it does not.
+`GEMV_MAX_ROWS` rows, its AVX-512 VNNI GEMM where that wins, oneDNN's int8 GEMM beyond); elsewhere the
+torch path does, with `torch._int_mm` where the device takes the shape and exact float64 sums where it
+does not. All of them give the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from kernels.int8_linear import QMAX, Int8Linear
 # Largest row count the extension's int8 GEMV takes; beyond it oneDNN's int8 GEMM is faster
 # (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
 GEMV_MAX_ROWS = 8
+# Where the extension's AVX-512 VNNI GEMM beats oneDNN's: up to 32 rows (a decode batch) of a layer with
+# at least 1,024 input features (a down projection); elsewhere oneDNN's is as fast or faster.
+VNNI_MAX_ROWS = 32
+VNNI_MIN_FEATURES = 1024
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +76,16 @@ def w8a8_linear_reference(
 class W8A8Linear(Int8Linear):
     """`Int8Linear`'s weights and loading, computed W8A8 (module doc)."""
 
+    # The int32 sums of the weight rows the VNNI GEMM needs, taken at the first call (after loading).
+    _weight_sums: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._uses_extension(x):
             return w8a8_linear_reference(x, self.qweight, self.scale, self.bias)
-        return self._extension.linear_w8a8(x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS)
+        if self.in_features < VNNI_MIN_FEATURES:
+            return self._extension.linear_w8a8(x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS)
+        if self._weight_sums is None:
+            self._weight_sums = self.qweight.sum(dim=1, dtype=torch.int32)
+        return self._extension.linear_w8a8(
+            x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS, self._weight_sums, VNNI_MAX_ROWS
+        )

@@ -31,7 +31,16 @@ GREEDY = SamplingParams(temperature=0.0)
 ISAS = ("avx512", "avx2", "portable")
 # (rows, features, outputs): tails of every vector width, one row (the single-stream GEMV), rows either
 # side of the GEMV's limit, and a prefill-sized block.
-SHAPES = [(1, 7, 3), (1, 640, 300), (2, 33, 65), (5, 100, 17), (8, 64, 48), (9, 130, 70), (40, 257, 129)]
+SHAPES = [
+    (1, 7, 3),
+    (1, 640, 300),
+    (2, 33, 65),
+    (5, 100, 17),
+    (8, 64, 48),
+    (9, 130, 70),
+    (17, 1031, 25),
+    (40, 257, 129),
+]
 
 
 def activations(rows: int, features: int, seed: int) -> torch.Tensor:
@@ -74,9 +83,14 @@ def test_the_kernel_equals_the_reference_bit_for_bit(extension, isa_name, shape)
         for b in (None, bias):
             expected = float64_reference(x, qweight, scale, b)
             assert torch.equal(w8a8_linear_reference(x, qweight, scale, b), expected)
-            for gemv_max_rows in (0, 64):  # oneDNN's GEMM, then our GEMV, for the same rows
-                got = extension.linear_w8a8(x, qweight, scale, b, gemv_max_rows)
-                assert torch.equal(got, expected), (gemv_max_rows, (got - expected).abs().max())
+            sums = qweight.sum(dim=1, dtype=torch.int32)
+            paths = {
+                "oneDNN": extension.linear_w8a8(x, qweight, scale, b, 0),
+                "GEMV": extension.linear_w8a8(x, qweight, scale, b, 64),
+                "VNNI (oneDNN without VNNI)": extension.linear_w8a8(x, qweight, scale, b, 0, sums, 64),
+            }
+            for path, got in paths.items():
+                assert torch.equal(got, expected), (path, (got - expected).abs().max())
         xq, row_scale = extension.quantize_rows_int8(x)
         expected_q, expected_scale = quantize_activations(x)
         assert torch.equal(xq, expected_q) and torch.equal(row_scale, expected_scale)

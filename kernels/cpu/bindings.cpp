@@ -34,8 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each fp32 row as int8 round(x / s) with s = max|x| / 127: (int8 rows, fp32 scales)",
         call_guard<gil_scoped_release>());
   m.def("linear_w8a8", &linear_w8a8,
-        "x quantized to int8 per row, times int8 Wq in int32, scaled back (+ b); the GEMV up to gemv_max_rows rows",
-        call_guard<gil_scoped_release>());
+        "x quantized to int8 per row, times int8 Wq in int32, scaled back (+ b); the GEMV up to gemv_max_rows rows, "
+        "then (given Wq's int32 row sums) the VNNI GEMM up to vnni_max_rows, then oneDNN",
+        arg("x"), arg("qweight"), arg("scale"), arg("bias"), arg("gemv_max_rows"),
+        arg("weight_sums") = pybind11::none(), arg("vnni_max_rows") = 0, call_guard<gil_scoped_release>());
   m.def("gemv_isa", &gemv_isa,
         "the instruction set linear_gemv and the int8 linears run on: avx512, avx2 or portable");
   m.def("greedy_lm_head", &greedy_lm_head,

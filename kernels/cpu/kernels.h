@@ -46,8 +46,11 @@ torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Te
 // int8 Wq in exact int32 sums, scaled back by both scales (w8a8.cpp); the GEMV up to gemv_max_rows rows of x,
 // oneDNN's int8 GEMM beyond.
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x);
+// weight_sums (int32 row sums of Wq), when given, let rows past the GEMV's, up to vnni_max_rows, take the AVX-512
+// VNNI GEMM instead of oneDNN's.
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
-                          std::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+                          std::optional<torch::Tensor> bias, int64_t gemv_max_rows,
+                          std::optional<torch::Tensor> weight_sums, int64_t vnni_max_rows);
 // The argument checks both int8 linears share; returns the bias pointer (null without one).
 const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
                                const std::optional<torch::Tensor>& bias);

@@ -198,6 +198,7 @@ void run_tasks(const Problem& p, const std::vector<Task>& tasks, int64_t begin, 
   switch (p.head_dim) {
     case 64: return run_range<64, E>(p, tasks, begin, end);
     case 128: return run_range<128, E>(p, tasks, begin, end);
+    case 256: return run_range<256, E>(p, tasks, begin, end);
     default: return run_range<0, E>(p, tasks, begin, end);
   }
 }
