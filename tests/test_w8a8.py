@@ -12,8 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
+from test_disagg_families import generate_all, max_new
+from test_disagg_serving import RunningDecode, RunningPrefill
 from test_model_families import hf_model
 from test_moe_families import tiny_moe
+from tiny_tokenizer import build_tiny_tokenizer
 from torch import nn
 
 from base.errors import ConfigError
@@ -260,3 +263,29 @@ def test_w8a8_replicas_never_share_kv_with_int8_ones():
 def test_w8a8_needs_fp32_activations_on_the_cpu():
     with pytest.raises(ConfigError, match="--quantization w8a8_int8 on the CPU runs fp32 activations"):
         EngineConfig(quantization="w8a8_int8", dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_disaggregated_w8a8_equals_aggregated(tmp_path):
+    """Gemma's layout (tied head, sliding windows) with both tiers W8A8: the prefill tier's KV, moved
+    over the wire, decodes to the tokens one aggregated engine gives, since each row's arithmetic is the
+    same whichever batch and process it runs in."""
+    hf = hf_model("gemma3_text")
+    hf.save_pretrained(tmp_path)
+    build_tiny_tokenizer(tmp_path)
+    prompts = random_prompts(4, 8, min_len=25, max_len=70)
+    engine = engine_for(hf, block_size=16, num_blocks=128, quantization="w8a8_int8")
+    requests = [
+        GenerateRequest(p, GREEDY, StoppingParams(max_tokens=max_new(i), ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+    expected = [seq.output_token_ids for seq in engine.generate(requests, max_num_seqs=4)]
+    prefill = RunningPrefill(tmp_path, token_budget=32, num_blocks=128, quantization="w8a8_int8")
+    decode = RunningDecode(tmp_path, num_blocks=128, prefill=prefill.address, quantization="w8a8_int8")
+    try:
+        assert generate_all(decode, prompts, wave=0) == expected
+        assert decode.stats.remote_prefills_completed == len(prompts)
+        assert not decode.locally_prefilled_request_ids(), "a prompt was prefilled on decode"
+    finally:
+        decode.close()
+        prefill.close()
