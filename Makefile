@@ -34,7 +34,7 @@ run: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-quick: install
 	$(BIN)/python -m pytest -q -m "not slow"

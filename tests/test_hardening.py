@@ -487,7 +487,7 @@ def test_chat_turns_over_the_limit_are_refused_on_both_doors_before_rendering(mo
     try:
         request = pb.GenerateRequest(
             messages=[pb.ChatMessage(role="user", content="hi")] * 5,
-            stopping=pb.StoppingParams(max_tokens=2),
+            stopping=pb.StoppingParams(max_tokens=2, ignore_eos=True),
         )
         refused = refusal(grpc_server, request)
         assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
@@ -503,7 +503,10 @@ def test_chat_turns_over_the_limit_are_refused_on_both_doors_before_rendering(mo
 
         within = [{"role": "user", "content": "hi"}] * 4
         status, body = http_call(
-            http_server, "POST", "/v1/chat/completions", {"messages": within, "max_tokens": 2}
+            http_server,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": within, "max_tokens": 2, "ignore_eos": True},
         )
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         request.messages.pop()

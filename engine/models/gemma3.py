@@ -49,13 +49,23 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
         self.backend = backend
+        # `1 + weight`, kept while the weight's storage and version (bumped by every in-place load) stay
+        # the same: a decode step of Gemma 3 270M calls 109 norms, and adding per call was a tenth of
+        # their cost.
+        self._offset: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def _one_plus_weight(self) -> torch.Tensor:
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._offset is None or self._offset[0] != key:
+            self._offset = (key, 1.0 + self.weight.detach())
+        return self._offset[1]
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dtype == torch.float32:
             # In fp32 the backend's `weight * normed` is the same arithmetic, on its fused kernel.
-            return self.backend.rms_norm(x, 1.0 + self.weight, self.eps, residual)
+            return self.backend.rms_norm(x, self._one_plus_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
         wide = x.float()
