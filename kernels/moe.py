@@ -316,8 +316,9 @@ def fused_experts(
     silu_and_mul: SiluAndMul = torch_reference.silu_and_mul,
 ) -> torch.Tensor:
     """The experts' weighted sum for `hidden [T, H]` routed as `(weights, ids)`: the Triton grouped GEMM
-    on CUDA (int8 experts read as int8 there too), the sorted per-expert path elsewhere."""
-    if hidden.device.type != "cuda":
+    on CUDA (int8 experts read as int8 there too), the sorted per-expert path elsewhere and for W8A8
+    experts, which the grouped GEMM (fp activations) would compute as weight-only int8."""
+    if hidden.device.type != "cuda" or isinstance(experts, W8A8Experts):
         return sorted_experts(hidden, experts, weights, ids, silu_and_mul)
     # Imported here: a CPU process never imports Triton for this.
     from kernels import triton_moe
