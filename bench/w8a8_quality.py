@@ -6,7 +6,7 @@
 Perplexity: each held-out text (about 512 tokens) is prefilled in one chunk and scored token by token
 (teacher forcing). Agreement: 64 greedy tokens after the first 128 tokens of each text, compared with
 full precision's: the share of continuations identical to it and the mean length of the common prefix.
-Prints JSON with the host (CPU model, load average) beside the figures.
+Prints JSON with the machine (CPU model, cores, load average) beside the figures.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from bench.heldout_text import heldout_prompts, spread_lengths
-    from bench.int8_head import host
+    from bench.machine import machine_info
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import Engine
     from engine.tokenizer import Tokenizer
@@ -76,7 +76,8 @@ def main() -> int:
     texts = heldout_prompts(spread_lengths(args.texts, 500, 520), lambda text: len(tokenizer.encode(text)))
     token_lists = [tokenizer.encode(text)[:512] for text in texts]
     prompts = [tokens[:128] for tokens in token_lists]
-    report: dict = {"model": model_dir.name, "host": host(), "texts": len(token_lists), "methods": {}}
+    report: dict = {"model": model_dir.name, "machine": machine_info(), "texts": len(token_lists)}
+    report["methods"] = {}
     outputs = {}
     for method in METHODS:
         config = EngineConfig(

@@ -30,8 +30,7 @@ from torch import nn
 from kernels import torch_reference
 from kernels.int8_linear import GEMV_MAX_ROWS as INT8_GEMV_MAX_ROWS
 from kernels.int8_linear import Int8Linear, quantize_per_channel
-from kernels.w8a8_linear import GEMV_MAX_ROWS as W8A8_GEMV_MAX_ROWS
-from kernels.w8a8_linear import W8A8Linear, w8a8_linear_reference
+from kernels.w8a8_linear import W8A8Linear, w8a8_linear
 
 # Rows up to which an fp32 expert runs on the extension's streaming GEMV rather than MKL: the dense
 # linears' threshold (`kernels.cpu_linear.GEMV_MAX_ROWS`), whose measurement holds for one expert too.
@@ -201,9 +200,7 @@ class W8A8Experts(Int8Experts):
     (`kernels.w8a8_linear`), as the dense layers of a `w8a8_int8` model are."""
 
     def _linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if self.extension is None or x.device.type != "cpu" or x.dtype != torch.float32:
-            return w8a8_linear_reference(x, qweight, scale, None)
-        return self.extension.linear_w8a8(x, qweight, scale, None, W8A8_GEMV_MAX_ROWS)
+        return w8a8_linear(x, qweight, scale, None, self.extension)
 
 
 AnyExperts = Experts | Int8Experts

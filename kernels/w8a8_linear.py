@@ -20,27 +20,19 @@ does not. All of them give the same bits.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
-from kernels.int8_linear import QMAX, Int8Linear
+from kernels.int8_linear import Int8Linear, quantize_per_channel
 
-# Largest row count the extension's int8 GEMV takes; beyond it oneDNN's int8 GEMM is faster
-# (`tandem bench linear-kernels`; figures in bench/README.md, "CPU kernels").
+# Largest row count the extension's int8 GEMV takes; beyond it oneDNN's int8 GEMM is faster (figures in
+# bench/README.md, "W8A8").
 GEMV_MAX_ROWS = 8
 # Where the extension's AVX-512 VNNI GEMM beats oneDNN's: up to 32 rows (a decode batch) of a layer with
 # at least 1,024 input features (a down projection); elsewhere oneDNN's is as fast or faster.
 VNNI_MAX_ROWS = 32
 VNNI_MIN_FEATURES = 1024
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(xq, s)` of fp32 rows `x [M, K]`: `s = max|x_row| / 127` and `xq = round(x / s)` (half to even),
-    clamped to ±127; an all-zero row gets `s = 0` and zeros."""
-    x = x.float()
-    scale = x.abs().amax(dim=1) / QMAX
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    xq = torch.round(x / divisor.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
-    return xq, scale
 
 
 def _int_mm_takes(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -66,26 +58,37 @@ def w8a8_linear_reference(
     """`float(xq qweight^T) * s * scale + b` in torch, left to right: the numbers every path gives (the
     C++ kernels bit for bit), and the path off the CPU."""
     shape = x.shape
-    xq, row_scale = quantize_activations(x.reshape(-1, shape[-1]))
+    # Activations take the weights' scheme, one scale per row (here a token, there an output channel).
+    xq, row_scale = quantize_per_channel(x.reshape(-1, shape[-1]))
     y = _int8_matmul(xq, qweight).float() * row_scale.unsqueeze(1) * scale.float().unsqueeze(0)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
 
 
+def w8a8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    extension: ModuleType | None,
+    weight_sums: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The W8A8 linear on the best path: the extension for fp32 CPU activations (with `weight_sums`, the
+    int32 row sums of `qweight`, its VNNI GEMM may run), else `w8a8_linear_reference`."""
+    if extension is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return w8a8_linear_reference(x, qweight, scale, bias)
+    return extension.linear_w8a8(x, qweight, scale, bias, GEMV_MAX_ROWS, weight_sums, VNNI_MAX_ROWS)
+
+
 class W8A8Linear(Int8Linear):
     """`Int8Linear`'s weights and loading, computed W8A8 (module doc)."""
 
-    # The int32 sums of the weight rows the VNNI GEMM needs, taken at the first call (after loading).
+    # The int32 sums of the weight rows the VNNI GEMM needs (layers of VNNI_MIN_FEATURES or more), taken
+    # at the first call, after loading.
     _weight_sums: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._uses_extension(x):
-            return w8a8_linear_reference(x, self.qweight, self.scale, self.bias)
-        if self.in_features < VNNI_MIN_FEATURES:
-            return self._extension.linear_w8a8(x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS)
-        if self._weight_sums is None:
+        if self._weight_sums is None and self.in_features >= VNNI_MIN_FEATURES:
             self._weight_sums = self.qweight.sum(dim=1, dtype=torch.int32)
-        return self._extension.linear_w8a8(
-            x, self.qweight, self.scale, self.bias, GEMV_MAX_ROWS, self._weight_sums, VNNI_MAX_ROWS
-        )
+        return w8a8_linear(x, self.qweight, self.scale, self.bias, self._extension, self._weight_sums)

@@ -28,7 +28,7 @@ from engine.params import SamplingParams, StoppingParams
 from kernels import w8a8_linear
 from kernels.int8_linear import dequantize, quantize_per_channel
 from kernels.moe import W8A8Experts
-from kernels.w8a8_linear import W8A8Linear, quantize_activations, w8a8_linear_reference
+from kernels.w8a8_linear import W8A8Linear, w8a8_linear_reference
 
 GREEDY = SamplingParams(temperature=0.0)
 ISAS = ("avx512", "avx2", "portable")
@@ -58,7 +58,7 @@ def activations(rows: int, features: int, seed: int) -> torch.Tensor:
 
 def float64_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
     """The W8A8 arithmetic with the int8 products summed in float64 (exact), independent of `_int_mm`."""
-    xq, row_scale = quantize_activations(x)
+    xq, row_scale = quantize_per_channel(x)
     acc = (xq.double() @ qweight.double().t()).float()
     y = acc * row_scale.unsqueeze(1) * scale.unsqueeze(0)
     return y if bias is None else y + bias
@@ -95,7 +95,7 @@ def test_the_kernel_equals_the_reference_bit_for_bit(extension, isa_name, shape)
             for path, got in paths.items():
                 assert torch.equal(got, expected), (path, (got - expected).abs().max())
         xq, row_scale = extension.quantize_rows_int8(x)
-        expected_q, expected_scale = quantize_activations(x)
+        expected_q, expected_scale = quantize_per_channel(x)
         assert torch.equal(xq, expected_q) and torch.equal(row_scale, expected_scale)
     finally:
         restore_widest(extension)
@@ -103,7 +103,7 @@ def test_the_kernel_equals_the_reference_bit_for_bit(extension, isa_name, shape)
 
 def test_quantized_activations_round_half_to_even_and_clamp():
     x = torch.tensor([[127.0, -127.0, 0.5, 1.5, -2.5, 63.5], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    xq, row_scale = quantize_activations(x)
+    xq, row_scale = quantize_per_channel(x)
     assert xq.tolist() == [[127, -127, 0, 2, -2, 64], [0, 0, 0, 0, 0, 0]]
     assert row_scale.tolist() == [1.0, 0.0]
 
