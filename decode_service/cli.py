@@ -115,6 +115,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_prefill_arguments(parser)
     _add_limit_arguments(parser)
     _add_structured_output_arguments(parser)
+    _add_speculative_arguments(parser)
+
+
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of speculative decoding (`engine.speculation`), in vLLM's terms."""
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative",
+        default="none",
+        choices=["none", "ngram"],
+        help="ngram: draft the next tokens from the latest earlier occurrence of the context's last 1-3 "
+        "tokens (prompt and output) and verify them in one step; greedy output is unchanged and sampled "
+        "output keeps its distribution. Pays on text that copies (code edits, extraction, rewrites); a "
+        "request may opt out with disable_speculation (default: none)",
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="draft tokens per step and sequence, at most (default: 4)",
+    )
+    group.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shortest suffix of the context looked up for a draft (default: 1)",
+    )
+    group.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=3,
+        metavar="N",
+        help="longest suffix of the context looked up for a draft; longer ones are tried first (default: 3)",
+    )
+    group.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=4,
+        metavar="N",
+        help="no drafts in a step decoding more than N sequences, where the step's cost grows with its "
+        "tokens; a sequence whose drafts keep failing also pauses its own (default: 4)",
+    )
 
 
 def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:

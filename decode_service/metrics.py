@@ -81,6 +81,32 @@ class _LiveStateCollector(Collector):
         )
         yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
         yield from _transfer_metrics(stats)
+        yield from _speculation_metrics(stats)
+
+
+def _speculation_metrics(stats: CoreStats) -> Iterator[Metric]:
+    """Speculative decoding, in vLLM's names so its dashboards read them; all zero without --speculative."""
+    yield CounterMetricFamily(
+        "vllm:spec_decode_num_drafts",
+        "Drafts verified (one per sequence and step).",
+        value=stats.spec_num_drafts,
+    )
+    yield CounterMetricFamily(
+        "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", value=stats.spec_num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (kept in the output).",
+        value=stats.spec_num_accepted_tokens,
+    )
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each position of the draft (0: the first).",
+        labels=["position"],
+    )
+    for position, accepted in enumerate(stats.spec_accepted_per_position):
+        per_position.add_metric([str(position)], accepted)
+    yield per_position
 
 
 def _transfer_metrics(stats: CoreStats) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ import torch
 from base.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from engine.kv_layout import KVLayout
 from engine.models import FAMILIES
+from engine.speculation import SpeculativeConfig
 from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
@@ -262,6 +263,8 @@ class EngineConfig:
     # Weight quantization of the decoder linears, LM head and embedding (`engine.quantization`): "none" or a
     # method name.
     quantization: str = "none"
+    # Speculative decoding of the decode tier's steps (`engine.speculation`); the prefill tier ignores it.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         from engine.quantization import check_supported

@@ -28,6 +28,7 @@ from engine.models import build_model
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler, SamplerOutput, TokenHistory, argmax_suffices
 from engine.sequence import FinishReason, Sequence
+from engine.speculation import NgramDrafts, SpeculationStats
 from engine.tokenizer import Tokenizer
 from kernels.kv_quant import check_device_supports
 from kernels.platform import choose_platform
@@ -68,6 +69,13 @@ class TokenOutput:
     # Why this sequence alone could not go on (its grammar allowed no token, or refused the sampled one):
     # it is aborted, `token_id` was not appended, and its request ends with this error alone.
     error: TandemError | None = None
+    # Draft tokens the step verified and kept, appended before `token_id`: (id, logprob, top logprobs).
+    accepted_drafts: tuple[tuple[int, float, list[tuple[int, float]]], ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this output appended, in order."""
+        return [*(d[0] for d in self.accepted_drafts), self.token_id, *self.forced_token_ids]
 
 
 @dataclass
@@ -146,6 +154,8 @@ class Engine:
         self.grammar_fill_observer: Callable[[float], None] | None = None
         self.eos_token_ids = self.facts.eos_token_ids
         self.max_model_len = self.facts.max_model_len
+        self.speculative = config.speculative
+        self.speculation_stats = SpeculationStats()
         logger.info(
             "engine ready",
             extra={
@@ -225,46 +235,113 @@ class Engine:
     def step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
         """Run one forward over the chunks and sample a token for every sequence it completes.
 
-        The caller has grown each block table to cover the chunk. Blocks the forward filled are
-        registered in the prefix cache, then sliding-window blocks no later query can read are released
-        (in this same step). Finished sequences keep their other blocks until the caller calls `free` —
-        in the same iteration, for continuous batching.
+        The caller has grown each block table to cover the chunk (and its draft). Blocks the forward
+        filled are registered in the prefix cache, then sliding-window blocks no later query can read
+        are released (in this same step). A chunk with a draft keeps the draft tokens that equal what
+        was sampled after their predecessors, and one sampled token more (`engine.speculation`); the
+        rejected tokens' KV lies past the sequence's computed tokens and is overwritten when they are
+        computed. Finished sequences keep their other blocks until the caller calls `free` — in the
+        same iteration, for continuous batching.
         """
         if not chunks:
             return []
         hidden = self.runner.execute(chunks)
-        sampled = [c.seq for c in chunks if c.completes_sequence]
+        sampled = [c for c in chunks if c.completes_sequence]
         manager = self.block_manager
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            manager.commit(chunk.seq)
+            if not chunk.draft_token_ids:
+                manager.commit(chunk.seq)
         if self._sliding:
             for chunk in chunks:
                 manager.release_slid_out(chunk.seq)
         if not sampled:
             return []
-        result = self.sample(hidden, sampled)
+        rows = [
+            (c.seq, c.draft_token_ids[:ahead]) for c in sampled for ahead in range(len(c.draft_token_ids) + 1)
+        ]
+        result = self.sample(hidden, rows)
         token_ids = result.token_ids.tolist()
         logprobs = result.logprobs.tolist()
         top_ids, top_lps = result.top_token_ids.tolist(), result.top_logprobs.tolist()
         outputs = []
-        for row, seq in enumerate(sampled):
+        row = 0
+        for chunk in sampled:
+            seq, draft = chunk.seq, chunk.draft_token_ids
             n = seq.sampling.logprobs
-            top = list(zip(top_ids[row][:n], top_lps[row][:n], strict=True))
-            outputs.append(self._append_sampled(seq, token_ids[row], logprobs[row], top))
+            tokens = [
+                (token_ids[r], logprobs[r], list(zip(top_ids[r][:n], top_lps[r][:n], strict=True)))
+                for r in range(row, row + len(draft) + 1)
+            ]
+            row += len(draft) + 1
+            if draft:
+                outputs.append(self._verify(seq, draft, tokens))
+            else:
+                outputs.append(self._append_sampled(seq, *tokens[0]))
         return outputs
 
-    def sample(self, hidden: torch.Tensor, seqs: SequenceOf[Sequence]) -> SamplerOutput:
-        """The LM head and the sampler over `hidden` (one final hidden state per sequence in `seqs`).
+    def _verify(
+        self, seq: Sequence, draft: tuple[int, ...], sampled: list[tuple[int, float, list[tuple[int, float]]]]
+    ) -> TokenOutput:
+        """Append what a draft's verification sampled: each draft token while it equals the token sampled
+        in its place, then the first sampled token that differs (or the one after the whole draft)."""
+        kept: list[tuple[int, float, list[tuple[int, float]]]] = []
+        for guess, token in zip(draft, sampled, strict=False):
+            if token[0] != guess:
+                break
+            seq.append_token(guess, self.eos_token_ids, self.max_model_len)
+            seq.num_computed_tokens += 1  # its KV was computed in this forward
+            kept.append(token)
+            if seq.is_finished:
+                break
+        self.speculation_stats.record(len(draft), len(kept))
+        if seq.drafts is not None:
+            seq.drafts.record(len(draft), len(kept))
+        if seq.is_finished:
+            last = kept.pop()
+        else:
+            last = sampled[len(kept)]
+            seq.append_token(last[0], self.eos_token_ids, self.max_model_len)
+        self.block_manager.commit(seq)
+        if self._sliding:
+            self.block_manager.release_slid_out(seq)
+        return TokenOutput(seq, *last, seq.finish_reason, accepted_drafts=tuple(kept))
+
+    def propose_draft(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Up to `limit` draft tokens for `seq`'s next decode step; none when this engine does not
+        speculate, the request opted out, a grammar constrains it, or its context holds no match."""
+        if (
+            limit <= 0
+            or not self.speculative.enabled
+            or seq.grammar is not None
+            or seq.sampling.disable_speculation
+        ):
+            return ()
+        if seq.drafts is None:
+            seq.drafts = NgramDrafts(self.speculative)
+        room = min(
+            limit,
+            self.speculative.num_speculative_tokens,
+            seq.stopping.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        return tuple(seq.drafts.propose(seq.token_ids, room)) if room > 0 else ()
+
+    def sample(
+        self, hidden: torch.Tensor, rows: SequenceOf[tuple[Sequence, tuple[int, ...]]]
+    ) -> SamplerOutput:
+        """The LM head and the sampler over `hidden`: one final hidden state per row of `rows`, each a
+        sequence and the draft tokens taken as appended to it (empty: the sequence as it stands).
 
         When every row only wants its argmax, the LM head answers directly and the vocabulary-wide
         logits are never written (the sampler would return exactly that argmax). Otherwise one LM-head
         pass writes every row's logits: splitting the batch would read the head's weights twice, which
-        costs more than the logits of the greedy rows. Grammar masks are filled for constrained rows only.
+        costs more than the logits of the greedy rows. Grammar masks are filled for constrained rows only
+        (a constrained sequence never drafts).
         """
-        params = [s.sampling for s in seqs]
-        suppressed = [s.suppressed_token_ids(self.eos_token_ids) for s in seqs]
-        grammars = [s.grammar for s in seqs]
+        params = [s.sampling for s, _ in rows]
+        suppressed = [s.suppressed_token_ids(self.eos_token_ids, len(ahead)) for s, ahead in rows]
+        grammars = [s.grammar for s, _ in rows]
         if all(g is None or not g.active for g in grammars) and argmax_suffices(params, suppressed):
             return SamplerOutput.without_logprobs(self.model.greedy_tokens(hidden))
         fill_start = time.perf_counter()
@@ -274,9 +351,12 @@ class Engine:
         return self.sampler(
             self.model.compute_logits(hidden),
             params,
-            [s.num_tokens for s in seqs],
+            [s.num_tokens + len(ahead) for s, ahead in rows],
             suppressed,
-            [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in seqs],
+            [
+                TokenHistory([*s.token_ids, *ahead] if ahead else s.token_ids, s.num_prompt_tokens)
+                for s, ahead in rows
+            ],
             mask,
         )
 
@@ -422,7 +502,8 @@ class Engine:
         Admits a request only when its uncached prompt fits in free blocks (a sliding group's: the most a
         chunk and its window hold, `admit`). A decoding sequence whose next block is not free sits out
         steps until finishing sequences free one; when none can grow, the latest admitted is preempted
-        and recomputed later. Meant for tests and benchmarks of the engine alone.
+        and recomputed later. A speculating engine drafts for every decoding sequence. Meant for tests and
+        benchmarks of the engine alone.
         """
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
         max_seqs = max_num_seqs or self.config.max_num_seqs
@@ -458,8 +539,12 @@ class Engine:
                 if decoding and not self.can_allocate(seq, seq.num_computed_tokens + take + 1):
                     continue  # it waits for the blocks that finishing sequences free
                 self.allocate(seq, seq.num_computed_tokens + take + 1)
-                chunks.append(ScheduledChunk(seq, take))
-                left -= take
+                draft = self.propose_draft(seq, left - take) if decoding else ()
+                if draft and not self.can_allocate(seq, seq.num_tokens + len(draft)):
+                    draft = ()
+                self.allocate(seq, seq.num_tokens + len(draft))
+                chunks.append(ScheduledChunk(seq, take, draft))
+                left -= take + len(draft)
             if not chunks:
                 if len(running) == 1:
                     raise OutOfBlocksError("one request's decoding does not fit in the KV pool")

@@ -15,10 +15,15 @@ from kernels.metadata import AttentionMetadata
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute `num_tokens` more tokens of `seq`, starting at its `num_computed_tokens`."""
+    """Compute `num_tokens` more tokens of `seq`, starting at its `num_computed_tokens`.
+
+    `draft_token_ids` (a decode chunk only) are guesses at the tokens after it (`engine.speculation`):
+    their KV is computed in the same forward and a token is sampled after each of them.
+    """
 
     seq: Sequence
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
@@ -53,21 +58,22 @@ class ModelRunner:
         tables: list[list[int]] = []
         bs = self.block_size
         for chunk in chunks:
-            seq, num_tokens = chunk.seq, chunk.num_tokens
+            seq, num_tokens, draft = chunk.seq, chunk.num_tokens, chunk.draft_token_ids
             start = seq.num_computed_tokens
-            end = start + num_tokens
+            end = start + num_tokens + len(draft)
             table = seq.block_tables[0]
             if len(table) * bs < end:
                 raise RuntimeError(f"{seq.request_id}: block table too short for {end} tokens")
-            if num_tokens == 1:
+            if end - start == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(seq.token_ids[start:end])
+                input_ids.extend(seq.token_ids[start : start + num_tokens])
+                input_ids.extend(draft)
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(num_tokens)
+            query_lens.append(end - start)
             seq_lens.append(end)
             tables.append(table)
         width = max(map(len, tables))
@@ -101,12 +107,14 @@ class ModelRunner:
         tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
         bs = self.block_size
         for chunk in chunks:
-            seq, num_tokens = chunk.seq, chunk.num_tokens
+            seq, draft = chunk.seq, chunk.draft_token_ids
             start = seq.num_computed_tokens
+            num_tokens = chunk.num_tokens + len(draft)
             end = start + num_tokens
             if len(seq.block_tables) != self.num_groups or len(seq.block_tables[0]) * bs < end:
                 raise RuntimeError(f"{seq.request_id}: block tables too short for {end} tokens")
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : start + chunk.num_tokens])
+            input_ids.extend(draft)
             positions.extend(range(start, end))
             for group, table in enumerate(seq.block_tables):
                 # Every written position lies in a block the chunk's queries read, so none is NULL.
@@ -142,16 +150,18 @@ class ModelRunner:
         return ids, pos, meta
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one forward; return the final hidden state of each chunk that completes its sequence.
+        """Run one forward; return the final hidden state of each chunk that completes its sequence,
+        followed, for a chunk with a draft, by the hidden state after each draft token.
 
         The LM head is the caller's (`CausalLM.compute_logits` or `greedy_tokens`): an all-greedy step
         never needs the logits themselves.
         """
         input_ids, positions, meta = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        last_rows, end = [], 0
+        last_rows: list[int] = []
+        end = 0
         for chunk in chunks:
-            end += chunk.num_tokens
+            end += chunk.num_tokens + len(chunk.draft_token_ids)
             if chunk.completes_sequence:
-                last_rows.append(end - 1)
+                last_rows.extend(range(end - 1 - len(chunk.draft_token_ids), end))
         return hidden[torch.tensor(last_rows, dtype=torch.long, device=self.device)]

@@ -57,6 +57,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    # Opt out of the server's speculative decoding (`engine.speculation`); the output is the same either way.
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         # JSON and protobuf hand over a mapping; keep a sorted tuple so the params stay hashable.
@@ -94,6 +96,8 @@ class SamplingParams:
         if _require_real("repetition_penalty", self.repetition_penalty) <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         self._validate_logit_bias(vocab_size)
+        if not isinstance(self.disable_speculation, bool):
+            raise InvalidRequestError(f"disable_speculation must be a bool, got {self.disable_speculation!r}")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if not isinstance(self.logit_bias, tuple):

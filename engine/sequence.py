@@ -13,6 +13,7 @@ from collections.abc import Sequence as SequenceOf
 
 from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
+from engine.speculation import NgramDrafts
 
 
 class FinishReason(enum.Enum):
@@ -60,6 +61,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Its n-gram lookup table, built at its first draft when the engine speculates.
+        self.drafts: NgramDrafts | None = None
 
     @property
     def block_table(self) -> list[int]:
@@ -90,13 +93,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> frozenset[int]:
-        """Tokens that would end the sequence before `min_tokens` have been generated.
+    def suppressed_token_ids(self, eos_token_ids: Collection[int], ahead: int = 0) -> frozenset[int]:
+        """Tokens that would end the sequence before `min_tokens` have been generated (`ahead`: after that
+        many more tokens, a draft's, were appended).
 
         None while a grammar constrains the output: the grammar alone decides when it may end (it allows
         EOS only once complete, and forbidding it then would leave no token at all).
         """
-        if self.num_output_tokens >= self.stopping.min_tokens or (
+        if self.num_output_tokens + ahead >= self.stopping.min_tokens or (
             self.grammar is not None and self.grammar.active
         ):
             return frozenset()

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.config import EngineConfig
+    from engine.speculation import SpeculativeConfig
     from serving.config import TLSConfig
 
 # Per connection: generous for a real caller's concurrency (a decode replica multiplexes all its
@@ -155,6 +156,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         # A decode flag: the prefill tier never samples under a grammar.
         grammar_jump_forward=getattr(args, "jump_forward", False),
         quantization=args.quantization,
+        speculative=speculative_config_from_args(args),
+    )
+
+
+def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig:
+    """The decode tier's `--speculative` flags; the prefill tier has none and never speculates."""
+    from engine.speculation import SpeculativeConfig
+
+    if not hasattr(args, "speculative"):
+        return SpeculativeConfig()
+    return SpeculativeConfig(
+        method=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
 
 

@@ -24,6 +24,7 @@ def sampling_params(proto: generation_pb2.SamplingParams, vocab_size: int | None
         frequency_penalty=proto.frequency_penalty if proto.HasField("frequency_penalty") else 0.0,
         repetition_penalty=proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(proto.logit_bias),
+        disable_speculation=proto.disable_speculation,
     )
     params.validate(vocab_size)
     return params

@@ -128,6 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "w8a8_int8 also quantizes activations per token (default: the tiers' own, none)",
     )
     parser.add_argument(
+        "--speculative",
+        default=None,
+        choices=["none", "ngram"],
+        help="speculative decoding on the decode tier: ngram drafts from the context itself (default: the "
+        "decode tier's own, none)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="draft tokens per step and sequence under --speculative (default: the decode tier's own, 4)",
+    )
+    parser.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -260,6 +273,12 @@ def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
     decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
     if args.chat_template is not None:
         decode_flags += ["--chat-template", args.chat_template]
+    for flag, value in (
+        ("--speculative", args.speculative),
+        ("--num-speculative-tokens", args.num_speculative_tokens),
+    ):
+        if value is not None:
+            decode_flags += [flag, str(value)]
     decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
     return [
         TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads),

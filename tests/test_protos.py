@@ -110,6 +110,7 @@ def test_generate_request_field_names_match_the_contract() -> None:
         "frequency_penalty",
         "repetition_penalty",
         "logit_bias",
+        "disable_speculation",
     }
     assert _fields(generation_pb2.SamplingParams)["logit_bias"].message_type.GetOptions().map_entry
     assert set(_fields(generation_pb2.StoppingParams)) == {

@@ -76,6 +76,12 @@ class EngineCore:
             prefix_cache_queries=blocks.num_queried_tokens,
             prefix_cache_hits=blocks.num_hit_tokens,
         )
+        speculation = engine.speculation_stats
+        if speculation.num_drafts:
+            stats.spec_num_drafts = speculation.num_drafts
+            stats.spec_num_draft_tokens = speculation.num_draft_tokens
+            stats.spec_num_accepted_tokens = speculation.num_accepted_tokens
+            stats.spec_accepted_per_position = list(speculation.accepted_per_position)
         if self.remote_prefill is not None:
             transfer = self.remote_prefill.stats
             stats.kv_transfer_bytes = transfer.kv_bytes_received

@@ -124,6 +124,11 @@ class CoreStats(msgspec.Struct, array_like=True):
     remote_prefills_failed: int = 0
     prefill_retries: int = 0
     prefill_local_fallbacks: int = 0
+    # Speculative decoding (`engine.speculation.SpeculationStats`).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class StepOut(msgspec.Struct, tag="step", array_like=True):

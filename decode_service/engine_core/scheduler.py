@@ -164,21 +164,40 @@ class ContinuousScheduler:
         budget = self.token_budget
         engine = self.engine
         scheduled: set[ServedRequest] = set()
+        speculate = (
+            engine.speculative.enabled and len(self.running) <= engine.speculative.disable_by_batch_size
+        )
         for request in sorted(self.running, key=lambda r: self._rank(r, now)):
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
-            needed = request.seq.num_tokens
+            seq = request.seq
+            needed = seq.num_tokens
             # Most steps the blocks already hold the next token (one comparison); else make room.
-            if not engine.holds_slots(request.seq, needed) and not self._make_room(
+            if not engine.holds_slots(seq, needed) and not self._make_room(
                 request, needed, scheduled, plan, now
             ):
                 continue
             # One token, or a grammar's forced tokens (jump-forward) and the one after them.
-            take = min(request.seq.num_uncomputed_tokens, budget)
-            plan.add(ScheduledChunk(request.seq, take), "decode")
+            take = min(seq.num_uncomputed_tokens, budget)
+            draft = self._draft(seq, budget - take) if speculate and take == 1 else ()
+            plan.add(ScheduledChunk(seq, take, draft), "decode")
             scheduled.add(request)
-            budget -= take
+            budget -= take + len(draft)
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence, their slots allocated; none when the pool would have to
+        give up blocks for them (a guess never preempts anyone)."""
+        draft = self.engine.propose_draft(seq, budget)
+        if not draft:
+            return draft
+        needed = seq.num_tokens + len(draft)
+        if self.engine.holds_slots(seq, needed):
+            return draft
+        if not self.engine.can_allocate(seq, needed):
+            return ()
+        self.engine.allocate(seq, needed)
+        return draft
 
     def _make_room(
         self, request: ServedRequest, needed: int, scheduled: set[ServedRequest], plan: StepPlan, now: float
@@ -291,8 +310,12 @@ class ContinuousScheduler:
         self.policy.on_token_generated(request)
         logprobs = []
         if request.seq.sampling.logprobs > 0:
+            logprobs.extend(TokenLogprobs(*kept) for kept in out.accepted_drafts)
             logprobs.append(TokenLogprobs(out.token_id, out.logprob, out.top_logprobs))
-        token_ids = [out.token_id, *out.forced_token_ids] if out.forced_token_ids else [out.token_id]
+        if out.accepted_drafts or out.forced_token_ids:
+            token_ids = out.token_ids
+        else:
+            token_ids = [out.token_id]
         delta = StreamDelta(request, token_ids, logprobs, out.finish_reason)
         if out.finish_reason is not None:
             self._finish(request)

@@ -55,6 +55,8 @@ _COMMON_FIELDS = frozenset(
         # vLLM's extras
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
         "priority", "include_stop_str_in_output", "request_id", "skip_special_tokens",
+        # tandem's
+        "disable_speculation",
         # accepted no-ops: metadata goes with `store` (false only); the rest are hints that change no answer
         "metadata", "prediction", "prompt_cache_key", "safety_identifier",
     }
@@ -295,6 +297,7 @@ def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest, max_logit_bi
     top_k = integer(body, "top_k")
     if top_k is not None:
         sampling.top_k = top_k
+    sampling.disable_speculation = boolean(body, "disable_speculation")
     seed = body.get("seed")
     if seed is not None:
         if not is_int(seed) or not -(2**63) <= seed < 2**64:
