@@ -47,6 +47,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "bench.gemma",
         "Gemma 3 270M: tandem int8 against llama-server on the same Q4_K_M GGUF, completions",
     ),
+    (
+        "memory",
+        "bench.memory",
+        "every resident MiB of one idle int8 decode server (both processes), against llama-server's",
+    ),
     ("perf-report", "bench.perf_report", "issue 17's figures in one run, each against its target"),
     ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
     ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),

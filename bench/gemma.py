@@ -197,6 +197,8 @@ def ratios(runs: list[dict]) -> dict[str, dict]:
 
 def table(document: dict) -> str:
     """The README's Gemma rows: one line per system, then the ratios with the host they hold on."""
+    from bench.machine import host_label
+
     lines = [
         "| Gemma 3 270M | 32 completions at once (tok/s) | single stream (tok/s) "
         "| TTFT p50 (ms) | peak RSS (MiB) |",
@@ -215,7 +217,7 @@ def table(document: dict) -> str:
     machine = document["machine"]
     lines.append("")
     lines.append(
-        f"Measured {document['started'][:10]} on {machine['cpu']} ({machine['cores']} cores), load average "
+        f"Measured {document['started'][:10]} on {host_label(machine)}, load average "
         f"{document['load_average_at_start'][0]:.2f} at the start; `tandem bench gemma`."
     )
     return "\n".join(lines) + "\n"

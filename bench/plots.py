@@ -136,6 +136,8 @@ def _subtitle(compare: dict) -> str:
 
 def readme_table(compare: dict) -> str:
     """The headline table in markdown: system, output tok/s, ratio vs HF static, p99 TTFT, p99 ITL."""
+    from bench.machine import host_label
+
     runs = compare["runs"]
     base = next((r for r in runs if r["system"]["name"] == compare["config"]["baseline"]), None)
     limit = compare.get("physical_limit")
@@ -164,7 +166,7 @@ def readme_table(compare: dict) -> str:
         f"Workload: {compare['config']['model']} fp32, {workload['num_requests']} requests all at once, "
         f"prompts {workload['prompt_len']} tokens, outputs {workload['output_len']} tokens exact (EOS "
         f"ignored), greedy; seed {workload['seed']}.",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB; "
+        f"Machine: {host_label(machine)}, {machine['memory_gib']} GiB; "
         f"{compare['config']['threads']} threads per system (split 1+1 across the two disaggregated tiers).",
     ]
     for index, session in enumerate(sessions):

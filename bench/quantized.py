@@ -192,6 +192,8 @@ def ratios(runs: list[dict]) -> dict | None:
 
 def table(document: dict) -> str:
     """The README's benchmark table: a row per system, then the ratios and how it was measured."""
+    from bench.machine import host_label
+
     lines = [
         "| system | single-stream decode tok/s | multi-turn chat tok/s | multi-turn median TTFT (ms) "
         "| all-at-once tok/s | peak RSS (MiB) |",
@@ -221,7 +223,7 @@ def table(document: dict) -> str:
         f"prompts {single['prompt_len']}, outputs {single['output_len']}; all at once "
         f"{headline['num_requests']} requests, prompts {headline['prompt_len']}, outputs "
         f"{headline['output_len']}. Greedy, EOS ignored, {document['model']}.",
-        f"Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; "
+        f"Machine: {host_label(machine)}; "
         f"{document['threads']} threads per system. Measured {document['started']}, "
         f"commit {document['commit']}, load average "
         f"{document['load_average_at_start']} at start and {document['load_average_at_end']} at the end"
