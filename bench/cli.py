@@ -48,6 +48,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "Gemma 3 270M: tandem int8 against llama-server on the same Q4_K_M GGUF, completions",
     ),
     (
+        "speculative",
+        "bench.speculative",
+        "n-gram speculative decoding on four held-out chat workloads, against plain decoding and llama.cpp",
+    ),
+    (
         "memory",
         "bench.memory",
         "every resident MiB of one idle int8 decode server (both processes), against llama-server's",

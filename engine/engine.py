@@ -307,9 +307,10 @@ class Engine:
             self.block_manager.release_slid_out(seq)
         return TokenOutput(seq, *last, seq.finish_reason, accepted_drafts=tuple(kept))
 
-    def propose_draft(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """Up to `limit` draft tokens for `seq`'s next decode step; none when this engine does not
-        speculate, the request opted out, a grammar constrains it, or its context holds no match."""
+    def propose_draft(self, seq: Sequence, limit: int, batch_size: int = 1) -> tuple[int, ...]:
+        """Up to `limit` draft tokens for `seq`'s next decode step among `batch_size` decoding sequences;
+        none when this engine does not speculate, the request opted out, a grammar constrains it, its
+        drafts would not pay (`NgramDrafts.draft_length`), or its context holds no match."""
         if (
             limit <= 0
             or not self.speculative.enabled
@@ -319,13 +320,12 @@ class Engine:
             return ()
         if seq.drafts is None:
             seq.drafts = NgramDrafts(self.speculative)
-        room = min(
-            limit,
-            self.speculative.num_speculative_tokens,
-            seq.stopping.max_tokens - seq.num_output_tokens - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
-        return tuple(seq.drafts.propose(seq.token_ids, room)) if room > 0 else ()
+        # Admission checked that prompt + max_tokens fits the context, so max_tokens bounds the draft.
+        room = min(limit, seq.stopping.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0:
+            return ()
+        length = min(room, seq.drafts.draft_length(batch_size))
+        return tuple(seq.drafts.propose(seq.token_ids, length)) if length > 0 else ()
 
     def sample(
         self, hidden: torch.Tensor, rows: SequenceOf[tuple[Sequence, tuple[int, ...]]]
@@ -539,7 +539,7 @@ class Engine:
                 if decoding and not self.can_allocate(seq, seq.num_computed_tokens + take + 1):
                     continue  # it waits for the blocks that finishing sequences free
                 self.allocate(seq, seq.num_computed_tokens + take + 1)
-                draft = self.propose_draft(seq, left - take) if decoding else ()
+                draft = self.propose_draft(seq, left - take, len(running)) if decoding else ()
                 if draft and not self.can_allocate(seq, seq.num_tokens + len(draft)):
                     draft = ()
                 self.allocate(seq, seq.num_tokens + len(draft))

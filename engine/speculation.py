@@ -12,9 +12,13 @@ removed on rejection (the rejection-sampling rule for a point-mass draft) is the
 p and comparing the result with d. Greedy output is therefore identical with speculation on or off,
 and a seeded request draws the same noise at the same positions either way.
 
-A draft costs a forward over its tokens whether they are kept or not, so it is skipped where it does
-not pay: in large batches (the step is no longer bound by reading the weights) and for a sequence whose
-recent guesses were mostly wrong (it pauses, then tries again).
+A draft costs a forward over its tokens whether they are kept or not, so each sequence drafts only as
+many tokens as are likely to pay: it keeps a running estimate `a` of the chance that its next draft
+token is kept, and a draft token j places ahead is worth `a**j` tokens against the cost of one more row
+in the step. On a CPU a step's cost grows with its rows, each extra row costing `row_cost` of a
+one-row step; in a step of B sequences a draft token pays when `a**j > B * row_cost / (1 + row_cost *
+(B - 1))`: any likely token alone, only near-certain ones in a large batch. A sequence whose estimate
+forbids drafting tries one token again every `probe_steps` steps, so a change in its text is noticed.
 """
 
 from __future__ import annotations
@@ -32,16 +36,19 @@ class SpeculativeConfig:
     """`--speculative` and its knobs (vLLM's names where it has them)."""
 
     method: str = "none"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     # Lengths of the suffix looked up, longest first (vLLM's prompt_lookup_min/max).
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
     # No drafts in a step that decodes more sequences than this (vLLM's speculative_disable_by_batch_size).
-    disable_by_batch_size: int = 4
-    # A sequence whose recent acceptance (the share of drafted tokens kept, smoothed) falls below this
-    # stops drafting for `pause_steps` steps.
-    min_acceptance: float = 0.3
-    pause_steps: int = 16
+    disable_by_batch_size: int = 16
+    # One more row in a decode step, as a share of a one-row step's time (SmolLM2-135M int8 on 2 AMD EPYC
+    # cores: 3.5 of 13 ms; bench/README.md, "Speculative decoding").
+    row_cost: float = 0.27
+    # Where a sequence's estimate of its draft tokens' acceptance starts, and how fast it follows.
+    initial_acceptance: float = 0.6
+    smoothing: float = 0.2
+    probe_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,30 +71,41 @@ class SpeculativeConfig:
 
 
 class NgramDrafts:
-    """One sequence's lookup table: each n-gram of its tokens -> where its latest occurrence ends.
+    """One sequence's lookup table (each n-gram of its tokens -> where its latest occurrence ends) and its
+    estimate of how often its draft tokens are kept.
 
     Sequences only grow, so the table is extended with the tokens appended since the last call and a
-    lookup costs one dictionary probe per n-gram length. It also tracks how many of this sequence's
-    guesses were kept, for the pause rule.
+    lookup costs one dictionary probe per n-gram length.
     """
-
-    # Weight of the latest verification in the smoothed acceptance.
-    _SMOOTHING = 0.25
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._latest_end: dict[tuple[int, ...], int] = {}
         # End positions (exclusive) indexed so far: every n-gram ending before it is in the table.
         self._indexed = 0
-        self.acceptance = 1.0
-        self._paused_steps = 0
+        self.acceptance = config.initial_acceptance
+        self._steps_without_draft = 0
+
+    def draft_length(self, batch_size: int) -> int:
+        """How many draft tokens pay in a step decoding `batch_size` sequences (module docstring)."""
+        config = self.config
+        threshold = batch_size * config.row_cost / (1 + config.row_cost * (batch_size - 1))
+        length, worth = 0, self.acceptance
+        while length < config.num_speculative_tokens and worth > threshold:
+            length += 1
+            worth *= self.acceptance
+        if length > 0:
+            self._steps_without_draft = 0
+            return length
+        self._steps_without_draft += 1
+        if self._steps_without_draft >= config.probe_steps:
+            self._steps_without_draft = 0
+            return 1
+        return 0
 
     def propose(self, token_ids: SequenceOf[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest matching
-        suffix of `token_ids` (empty when none occurred, or while paused)."""
-        if self._paused_steps > 0:
-            self._paused_steps -= 1
-            return []
+        suffix of `token_ids` (empty when none occurred)."""
         config = self.config
         length = len(token_ids)
         # Index every n-gram that ends before the last token: the suffix itself must not match itself.
@@ -102,11 +120,11 @@ class NgramDrafts:
         return []
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        """One verification's outcome; pauses drafting when acceptance has fallen too low."""
-        self.acceptance += self._SMOOTHING * (num_accepted / num_drafted - self.acceptance)
-        if self.acceptance < self.config.min_acceptance:
-            self._paused_steps = self.config.pause_steps
-            self.acceptance = self.config.min_acceptance
+        """One verification's outcome: each kept token and the first refused one are trials of the
+        acceptance estimate (tokens after a refusal were never tried)."""
+        outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafted else [])
+        for outcome in outcomes:
+            self.acceptance += self.config.smoothing * (outcome - self.acceptance)
 
 
 @dataclass

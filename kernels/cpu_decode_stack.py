@@ -8,7 +8,8 @@ stream the previous token. The stack runs the same C++ kernels in the same order
 what the per-op path computes, with the GIL released from the first layer to the last.
 
 It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
-fp32, int8 or fp8 e4m3 KV cache) and every token a decode. Each linear runs by row count as its module
+fp32, int8 or fp8 e4m3 KV cache) and every sequence's query a decode token or a speculative draft's
+verification (at most `MAX_QUERY_LEN` tokens; the attention kernel is the same for both). Each linear runs by row count as its module
 does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows and on oneDNN over the blocked
 weight beyond (`CpuLinear`; without oneDNN linears the stack takes only steps the GEMV serves), int8
 weights on the int8 GEMV or GEMM (`Int8Linear`, `int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a
@@ -35,6 +36,10 @@ from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
 from kernels.window import kernel_window
+
+
+# Longest query of one sequence the stack takes: a decode token and its draft (`engine.speculation`).
+MAX_QUERY_LEN = 16
 
 
 class PagedKVCache(Protocol):
@@ -91,10 +96,10 @@ class CpuDecodeStack:
         return self._extension.DecoderLayerWeights(**weights, window=kernel_window(window))
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the stack runs this step: decode tokens only, few enough for fp32 weights (dtype and
-        device were checked once)."""
+        """Whether the stack runs this step: decode tokens and drafts only, few enough for fp32 weights
+        (dtype and device were checked once)."""
         few = self._max_rows is None or hidden.shape[0] <= self._max_rows
-        return few and meta.is_decode_only
+        return few and meta.max_query_len <= MAX_QUERY_LEN
 
     def __call__(
         self,

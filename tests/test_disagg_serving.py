@@ -36,6 +36,7 @@ from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_store import model_fingerprint
+from engine.speculation import SpeculativeConfig
 from prefill_service.config import PrefillServiceConfig
 from prefill_service.server import PrefillServer
 from protos.tandem.v1 import generation_pb2 as pb
@@ -151,6 +152,7 @@ class RunningDecode:
         kv_cache_dtype: str = "auto",
         quantization: str = "none",
         max_model_len: int = MAX_MODEL_LEN,
+        speculative: SpeculativeConfig | None = None,
         **config_kwargs,
     ) -> None:
         engine_config = EngineConfig(
@@ -161,6 +163,7 @@ class RunningDecode:
             enable_prefix_caching=prefix_caching,
             kv_cache_dtype=kv_cache_dtype,
             quantization=quantization,
+            speculative=speculative or SpeculativeConfig(),
         )
         self.engine = Engine.from_pretrained(model_dir, engine_config)
         self.runner = LoopThread()

@@ -164,9 +164,8 @@ class ContinuousScheduler:
         budget = self.token_budget
         engine = self.engine
         scheduled: set[ServedRequest] = set()
-        speculate = (
-            engine.speculative.enabled and len(self.running) <= engine.speculative.disable_by_batch_size
-        )
+        batch = len(self.running)
+        speculate = engine.speculative.enabled and batch <= engine.speculative.disable_by_batch_size
         for request in sorted(self.running, key=lambda r: self._rank(r, now)):
             if request.state is not RequestState.RUNNING or budget == 0:
                 continue
@@ -179,16 +178,16 @@ class ContinuousScheduler:
                 continue
             # One token, or a grammar's forced tokens (jump-forward) and the one after them.
             take = min(seq.num_uncomputed_tokens, budget)
-            draft = self._draft(seq, budget - take) if speculate and take == 1 else ()
+            draft = self._draft(seq, budget - take, batch) if speculate and take == 1 else ()
             plan.add(ScheduledChunk(seq, take, draft), "decode")
             scheduled.add(request)
             budget -= take + len(draft)
         return budget
 
-    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding sequence, their slots allocated; none when the pool would have to
-        give up blocks for them (a guess never preempts anyone)."""
-        draft = self.engine.propose_draft(seq, budget)
+    def _draft(self, seq: Sequence, budget: int, batch: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding sequence among `batch`, their slots allocated; none when the pool
+        would have to give up blocks for them (a guess never preempts anyone)."""
+        draft = self.engine.propose_draft(seq, budget, batch)
         if not draft:
             return draft
         needed = seq.num_tokens + len(draft)
