@@ -12,6 +12,7 @@ from engine.model_runner import ScheduledChunk
 from engine.params import SamplingParams, StoppingParams
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
+from kernels.cpu_decode_stack import MAX_QUERY_LEN
 from kernels.cpu_linear import GEMV_MAX_ROWS
 
 
@@ -94,9 +95,10 @@ class StackSpy:
         return self.stack(hidden, *args)
 
 
-@pytest.mark.parametrize(("onednn", "rows_taken"), [(True, [2, GEMV_MAX_ROWS + 1]), (False, [2])])
-def test_only_decode_only_steps_take_the_stack(extension, monkeypatch, onednn, rows_taken):
-    """Any decode-only step with oneDNN linears; without them (nn.Linear) only what the GEMV serves."""
+@pytest.mark.parametrize(("onednn", "rows_taken"), [(True, [2, GEMV_MAX_ROWS + 1, 4]), (False, [2, 4])])
+def test_only_decode_and_verification_steps_take_the_stack(extension, monkeypatch, onednn, rows_taken):
+    """Any step of decode tokens and drafts with oneDNN linears; without them (nn.Linear) only what the GEMV
+    serves. A prefill chunk longer than a draft's verification keeps the per-op path."""
     if not onednn:
         monkeypatch.setenv(ONEDNN_LINEAR_ENV, "0")
     engine, seqs = engine_with_prompts("llama", 4, 2, 64, GEMV_MAX_ROWS + 1, seed=3)
@@ -104,9 +106,14 @@ def test_only_decode_only_steps_take_the_stack(extension, monkeypatch, onednn, r
     engine.model.decode_stack = spy
     engine.step([ScheduledChunk(seq, 1) for seq in seqs[:2]])
     engine.step([ScheduledChunk(seq, 1) for seq in seqs])  # more rows than the GEMV takes
-    mixed = engine.make_sequence([5, 6, 7], SamplingParams(), StoppingParams(max_tokens=2))
-    engine.allocate(mixed, 4)
-    engine.step([ScheduledChunk(seqs[0], 1), ScheduledChunk(mixed, 3)])  # a prefill chunk beside a decode
+    engine.allocate(seqs[0], seqs[0].num_tokens + 3)
+    engine.step([ScheduledChunk(seqs[0], 1, (5, 6, 7))])  # a decode token and its draft
+    prompt = list(range(5, 6 + MAX_QUERY_LEN))
+    mixed = engine.make_sequence(prompt, SamplingParams(), StoppingParams(max_tokens=2))
+    engine.allocate(mixed, len(prompt) + 1)
+    engine.step(
+        [ScheduledChunk(seqs[1], 1), ScheduledChunk(mixed, len(prompt))]
+    )  # a prefill chunk beside a decode
     assert spy.rows == rows_taken
 
 

@@ -361,6 +361,11 @@ def assert_openai_error(
         ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex: ", "guided_regex"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio is not supported", "audio"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of", None),
+        (
+            {"extra_body": {"disable_speculation": "yes"}},
+            "disable_speculation must be a boolean",
+            "disable_speculation",
+        ),
     ],
 )
 def test_bad_requests_get_400_naming_the_field_while_others_are_served(server, kwargs, text, param):

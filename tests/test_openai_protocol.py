@@ -63,12 +63,14 @@ def test_chat_fields_map_to_the_grpc_request():
         priority=5,
         stream=True,
         stream_options={"include_usage": True},
+        disable_speculation=True,
     )
     generate = request.generate
     assert [(m.role, m.content) for m in generate.messages] == [("system", "be brief"), ("user", "a\nb")]
     sampling = generate.sampling
     assert (sampling.top_k, sampling.seed, sampling.logprobs) == (4, 2**64 - 1, 3)
     assert sampling.temperature == 0.5 and sampling.repetition_penalty == pytest.approx(1.2)
+    assert sampling.disable_speculation
     assert dict(sampling.logit_bias) == {7: -100.0, 11: 5.5}
     stopping = generate.stopping
     assert stopping.max_tokens == 7, "max_completion_tokens wins over the deprecated max_tokens"

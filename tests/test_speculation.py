@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
+import xgrammar as xgr
 from conftest import TINY_VOCAB, engine_for, hf_greedy, save_tiny_model, tiny_hf_model, wait_until
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_decode_scheduler import Harness
 from test_disagg_serving import RunningDecode, RunningPrefill, tokens_of
 from test_model_families import hf_model, reference
 from test_quantization import dequantized_hf
@@ -24,6 +27,7 @@ from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from base.errors import ConfigError, InvalidRequestError
 from engine.engine import GenerateRequest
+from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler
 from engine.speculation import NgramDrafts, SpeculationStats, SpeculativeConfig
@@ -198,8 +202,34 @@ def test_opted_out_requests_and_constrained_ones_never_draft() -> None:
     opted_out = SamplingParams(temperature=0.0, disable_speculation=True)
     generate(engine, copying_prompts(3, seed=1), 20, opted_out)
     assert engine.speculation_stats.num_drafts == 0
+    prompt = copying_prompts(1, seed=1)[0]
+    stopping = StoppingParams(max_tokens=8)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([f"t{i}" for i in range(TINY_VOCAB)]))
+    constrained = engine.make_sequence(
+        prompt, GREEDY, stopping, grammar=GrammarState(compiler.compile_regex("[ab]+"))
+    )
+    assert engine.propose_draft(constrained, 3) == ()
+    assert engine.propose_draft(engine.make_sequence(prompt, GREEDY, stopping), 3) != ()
     generate(engine, copying_prompts(3, seed=1), 20)
     assert engine.speculation_stats.num_drafts > 0
+
+
+def test_the_scheduler_drafts_only_up_to_the_batch_size_limit() -> None:
+    hf = tiny_hf_model(0)
+    config = replace(NGRAM, disable_by_batch_size=2)
+    prompts = copying_prompts(4, seed=3)
+    crowded = Harness(engine_for(hf, speculative=config))
+    for i, prompt in enumerate(prompts):
+        crowded.submit(f"r{i}", prompt, 12)
+    crowded.run()
+    assert crowded.engine.speculation_stats.num_drafts == 0  # 4 decode together from first to last step
+    alone = Harness(engine_for(hf, speculative=config))
+    alone.submit("r0", prompts[0], 12)
+    alone.run()
+    assert alone.engine.speculation_stats.num_drafts > 0
+    for harness in (crowded, alone):
+        for rid, tokens in harness.tokens.items():
+            assert tokens == hf_greedy(hf, prompts[int(rid[1:])], 12)
 
 
 def test_drafts_stop_at_max_tokens() -> None:
