@@ -540,9 +540,10 @@ class Engine:
                     continue  # it waits for the blocks that finishing sequences free
                 self.allocate(seq, seq.num_computed_tokens + take + 1)
                 draft = self.propose_draft(seq, left - take, len(running)) if decoding else ()
-                if draft and not self.can_allocate(seq, seq.num_tokens + len(draft)):
+                if draft and self.can_allocate(seq, seq.num_tokens + len(draft)):
+                    self.allocate(seq, seq.num_tokens + len(draft))
+                else:
                     draft = ()
-                self.allocate(seq, seq.num_tokens + len(draft))
                 chunks.append(ScheduledChunk(seq, take, draft))
                 left -= take + len(draft)
             if not chunks:

@@ -9,12 +9,13 @@ what the per-op path computes, with the GIL released from the first layer to the
 
 It takes a step only when the per-op path would run those kernels anyway: fp32 on the CPU (over an
 fp32, int8 or fp8 e4m3 KV cache) and every sequence's query a decode token or a speculative draft's
-verification (at most `MAX_QUERY_LEN` tokens; the attention kernel is the same for both). Each linear runs by row count as its module
-does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows and on oneDNN over the blocked
-weight beyond (`CpuLinear`; without oneDNN linears the stack takes only steps the GEMV serves), int8
-weights on the int8 GEMV or GEMM (`Int8Linear`, `int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a
-small model the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels").
-Prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
+verification (at most `MAX_QUERY_LEN` tokens; the attention kernel is the same for both). Each linear
+runs by row count as its module does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows
+and on oneDNN over the blocked weight beyond (`CpuLinear`; without oneDNN linears the stack takes only
+steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
+`int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a small model the per-op path's Python was nearly
+a fifth of the forward (bench/README.md, "CPU kernels"). Longer prefill chunks, other dtypes and GPUs
+keep the per-op path, which stays the reference.
 
 Every layer reads the step's one block table, so the stack serves a model whose layers share one KV
 group (`engine.kv_layout`); each layer may still have its own sliding window (Mistral's on every layer),
@@ -36,7 +37,6 @@ from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
 from kernels.window import kernel_window
-
 
 # Longest query of one sequence the stack takes: a decode token and its draft (`engine.speculation`).
 MAX_QUERY_LEN = 16

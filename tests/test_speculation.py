@@ -31,6 +31,7 @@ from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 from engine.sampler import Sampler
 from engine.speculation import NgramDrafts, SpeculationStats, SpeculativeConfig
+from protos.tandem.v1 import generation_pb2 as pb
 
 # Drafts whenever the context has a match (no extra row is counted as a cost), so tests verify many.
 NGRAM = SpeculativeConfig(method="ngram", row_cost=0.0, prompt_lookup_min=1)
@@ -325,7 +326,8 @@ def scrape(server: RunningDecode) -> dict[tuple[str, tuple], float]:
 
 def test_served_speculation_keeps_tokens_and_logprobs_aggregated_and_disaggregated(served_model):
     """Both topologies draft on the decode tier from prompt and output; tokens equal Hugging Face's,
-    each token has its own logprob, the vLLM counters move, and an opted-out request drafts nothing."""
+    each token has its own logprob, both choices of an n = 2 request decode alike, the vLLM counters move,
+    and an opted-out request drafts nothing."""
     model_dir, hf = served_model
     gen = torch.Generator().manual_seed(9)
     prompts = []
@@ -364,6 +366,17 @@ def test_served_speculation_keeps_tokens_and_logprobs_aggregated_and_disaggregat
             opted_out = server.generate(prompts[0], max_tokens, f"{topology}-out", disable_speculation=True)
             assert tokens_of(opted_out) == hf_greedy(hf, prompts[0], max_tokens)
             assert scrape(server)[("vllm:spec_decode_num_drafts_total", ())] == drafts
+            two = pb.GenerateRequest(
+                request_id=f"{topology}-n2",
+                token_ids=prompts[1],
+                n=2,
+                sampling=pb.SamplingParams(temperature=0.0),
+                stopping=pb.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
+            choices = [[], []]
+            for response in server.stub.Generate(two, timeout=120):
+                choices[response.index].extend(response.token_ids)
+            assert choices == [hf_greedy(hf, prompts[1], max_tokens)] * 2
             assert wait_until(server.pool_is_full)
         assert prefill.prefilled_request_ids() >= {f"disaggregated-{i}" for i in range(len(prompts))}
     finally:
