@@ -15,7 +15,9 @@ Two sources, each read where it is cheapest and exact:
   on steps that mask a row), both through observer callbacks, so unconstrained traffic pays nothing.
 
 Each server has its own `CollectorRegistry`, so several servers in one process (tests, benchmarks)
-do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`.
+do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`, and
+so does the OpenAI HTTP port, where the Gateway API Inference Extension's endpoint picker scrapes a pool's
+target port: for it the registry also carries the gateway protocol's gauges in vLLM's names.
 Labels are small and bounded (`finished_reason`, prefill `outcome`), never request ids or tenants.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -82,6 +85,56 @@ class _LiveStateCollector(Collector):
         yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
         yield from _transfer_metrics(stats)
         yield from _speculation_metrics(stats)
+
+
+@dataclass(frozen=True)
+class ServedCache:
+    """What the gateway's prefix scorer reads about this replica's KV pool, and the model it serves."""
+
+    model_name: str
+    block_size: int
+    num_blocks: int
+
+
+class _GatewayCollector(Collector):
+    """The Gateway API Inference Extension's model-server protocol, in vLLM's names (what its endpoint
+    picker scrapes by default): queued and running requests and KV usage as gauges, the block size and
+    pool size as labels of `vllm:cache_config_info`, and `vllm:lora_requests_info` saying no adapter
+    can be loaded (tandem serves none). Read at scrape time like the `tandem:` gauges."""
+
+    def __init__(self, stats: Callable[[], CoreStats], cache: ServedCache) -> None:
+        self._stats = stats
+        self._cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        stats, cache = self._stats(), self._cache
+        model = [cache.model_name]
+        for name, documentation, value in (
+            ("vllm:num_requests_waiting", "Requests queued for admission.", stats.num_waiting),
+            (
+                "vllm:num_requests_running",
+                "Requests holding KV blocks (decoding or prefilling).",
+                stats.num_running,
+            ),
+            ("vllm:kv_cache_usage_perc", "Fraction of the KV block pool in use (1 = 100%).", stats.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's configuration, in labels (block_size in tokens, num_gpu_blocks in the pool).",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        config.add_metric([*model, str(cache.block_size), str(cache.num_blocks)], 1.0)
+        yield config
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters: none can be loaded (max_lora 0); the value is the time of this reading.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
 
 
 def _speculation_metrics(stats: CoreStats) -> Iterator[Metric]:
@@ -165,7 +218,10 @@ class DecodeMetrics:
         stats: Callable[[], CoreStats],
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cache: ServedCache | None = None,
     ) -> None:
+        """`cache`: the served model and its KV pool, for the gateway protocol's metrics (None: not
+        exported)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         self._last_token_time: dict[ServedRequest, float] = {}
@@ -232,6 +288,8 @@ class DecodeMetrics:
             registry=self.registry,
         )
         self.registry.register(_LiveStateCollector(stats))
+        if cache is not None:
+            self.registry.register(_GatewayCollector(stats, cache))
 
     def watch_grammar_compiler(self, compiler: GrammarCompiler) -> None:
         """Time the compile service's real compiles (cache hits cost nothing and are not observed)."""

@@ -34,7 +34,7 @@ from decode_service.front_door.openai_http.server import HttpServer
 from decode_service.front_door.servicer import GenerationServicer
 from decode_service.front_door.streams import StreamHub, StreamIntervalBuffer
 from decode_service.front_door.validation import ValidationPool, use_chat_template
-from decode_service.metrics import DecodeMetrics
+from decode_service.metrics import DecodeMetrics, ServedCache
 from engine.engine import Engine
 from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -83,7 +83,8 @@ class DecodeServer(TierServer):
         capacity = model.max_num_seqs + config.max_queue
         self.registry = StreamHub(asyncio.get_running_loop(), capacity, config.max_stream_buffer)
         self._core_stats = CoreStats
-        self.metrics = DecodeMetrics(lambda: self._core_stats(), metrics_registry)
+        served = ServedCache(config.served_model_name or model.model_name, model.block_size, model.num_blocks)
+        self.metrics = DecodeMetrics(lambda: self._core_stats(), metrics_registry, cache=served)
         batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver_threadsafe)
 
         def observe_then_deliver(deltas: list[StreamDelta]) -> None:
@@ -142,6 +143,7 @@ class DecodeServer(TierServer):
                 config.auth_token,
                 MAX_HTTP_BODY_BYTES,
                 lambda: self._http_serving,
+                self.metrics.registry,
             )
             limits = ConnectionLimits(
                 # Half the descriptors at most: the gRPC port, model files and prefill calls need theirs.

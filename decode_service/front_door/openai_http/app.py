@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, GET /health.
+"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, GET /health,
+and GET /metrics (the server's Prometheus registry, where gateways scrape a vLLM server).
 
 Each request is translated (`protocol`), run through the same `Generations` as a gRPC call, and answered
 from its `GenerateResponse`s (`responses`), as one JSON body or as server-sent events ending with
@@ -17,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
@@ -104,8 +106,11 @@ class OpenAIRoutes:
         auth_token: str | None,
         max_body_bytes: int,
         is_serving: Callable[[], bool],
+        metrics: CollectorRegistry | None = None,
     ) -> None:
+        """`metrics`: the registry `GET /metrics` serves (None: no such route)."""
         self._generations = generations
+        self._metrics = metrics
         self.model = served_model_name
         self._tokens = BearerTokens(auth_token) if auth_token else None
         self._max_body_bytes = max_body_bytes
@@ -125,7 +130,14 @@ class OpenAIRoutes:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        if self._metrics is not None:
+            app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
+
+    async def metrics(self) -> Response:
+        """The server's Prometheus registry, as vLLM serves it on its API port: without the bearer token,
+        like /health, so the gateway's endpoint picker and Prometheus scrape it as they scrape vLLM."""
+        return Response(generate_latest(self._metrics), media_type=CONTENT_TYPE_LATEST)
 
     async def health(self) -> Response:
         """200 once warmed up and until draining: what a load balancer's readiness check wants."""
