@@ -83,6 +83,15 @@ def test_children_get_their_ports_threads_shared_sizing_and_extra_flags_last():
     assert decode.argv[decode.argv.index("--metrics-port") + 1] == "0"
     assert decode.argv[decode.argv.index("--http-port") + 1] == "8000" and "--http-port" not in prefill.argv
     assert decode.argv[-4:] == ["--max-num-seqs", "4", "--threads", "3"]
+    assert "--speculative" not in decode.argv
+
+
+def test_speculative_decoding_reaches_the_decode_tier_only():
+    args = build_parser().parse_args(["up", "--speculative", "ngram", "--num-speculative-tokens", "2"])
+    prefill, decode = tier_specs(args, Path("/models/m"))
+    assert decode.argv[decode.argv.index("--speculative") + 1] == "ngram"
+    assert decode.argv[decode.argv.index("--num-speculative-tokens") + 1] == "2"
+    assert "--speculative" not in prefill.argv
 
 
 def test_a_base_model_is_shown_completions_not_chat(tmp_path):
