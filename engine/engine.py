@@ -502,8 +502,8 @@ class Engine:
         Admits a request only when its uncached prompt fits in free blocks (a sliding group's: the most a
         chunk and its window hold, `admit`). A decoding sequence whose next block is not free sits out
         steps until finishing sequences free one; when none can grow, the latest admitted is preempted
-        and recomputed later. A speculating engine drafts for every decoding sequence. Meant for tests and
-        benchmarks of the engine alone.
+        and recomputed later. A speculating engine drafts by the decode tier's rule (`propose_draft`, the
+        running sequences as the batch). Meant for tests and benchmarks of the engine alone.
         """
         budget = max_num_batched_tokens or self.config.max_num_batched_tokens
         max_seqs = max_num_seqs or self.config.max_num_seqs
