@@ -72,6 +72,7 @@ def measure_engine_floor(
     chunks = [ScheduledChunk(seq, 1) for seq in seqs]
     batch = len(chunks)
     hidden = engine.runner.execute(chunks)
+    rows = [(seq, ()) for seq in seqs]
 
     def engine_step() -> None:
         for seq in seqs:
@@ -81,7 +82,7 @@ def measure_engine_floor(
     parts = {
         "prepare_inputs": _cpu_us_per_token(lambda: engine.runner.prepare(chunks), steps, batch),
         "forward_with_prepare": _cpu_us_per_token(lambda: engine.runner.execute(chunks), steps, batch),
-        "lm_head_and_sampler": _cpu_us_per_token(lambda: engine.sample(hidden, seqs), steps, batch),
+        "lm_head_and_sampler": _cpu_us_per_token(lambda: engine.sample(hidden, rows), steps, batch),
         "engine_step": _cpu_us_per_token(engine_step, steps, batch),
     }
     for seq in seqs:
