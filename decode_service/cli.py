@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.speculation import METHODS, SpeculativeConfig
 from serving.flags import add_engine_arguments, add_server_arguments
 
 if TYPE_CHECKING:
@@ -119,45 +120,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of speculative decoding (`engine.speculation`), in vLLM's terms."""
+    """Flags of speculative decoding (`engine.speculation`), in vLLM's terms; defaults are the config's."""
+    defaults = SpeculativeConfig()
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
         "--speculative",
-        default="none",
-        choices=["none", "ngram"],
-        help="ngram: draft the next tokens from the latest earlier occurrence of the context's last 1-3 "
-        "tokens (prompt and output) and verify them in one step; greedy output is unchanged and sampled "
-        "output keeps its distribution. Pays on text that copies (code edits, extraction, rewrites); a "
-        "request may opt out with disable_speculation (default: none)",
+        default=defaults.method,
+        choices=list(METHODS),
+        help="ngram: draft the next tokens from the latest earlier occurrence of the context's last tokens "
+        "(prompt and output) and verify them in one step; greedy output is unchanged and sampled output "
+        "keeps its distribution. Pays on text that copies (code edits, extraction, rewrites); each sequence "
+        "drafts only as far as its recent acceptance pays, and a request may opt out with "
+        f"disable_speculation (default: {defaults.method})",
     )
     group.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=4,
+        default=defaults.num_speculative_tokens,
         metavar="K",
-        help="draft tokens per step and sequence, at most (default: 4)",
+        help=f"draft tokens per step and sequence, at most (default: {defaults.num_speculative_tokens})",
     )
     group.add_argument(
         "--prompt-lookup-min",
         type=int,
-        default=1,
+        default=defaults.prompt_lookup_min,
         metavar="N",
-        help="shortest suffix of the context looked up for a draft (default: 1)",
+        help=f"shortest suffix of the context looked up for a draft (default: {defaults.prompt_lookup_min})",
     )
     group.add_argument(
         "--prompt-lookup-max",
         type=int,
-        default=3,
+        default=defaults.prompt_lookup_max,
         metavar="N",
-        help="longest suffix of the context looked up for a draft; longer ones are tried first (default: 3)",
+        help="longest suffix of the context looked up for a draft; longer ones are tried first "
+        f"(default: {defaults.prompt_lookup_max})",
     )
     group.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=4,
+        default=defaults.disable_by_batch_size,
         metavar="N",
-        help="no drafts in a step decoding more than N sequences, where the step's cost grows with its "
-        "tokens; a sequence whose drafts keep failing also pauses its own (default: 4)",
+        help="no drafts in a step decoding more than N sequences; below it a draft token must be likelier "
+        f"to be kept the larger the batch (default: {defaults.disable_by_batch_size})",
     )
 
 

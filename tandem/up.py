@@ -138,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="draft tokens per step and sequence under --speculative (default: the decode tier's own, 4)",
+        help="draft tokens per step and sequence under --speculative (default: the decode tier's own, 3)",
     )
     parser.add_argument(
         "--block-size",

@@ -190,3 +190,18 @@ def test_json_log_lines_carry_extra_fields():
     assert entry["message"] == "hello world"
     assert entry["level"] == "INFO" and entry["logger"] == "tandem.test"
     assert entry["num_blocks"] == 12
+
+
+def test_speculative_flags_default_to_the_config_and_reach_the_engine():
+    from engine.speculation import SpeculativeConfig
+
+    defaults = build_parser().parse_args(["serve", "decode"])
+    assert engine_config_from_args(defaults).speculative == SpeculativeConfig()
+    args = build_parser().parse_args(
+        ["serve", "decode", "--speculative", "ngram", "--num-speculative-tokens", "2"]
+    )
+    speculative = engine_config_from_args(args).speculative
+    assert (speculative.method, speculative.num_speculative_tokens) == ("ngram", 2)
+    bad = build_parser().parse_args(["serve", "decode", "--speculative", "ngram", "--prompt-lookup-min", "0"])
+    with pytest.raises(ConfigError, match="--prompt-lookup-min"):
+        engine_config_from_args(bad)
