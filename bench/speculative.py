@@ -12,8 +12,10 @@ standard library (which no model here was tuned on) and rendered with the model'
 
 Each workload runs single-stream (one request at a time, greedy, exact output lengths): decode tok/s as
 1 / TPOT p50. Open chat also runs as 16 concurrent streams (output tok/s), where speculation must not
-cost throughput. Systems, fresh servers back to back: tandem `--quantization int8` without and with
-`--speculative ngram`, and llama-server on the Q8_0 GGUF (`-np 16 -cb -t 2 --no-repack`).
+cost throughput. tandem is one `--quantization int8 --speculative ngram` server: each workload runs
+first with every request opted out (`disable_speculation`, so plain decoding) and then speculating,
+back to back, so the ratio compares one process at one minute (two fresh servers differed by up to
+20% in plain decoding alone). Then llama-server on the Q8_0 GGUF (`-np 16 -cb -t 2 --no-repack`).
 
 Writes `speculative.json`, `speculative.png` and `README_speculative_table.md` with the host beside
 the ratios. About 6 minutes on a quiet 2-core machine; `--quick` runs a smoke-sized version.
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SYSTEMS = ("tandem-int8", "tandem-int8-ngram", "llama-server-q8_0")
 LABELS = {
-    "tandem-int8": "tandem int8",
+    "tandem-int8": "tandem int8 (requests opted out)",
     "tandem-int8-ngram": "tandem int8 --speculative ngram",
     "llama-server-q8_0": "llama-server Q8_0",
 }
@@ -127,41 +129,19 @@ def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
     return {"args": load_args.parse_args(["--no-progress", "--num-warmups", "1"]), **workloads}
 
 
-def _server_args(name: str) -> list[str]:
-    speculative = ["--speculative", "ngram"] if name.endswith("-ngram") else []
-    return ["--quantization", "int8", "--kv-cache-memory", "1GiB", "--max-num-seqs", "32", *speculative]
+SERVER_ARGS = [
+    "--quantization",
+    "int8",
+    "--kv-cache-memory",
+    "1GiB",
+    "--max-num-seqs",
+    "32",
+    "--speculative",
+    "ngram",
+]
 
 
-def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
-    """Every workload on one fresh server of system `name`."""
-    from bench import quantized, servers
-    from bench.serve import make_backend, measure
-    from bench.workload import ArrivalProcess
-
-    if name.startswith("tandem"):
-        decode, target = servers.tandem_decode_server(name, str(model_dir), args.threads, _server_args(name))
-        context, kind, extra = decode, "tandem", {"threads": args.threads, "server_args": _server_args(name)}
-    else:
-        context = quantized.serving(name, args, str(model_dir))
-    with context as served:
-        if not name.startswith("tandem"):
-            kind, target, extra = served
-
-        def run(workload: str, max_concurrency: int | None) -> dict:
-            backend = make_backend(kind, target, name)
-            measured = measure(
-                backend,
-                workloads["args"],
-                ArrivalProcess(math.inf),
-                False,
-                extra,
-                workloads[workload],
-                max_concurrency,
-            )
-            return asyncio.run(measured)["metrics"]
-
-        single = {w: run(w, 1) for w in WORKLOADS}
-        concurrent = run("concurrent", None)
+def _result(name: str, extra: dict, single: dict[str, dict], concurrent: dict) -> dict:
     result = {
         "system": name,
         "label": LABELS[name],
@@ -172,6 +152,60 @@ def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloa
     }
     logger.info("%s: %s", name, result)
     return result
+
+
+def _measure(backend, workloads: dict, extra: dict, workload: str, max_concurrency: int | None) -> dict:
+    from bench.serve import measure
+    from bench.workload import ArrivalProcess
+
+    run = measure(
+        backend,
+        workloads["args"],
+        ArrivalProcess(math.inf),
+        False,
+        extra,
+        workloads[workload],
+        max_concurrency,
+    )
+    return asyncio.run(run)["metrics"]
+
+
+def measure_tandem(args: argparse.Namespace, model_dir: Path, workloads: dict) -> list[dict]:
+    """One `--speculative ngram` server; each workload run with every request opted out
+    (`disable_speculation`: plain decoding) and then speculating, back to back, so the ratio compares
+    the same process at the same minute."""
+    from bench import servers
+    from bench.backends.tandem_grpc import TandemBackend
+
+    decode, target = servers.tandem_decode_server(
+        "tandem-int8-ngram", str(model_dir), args.threads, SERVER_ARGS
+    )
+    extra = {"threads": args.threads, "server_args": SERVER_ARGS}
+    by_mode: dict[str, dict[str, dict]] = {"tandem-int8": {}, "tandem-int8-ngram": {}}
+    with decode:
+        for workload in (*WORKLOADS, "concurrent"):
+            for name, results in by_mode.items():
+                backend = TandemBackend(target, name, disable_speculation=name == "tandem-int8")
+                concurrency = None if workload == "concurrent" else 1
+                results[workload] = _measure(backend, workloads, extra, workload, concurrency)
+    return [
+        _result(
+            name, {**extra, "disable_speculation": name == "tandem-int8"}, single, single.pop("concurrent")
+        )
+        for name, single in by_mode.items()
+    ]
+
+
+def measure_llama(args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
+    """Every workload on a fresh llama-server over the Q8_0 GGUF."""
+    from bench import quantized
+    from bench.serve import make_backend
+
+    name = "llama-server-q8_0"
+    with quantized.serving(name, args, str(model_dir)) as (kind, target, extra):
+        single = {w: _measure(make_backend(kind, target, name), workloads, extra, w, 1) for w in WORKLOADS}
+        concurrent = _measure(make_backend(kind, target, name), workloads, extra, "concurrent", None)
+    return _result(name, extra, single, concurrent)
 
 
 def ratios(runs: list[dict]) -> dict[str, dict[str, float]]:
@@ -271,14 +305,20 @@ def run(args: argparse.Namespace) -> int:
         "runs": [],
         "skipped": {},
     }
-    for name in [n.strip() for n in args.systems.split(",") if n.strip()]:
-        if name not in SYSTEMS:
-            raise SystemExit(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
-        try:
-            document["runs"].append(measure_system(name, args, model_dir, workloads))
-        except (SystemSkipped, ServerStartError) as exc:
-            logger.warning("skipping %s: %s", name, exc)
-            document["skipped"][name] = str(exc)
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = set(names) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
+    try:
+        if {"tandem-int8", "tandem-int8-ngram"} & set(names):
+            document["runs"] += [
+                r for r in measure_tandem(args, model_dir, workloads) if r["system"] in names
+            ]
+        if "llama-server-q8_0" in names:
+            document["runs"].append(measure_llama(args, model_dir, workloads))
+    except (SystemSkipped, ServerStartError) as exc:
+        logger.warning("skipping: %s", exc)
+        document["skipped"]["run"] = str(exc)
     document["ratios"] = ratios(document["runs"])
     document["load_average_at_end"] = load_average()
     document["valid"] = valid

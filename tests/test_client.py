@@ -605,3 +605,8 @@ def test_build_request_passes_template_kwargs_and_special_tokens():
     assert request.HasField("skip_special_tokens") and not request.skip_special_tokens
     plain = build_request("hi")
     assert not plain.chat_template_kwargs_json and not plain.HasField("skip_special_tokens")
+
+
+def test_build_request_opts_out_of_speculation():
+    assert not build_request("hi").sampling.disable_speculation
+    assert build_request("hi", disable_speculation=True).sampling.disable_speculation

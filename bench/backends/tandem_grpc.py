@@ -11,8 +11,16 @@ from tandem.client import AsyncTandemClient
 class TandemBackend:
     """Streams requests to one tandem decode server; one HTTP/2 channel carries every request."""
 
-    def __init__(self, target: str, name: str = "tandem", timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        name: str = "tandem",
+        timeout_s: float | None = None,
+        disable_speculation: bool = False,
+    ) -> None:
+        """`disable_speculation`: every request opts out of the server's speculative decoding."""
         self.name = name
+        self._disable_speculation = disable_speculation
         self.target = target
         self._timeout_s = timeout_s
         self._client: AsyncTandemClient | None = None
@@ -39,6 +47,7 @@ class TandemBackend:
             max_tokens=request.output_len,
             ignore_eos=True,
             request_id=request_id,
+            disable_speculation=self._disable_speculation,
         ):
             if delta.token_ids:
                 yield len(delta.token_ids)

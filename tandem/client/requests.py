@@ -123,6 +123,7 @@ def build_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    disable_speculation: bool = False,
     n: int = 0,
     max_tokens: int | None = None,
     stop: Iterable[str] = (),
@@ -153,7 +154,9 @@ def build_request(
     if isinstance(stop, str):
         # A bare string would otherwise become one stop string per character.
         stop = (stop,)
-    sampling = pb.SamplingParams(logprobs=logprobs, logit_bias=dict(logit_bias or {}))
+    sampling = pb.SamplingParams(
+        logprobs=logprobs, logit_bias=dict(logit_bias or {}), disable_speculation=disable_speculation
+    )
     for name, value in (
         ("temperature", temperature),
         ("top_p", top_p),
