@@ -9,7 +9,6 @@ it exercises verification rather than plain decoding.
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -291,7 +290,8 @@ def test_sampled_continuations_follow_the_target_distribution() -> None:
     statistic = sum((counts[o] - samples * p) ** 2 / (samples * p) for o, p in joint.items())
     # chi-square with 26 degrees of freedom: P(X > 54.05) = 0.001
     assert statistic < 54.05, f"chi-square {statistic:.1f}: {counts}"
-    assert list(itertools.islice(counts.values(), 1)) != [samples]
+    # The samples spread over the outcomes (a sampler stuck on one continuation would fail here too).
+    assert sum(1 for count in counts.values() if count > 0) >= 10
 
 
 # -- served -------------------------------------------------------------------------------------------
