@@ -6,7 +6,7 @@ Create it inside the event loop that will use it (grpc.aio channels belong to on
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from base.auth import PathLike
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from tandem.client.affinity import MAX_ATTEMPTS, Replica, ReplicaPicker, prefix_chain, retries_elsewhere
 from tandem.client.connection import ConnectionSettings, Metadata
-from tandem.client.errors import error_from_rpc
+from tandem.client.errors import Unavailable, error_from_rpc
 from tandem.client.requests import ChatMessageLike, ToolLike, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
 
@@ -36,6 +37,7 @@ class AsyncTandemClient:
         auth_token: str | None = None,
         timeout: float | None = None,
         options: Iterable[tuple[str, Any]] = (),
+        affinity: bool = False,
     ) -> None:
         self._settings = ConnectionSettings.create(
             target,
@@ -51,6 +53,14 @@ class AsyncTandemClient:
         self._channel = self._settings.aio_channel()
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._picker: ReplicaPicker[generation_pb2_grpc.GenerationStub] | None = (
+            ReplicaPicker(target, self._connect) if affinity else None
+        )
+        self._running: dict[str, Replica[generation_pb2_grpc.GenerationStub]] = {}
+
+    def _connect(self, address: str) -> tuple[generation_pb2_grpc.GenerationStub, Callable[[], object]]:
+        channel = self._settings.aio_channel(address)
+        return generation_pb2_grpc.GenerationStub(channel), channel.close
 
     @property
     def target(self) -> str:
@@ -138,6 +148,10 @@ class AsyncTandemClient:
     async def _stream(
         self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata | None
     ) -> AsyncIterator[GenerationDelta]:
+        if self._picker is not None:
+            async for delta in self._affine_stream(self._picker, request, timeout, metadata):
+                yield delta
+            return
         call = self._stub.Generate(
             request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
         )
@@ -148,6 +162,39 @@ class AsyncTandemClient:
             raise error_from_rpc(exc) from exc
         finally:
             call.cancel()
+
+    async def _affine_stream(
+        self,
+        picker: ReplicaPicker[generation_pb2_grpc.GenerationStub],
+        request: pb.GenerateRequest,
+        timeout: float | None,
+        metadata: Metadata | None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """`generate()` on the replica `picker` chooses; see `TandemClient._affine_stream`."""
+        chain, tried = prefix_chain(request), []
+        while (replica := picker.acquire(chain, exclude=tried)) is not None:
+            call = replica.stub.Generate(
+                request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+            )
+            received = failed = False
+            request_id = ""
+            try:
+                async for message in call:
+                    if not received:
+                        received, request_id = True, message.request_id
+                        self._running[request_id] = replica
+                    yield GenerationDelta.from_proto(message)
+                return
+            except grpc.RpcError as exc:
+                tried.append(replica)
+                failed = retries_elsewhere(exc, received)
+                if not failed or len(tried) >= MAX_ATTEMPTS:
+                    raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()
+                picker.release(replica, failed)
+                self._running.pop(request_id, None)
+        raise Unavailable(f"no replica of {picker.target} left to try")
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run `generate()` with the same arguments to the end and return the whole completion (n = 1;
@@ -162,7 +209,9 @@ class AsyncTandemClient:
     ) -> bool:
         """Abort a running or queued request; True if the server found it (its stream ends with ABORT)."""
         request = pb.AbortRequest(request_id=request_id)
-        response = await self._unary(self._stub.Abort, request, timeout, metadata)
+        replica = self._running.get(request_id)
+        stub = self._stub if replica is None else replica.stub
+        response = await self._unary(stub.Abort, request, timeout, metadata)
         return response.aborted
 
     async def model_info(
@@ -190,6 +239,9 @@ class AsyncTandemClient:
             raise error_from_rpc(exc) from exc
 
     async def close(self) -> None:
+        if self._picker is not None:
+            for closing in self._picker.close():
+                await closing
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncTandemClient:

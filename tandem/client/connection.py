@@ -96,12 +96,26 @@ class ConnectionSettings:
             entries.extend(extra.items() if isinstance(extra, Mapping) else extra)
         return tuple(entries)
 
-    def sync_channel(self) -> grpc.Channel:
+    def sync_channel(self, address: str | None = None) -> grpc.Channel:
+        """A channel to the target, or to one `address` of it (see `address_options`)."""
+        target, options = (self.target, self.options) if address is None else self.address_options(address)
         if self.credentials is None:
-            return grpc.insecure_channel(self.target, options=self.options)
-        return grpc.secure_channel(self.target, self.credentials, options=self.options)
+            return grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, self.credentials, options=options)
 
-    def aio_channel(self) -> grpc.aio.Channel:
+    def aio_channel(self, address: str | None = None) -> grpc.aio.Channel:
+        target, options = (self.target, self.options) if address is None else self.address_options(address)
         if self.credentials is None:
-            return grpc.aio.insecure_channel(self.target, options=self.options)
-        return grpc.aio.secure_channel(self.target, self.credentials, options=self.options)
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, self.credentials, options=options)
+
+    def address_options(self, address: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+        """Target and options of a channel to one replica address of a multi-address target: under TLS
+        the certificate is checked against the target's host name, not the address, unless
+        `tls_server_name` already says which name."""
+        options = self.options
+        if self.credentials is not None and self.target.startswith("dns:"):
+            if not any(name == "grpc.ssl_target_name_override" for name, _ in options):
+                host = self.target[len("dns:") :].lstrip("/").split("/")[-1].rpartition(":")[0].strip("[]")
+                options = (*options, ("grpc.ssl_target_name_override", host))
+        return address, options

@@ -7,7 +7,7 @@ request and free its KV blocks at once instead of generating into the void.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -16,8 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from base.auth import PathLike
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from tandem.client.affinity import MAX_ATTEMPTS, Replica, ReplicaPicker, prefix_chain, retries_elsewhere
 from tandem.client.connection import ConnectionSettings, Metadata
-from tandem.client.errors import error_from_rpc
+from tandem.client.errors import Unavailable, error_from_rpc
 from tandem.client.requests import ChatMessageLike, ToolLike, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
 
@@ -31,8 +32,10 @@ class TandemClient:
     certificate path is given: `ca_cert` verifies the server (default: the system's CAs),
     `client_cert`/`client_key` authenticate this client under mTLS. `auth_token` is sent as
     `authorization: Bearer <token>` on every call. `timeout` is the default deadline in seconds of every
-    call (a whole `generate()` stream included); None: no deadline. Use as a context manager, or call
-    `close()`.
+    call (a whole `generate()` stream included); None: no deadline. `affinity=True` (with a multi-address
+    target) sends each `generate()` to the replica that holds the longest part of its prompt's prefix in
+    its cache, within a load bound (see `tandem.client.affinity`), and retries UNAVAILABLE on the next
+    best. Use as a context manager, or call `close()`.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class TandemClient:
         auth_token: str | None = None,
         timeout: float | None = None,
         options: Iterable[tuple[str, Any]] = (),
+        affinity: bool = False,
     ) -> None:
         self._settings = ConnectionSettings.create(
             target,
@@ -62,6 +66,15 @@ class TandemClient:
         self._channel = self._settings.sync_channel()
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._picker: ReplicaPicker[generation_pb2_grpc.GenerationStub] | None = (
+            ReplicaPicker(target, self._connect) if affinity else None
+        )
+        # Which replica runs each live affinity-routed request, so that `abort` reaches it.
+        self._running: dict[str, Replica[generation_pb2_grpc.GenerationStub]] = {}
+
+    def _connect(self, address: str) -> tuple[generation_pb2_grpc.GenerationStub, Callable[[], object]]:
+        channel = self._settings.sync_channel(address)
+        return generation_pb2_grpc.GenerationStub(channel), channel.close
 
     @property
     def target(self) -> str:
@@ -154,6 +167,9 @@ class TandemClient:
     def _stream(
         self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata | None
     ) -> Iterator[GenerationDelta]:
+        if self._picker is not None:
+            yield from self._affine_stream(self._picker, request, timeout, metadata)
+            return
         call = self._stub.Generate(
             request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
         )
@@ -164,6 +180,40 @@ class TandemClient:
             raise error_from_rpc(exc) from exc
         finally:
             call.cancel()
+
+    def _affine_stream(
+        self,
+        picker: ReplicaPicker[generation_pb2_grpc.GenerationStub],
+        request: pb.GenerateRequest,
+        timeout: float | None,
+        metadata: Metadata | None,
+    ) -> Iterator[GenerationDelta]:
+        """`generate()` on the replica `picker` chooses for the prompt's prefix; a replica that fails with
+        UNAVAILABLE before any response is reported and the call goes to the next best."""
+        chain, tried = prefix_chain(request), []
+        while (replica := picker.acquire(chain, exclude=tried)) is not None:
+            call = replica.stub.Generate(
+                request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
+            )
+            received = failed = False
+            request_id = ""
+            try:
+                for message in call:
+                    if not received:
+                        received, request_id = True, message.request_id
+                        self._running[request_id] = replica
+                    yield GenerationDelta.from_proto(message)
+                return
+            except grpc.RpcError as exc:
+                tried.append(replica)
+                failed = retries_elsewhere(exc, received)
+                if not failed or len(tried) >= MAX_ATTEMPTS:
+                    raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()
+                picker.release(replica, failed)
+                self._running.pop(request_id, None)
+        raise Unavailable(f"no replica of {picker.target} left to try")
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run `generate()` with the same arguments to the end and return the whole completion (n = 1;
@@ -177,7 +227,9 @@ class TandemClient:
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
         """Abort a running or queued request; True if the server found it (its stream ends with ABORT)."""
-        response = self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata)
+        replica = self._running.get(request_id)
+        stub = self._stub if replica is None else replica.stub
+        response = self._unary(stub.Abort, pb.AbortRequest(request_id=request_id), timeout, metadata)
         return response.aborted
 
     def model_info(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> ModelInfo:
@@ -201,6 +253,8 @@ class TandemClient:
             raise error_from_rpc(exc) from exc
 
     def close(self) -> None:
+        if self._picker is not None:
+            self._picker.close()
         self._channel.close()
 
     def __enter__(self) -> TandemClient:
