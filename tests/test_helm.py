@@ -3,7 +3,7 @@
 helm lint --strict and helm template with the default values and every CI values file, then
 kubernetes-validate --strict on each rendered manifest, then behaviour checks on the parsed
 output: probes, NetworkPolicy, the decode -> headless prefill wiring, resources, replicas,
-drain, autoscaling. Helm itself comes from helm/fetch_helm.py (pinned, sha256-checked); when
+drain, autoscaling, the endpoint picker and its EndpointPickerConfig, KV events. Helm itself comes from helm/fetch_helm.py (pinned, sha256-checked); when
 it cannot be obtained these tests skip with a loud reason, or fail under TANDEM_REQUIRE_HELM=1.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -171,7 +172,12 @@ def test_ci_values_cover_every_optional_feature(rendered: dict[str, list[dict]])
         "ConfigMap",
         "ServiceAccount",
         "InferencePool",
+        "Role",
+        "RoleBinding",
     } <= kinds
+    assert len(by_kind(rendered["all-features"], "Deployment")) == 3, (
+        "prefill, decode and the endpoint picker"
+    )
     assert len(by_kind(rendered["all-features"], "ServiceMonitor")) == 2
 
 
@@ -640,6 +646,249 @@ def test_notes_tell_how_to_call_the_decode_service(helm: Path, tmp_path: Path) -
     assert "tandem generate" in notes and "tandem.v1.Generation/Generate" in notes
     assert f"port-forward service/{RELEASE}-decode 8000:8000" in notes
     assert "curl http://localhost:8000/v1/chat/completions" in notes
+
+
+# ---------------------------------------------------------------- the endpoint picker (GIE EPP)
+
+EPP_NAME = f"{RELEASE}-epp"
+# Scorer plugin types of the GIE v1.5.0 endpoint picker the schema admits (cmd/epp/runner/runner.go).
+EPP_SCORERS = [
+    "prefix-cache-scorer",
+    "queue-scorer",
+    "kv-cache-utilization-scorer",
+    "running-requests-size-scorer",
+    "lora-affinity-scorer",
+]
+
+
+def render(helm: Path, tmp_path: Path, values: dict) -> list[dict]:
+    return parse_manifests(run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout)
+
+
+def render_fails(helm: Path, tmp_path: Path, values: dict) -> str:
+    result = run_helm(helm, *template_args(CHART, write_values(tmp_path, values)), check=False)
+    assert result.returncode != 0, "helm template should have failed"
+    return result.stderr
+
+
+def picker_config(manifests: list[dict]) -> tuple[dict, dict]:
+    """The picker's EndpointPickerConfig, as the file its --config-file names, and its container."""
+    pod = named(manifests, "Deployment", EPP_NAME)["spec"]["template"]["spec"]
+    (epp,) = pod["containers"]
+    path = arg_value(epp["args"], "--config-file")
+    (mount,) = [m for m in epp["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    config_map = named(manifests, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(config_map["data"][path.removeprefix(mount["mountPath"] + "/")])
+    return config, epp
+
+
+def profile_weights(config: dict) -> dict[str, float]:
+    (profile,) = config["schedulingProfiles"]
+    assert profile["name"] == "default"
+    return {ref["pluginRef"]: ref["weight"] for ref in profile["plugins"] if "weight" in ref}
+
+
+def plugin_of(config: dict, plugin_type: str) -> dict:
+    (plugin,) = [p for p in config["plugins"] if p["type"] == plugin_type]
+    return plugin
+
+
+def test_chart_deploys_the_endpoint_picker_the_pool_names(rendered: dict[str, list[dict]]) -> None:
+    manifests = rendered["all-features"]
+    values = load_ci_values("all-features")["inferencePool"]["endpointPicker"]
+    for kind in ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
+        named(manifests, kind, EPP_NAME)
+    (pool,) = by_kind(manifests, "InferencePool")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = named(manifests, "Service", ref["name"])
+    (ext_proc,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert ref["failureMode"] == "FailOpen" and ext_proc["port"] == values["port"] == 9002
+    config, epp = picker_config(manifests)
+    assert ext_proc["targetPort"] == "grpc"
+    assert port_named(epp, "grpc") == int(arg_value(epp["args"], "--grpc-port")) == 9002
+    epp_labels = named(manifests, "Deployment", EPP_NAME)["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], epp_labels)
+    assert not selects(service["spec"]["selector"], pod_labels(manifests, "decode"))
+    assert not selects(pool["spec"]["selector"]["matchLabels"], epp_labels)
+    # The picker serves exactly this pool.
+    assert arg_value(epp["args"], "--pool-name") == pool["metadata"]["name"]
+    assert arg_value(epp["args"], "--pool-namespace") == NAMESPACE
+    assert arg_value(epp["args"], "--pool-group") == "inference.networking.k8s.io"
+    assert (int(arg_value(epp["args"], "--grpc-health-port")), port_named(epp, "grpc-health")) == (9003, 9003)
+    assert (int(arg_value(epp["args"], "--metrics-port")), port_named(epp, "metrics")) == (9090, 9090)
+    assert epp["image"] == "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert epp[probe]["grpc"]["port"] == 9003
+    assert "--ha-enable-leader-election" in epp["args"], "two replicas: one leader"
+    # The config: the scorers and weights as given, a picker, and the metrics data layer.
+    assert config["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1"
+    assert config["kind"] == "EndpointPickerConfig"
+    assert profile_weights(config) == {s["type"]: s["weight"] for s in values["scorers"]}
+    (profile,) = config["schedulingProfiles"]
+    refs = [ref["pluginRef"] for ref in profile["plugins"]]
+    assert refs == [s["type"] for s in values["scorers"]] + ["max-score-picker"]
+    declared = [p.get("name", p["type"]) for p in config["plugins"]]
+    assert len(declared) == len(set(declared)) and set(refs) <= set(declared)
+    assert {"single-profile-handler", "metrics-data-source", "core-metrics-extractor"} <= set(declared)
+    prefix = plugin_of(config, "prefix-cache-scorer")["parameters"]
+    assert prefix == {"blockSizeTokens": 16, "maxPrefixBlocksToMatch": 512}
+    # tls.public is on in all-features: the HTTP port (where /metrics is) serves TLS.
+    assert plugin_of(config, "metrics-data-source")["parameters"]["scheme"] == "https"
+
+
+def test_endpoint_picker_rbac_only_reads_its_pool_and_pods(rendered: dict[str, list[dict]]) -> None:
+    manifests = rendered["all-features"]
+    pod = named(manifests, "Deployment", EPP_NAME)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == EPP_NAME and pod["automountServiceAccountToken"] is True
+    binding = named(manifests, "RoleBinding", EPP_NAME)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": EPP_NAME}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": EPP_NAME, "namespace": NAMESPACE}]
+    assert not by_kind(manifests, "ClusterRole") and not by_kind(manifests, "ClusterRoleBinding")
+    rules = {
+        (group, resource): set(rule["verbs"])
+        for rule in named(manifests, "Role", EPP_NAME)["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    read = {"get", "list", "watch"}
+    assert rules[("", "pods")] == rules[("inference.networking.k8s.io", "inferencepools")] == read
+    writable = {key for key, verbs in rules.items() if verbs - read}
+    assert writable == {("coordination.k8s.io", "leases"), ("", "events")}, "only leader election writes"
+    (epp,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert epp["securityContext"]["readOnlyRootFilesystem"] is True
+    assert epp["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_endpoint_picker_defaults(helm: Path, tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    values = {
+        "inferencePool": {"enabled": True, "endpointPicker": {"deploy": True}},
+        "model": {"blockSize": 32},
+    }
+    manifests = render(helm, tmp_path, values)
+    config, epp = picker_config(manifests)
+    assert profile_weights(config) == {
+        "prefix-cache-scorer": 3,
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+    }
+    assert plugin_of(config, "prefix-cache-scorer")["parameters"] == {"blockSizeTokens": 32}
+    assert plugin_of(config, "metrics-data-source")["parameters"]["scheme"] == "http"
+    assert "--ha-enable-leader-election" not in epp["args"]
+    role_resources = {r for rule in named(manifests, "Role", EPP_NAME)["rules"] for r in rule["resources"]}
+    assert "leases" not in role_resources
+    (pool,) = by_kind(manifests, "InferencePool")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": EPP_NAME,
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    for doc in manifests:
+        if doc["apiVersion"].startswith("inference.networking.k8s.io/"):
+            continue
+        for kube_version in VALIDATE_VERSIONS:
+            kubernetes_validate.validate(doc, kube_version, strict=True)
+
+
+def test_a_named_endpoint_picker_wins_over_the_charts(helm: Path, tmp_path: Path) -> None:
+    picker = {"name": "shared-epp", "port": 9100, "deploy": True}
+    manifests = render(helm, tmp_path, {"inferencePool": {"enabled": True, "endpointPicker": picker}})
+    assert not [doc for doc in manifests if doc["metadata"]["name"] == EPP_NAME]
+    (pool,) = by_kind(manifests, "InferencePool")
+    assert pool["spec"]["endpointPickerRef"]["name"] == "shared-epp"
+    assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9100}
+
+
+def test_endpoint_picker_needs_the_inference_pool(helm: Path, tmp_path: Path) -> None:
+    stderr = render_fails(helm, tmp_path, {"inferencePool": {"endpointPicker": {"deploy": True}}})
+    assert "inferencePool.endpointPicker.deploy needs inferencePool.enabled" in stderr
+
+
+def test_an_unknown_scorer_fails_naming_the_allowed_types(helm: Path, tmp_path: Path) -> None:
+    scorers = [{"type": "prefix-cache-scorer", "weight": 1}, {"type": "session-affinity-scorer", "weight": 1}]
+    values = {"inferencePool": {"enabled": True, "endpointPicker": {"deploy": True, "scorers": scorers}}}
+    stderr = render_fails(helm, tmp_path, values)
+    assert SCHEMA_ERROR in stderr
+    (line,) = [line for line in stderr.splitlines() if "scorers.1.type" in line]
+    assert "must be one of the following" in line
+    for allowed in EPP_SCORERS:
+        assert f'"{allowed}"' in line
+
+
+def test_a_scorer_listed_twice_fails(helm: Path, tmp_path: Path) -> None:
+    scorers = [{"type": "queue-scorer", "weight": 1}, {"type": "queue-scorer", "weight": 2}]
+    values = {"inferencePool": {"enabled": True, "endpointPicker": {"deploy": True, "scorers": scorers}}}
+    assert "scorers lists queue-scorer twice" in render_fails(helm, tmp_path, values)
+
+
+# ---------------------------------------------------------------- KV events
+
+
+def kv_events_config(main: dict) -> dict:
+    return json.loads(arg_value(main["args"], "--kv-events-config"))
+
+
+def test_kv_events_are_off_by_default(rendered: dict[str, list[dict]]) -> None:
+    for component in ("prefill", "decode"):
+        main = container(rendered["default"], component)
+        assert "--kv-events-config" not in main["args"]
+        assert not {"kv-events", "kv-replay"} & {p["name"] for p in main["ports"]}
+
+
+def test_kv_events_reach_both_tiers_and_their_headless_services(rendered: dict[str, list[dict]]) -> None:
+    manifests = rendered["all-features"]
+    values = load_ci_values("all-features")
+    headless = {"prefill": f"{RELEASE}-prefill", "decode": f"{RELEASE}-decode-headless"}
+    expected_ports = {"prefill": (5557, 5558), "decode": (5567, 5568)}
+    for component in ("prefill", "decode"):
+        main = container(manifests, component)
+        port, replay = expected_ports[component]
+        assert kv_events_config(main) == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": values[component]["kvEvents"].get("topic", "kv-events"),
+        }
+        assert (port_named(main, "kv-events"), port_named(main, "kv-replay")) == (port, replay)
+        service_ports = {
+            p["name"]: (p["port"], p["targetPort"])
+            for p in named(manifests, "Service", headless[component])["spec"]["ports"]
+        }
+        assert service_ports["kv-events"] == (port, "kv-events")
+        assert service_ports["kv-replay"] == (replay, "kv-replay")
+    client_ports = {p["name"] for p in named(manifests, "Service", f"{RELEASE}-decode")["spec"]["ports"]}
+    assert client_ports == {"grpc", "http"}, "KV events stay off the public Service"
+    (policy,) = by_kind(manifests, "NetworkPolicy")
+    (rule,) = [r for r in policy["spec"]["ingress"] if ports_of(r) == {5557, 5558}]
+    assert rule["from"] == values["networkPolicy"]["kvEventsFrom"]
+
+
+def test_kv_events_values_shape_the_flag_and_the_network_policy(helm: Path, tmp_path: Path) -> None:
+    kv = {"enabled": True, "port": 6000, "replayPort": 6001, "topic": "t-1"}
+    manifests = render(helm, tmp_path, {"prefill": {"kvEvents": kv}})
+    config = kv_events_config(container(manifests, "prefill"))
+    assert (config["endpoint"], config["replay_endpoint"], config["topic"]) == (
+        "tcp://*:6000",
+        "tcp://*:6001",
+        "t-1",
+    )
+    assert "--kv-events-config" not in container(manifests, "decode")["args"]
+    (policy,) = by_kind(manifests, "NetworkPolicy")
+    (rule,) = [r for r in policy["spec"]["ingress"] if ports_of(r) == {6000, 6001}]
+    assert rule["from"] == [{"podSelector": {}}], "default: any pod of the release's namespace"
+
+
+def test_kv_event_ports_must_not_collide(helm: Path, tmp_path: Path) -> None:
+    kv = {"enabled": True, "port": 5557, "replayPort": 9400}
+    stderr = render_fails(helm, tmp_path, {"decode": {"kvEvents": kv}})
+    assert "decode.kvEvents.replayPort 9400 is already decode.metricsPort" in stderr
+    kv = {"enabled": True, "port": 5557, "replayPort": 5557}
+    stderr = render_fails(helm, tmp_path, {"prefill": {"kvEvents": kv}})
+    assert "prefill.kvEvents.replayPort 5557 is already prefill.kvEvents.port" in stderr
 
 
 # ---------------------------------------------------------------- the helm fetcher

@@ -51,6 +51,10 @@
 {{- if .Values.prefixCaching.saltByTenant }}
 - --cache-salt-by-tenant
 {{- end }}
+{{- if $d.kvEvents.enabled }}
+- --kv-events-config
+- {{ include "tandem.kvEventsConfig" (dict "component" "decode" "tier" $d) | quote }}
+{{- end }}
 {{- if $d.gpu.enabled }}
 - --device
 - cuda

@@ -26,6 +26,7 @@
 {{- define "tandem.decode.headlessName" -}}{{ include "tandem.base" . }}-decode-headless{{- end -}}
 {{- define "tandem.configName" -}}{{ include "tandem.base" . }}-config{{- end -}}
 {{- define "tandem.probeScriptName" -}}{{ include "tandem.base" . }}-probe{{- end -}}
+{{- define "tandem.epp.fullname" -}}{{ include "tandem.base" . }}-epp{{- end -}}
 {{- define "tandem.modelClaimName" -}}
 {{- .Values.model.storage.persistentVolumeClaim.existingClaim | default (printf "%s-model" (include "tandem.base" .)) -}}
 {{- end -}}
@@ -91,4 +92,28 @@ dns:///{{ include "tandem.prefill.fullname" . }}.{{ .Release.Namespace }}.svc.{{
 
 {{- define "tandem.anyTLS" -}}
 {{- if or .Values.tls.interTier.enabled .Values.tls.public.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The chart runs the endpoint picker only for its own InferencePool, and never when one is named. */}}
+{{- define "tandem.epp.deployed" -}}
+{{- $picker := .Values.inferencePool.endpointPicker -}}
+{{- if and .Values.inferencePool.enabled $picker.deploy (not $picker.name) -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+vLLM's KVEventsConfig as JSON for --kv-events-config: a ZMQ publisher bound on every interface, with
+its replay socket. Called with (dict "component" "decode"|"prefill" "tier" <tier values>).
+*/}}
+{{- define "tandem.kvEventsConfig" -}}
+{{- $kv := .tier.kvEvents -}}
+{{- $taken := dict (toString .tier.port) "port" (toString .tier.metricsPort) "metricsPort" -}}
+{{- with .tier.httpPort }}{{ $_ := set $taken (toString .) "httpPort" }}{{ end -}}
+{{- range $key := list "port" "replayPort" }}
+{{- $number := toString (index $kv $key) }}
+{{- if hasKey $taken $number }}
+{{- fail (printf "%s.kvEvents.%s %s is already %s.%s: the KV event sockets need ports of their own" $.component $key $number $.component (get $taken $number)) }}
+{{- end }}
+{{- $_ := set $taken $number (printf "kvEvents.%s" $key) }}
+{{- end -}}
+{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": {{ printf "tcp://*:%d" (int $kv.port) | toJson }}, "replay_endpoint": {{ printf "tcp://*:%d" (int $kv.replayPort) | toJson }}, "topic": {{ $kv.topic | toJson }}}
 {{- end -}}

@@ -34,6 +34,10 @@
 {{- if not .Values.prefixCaching.enabled }}
 - --no-prefix-caching
 {{- end }}
+{{- if $p.kvEvents.enabled }}
+- --kv-events-config
+- {{ include "tandem.kvEventsConfig" (dict "component" "prefill" "tier" $p) | quote }}
+{{- end }}
 {{- if $p.gpu.enabled }}
 - --device
 - cuda

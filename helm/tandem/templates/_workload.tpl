@@ -103,6 +103,14 @@ spec:
               containerPort: {{ $tier.metricsPort }}
               protocol: TCP
             {{- end }}
+            {{- if $tier.kvEvents.enabled }}
+            - name: kv-events
+              containerPort: {{ $tier.kvEvents.port }}
+              protocol: TCP
+            - name: kv-replay
+              containerPort: {{ $tier.kvEvents.replayPort }}
+              protocol: TCP
+            {{- end }}
           {{- $handler := include (printf "tandem.%s.probeHandler" $component) $root }}
           # Readiness is SERVING on grpc.health.v1, which the servers report only once warmed up.
           startupProbe:
