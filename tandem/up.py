@@ -41,6 +41,8 @@ DEFAULT_PREFILL_METRICS_PORT = 9401
 # A decode step is memory-bound: past a few threads it reads weights no faster (see split_threads).
 DECODE_THREADS_MAX = 8
 STATUS_INTERVAL_S = 1.0
+# Decode replica i of `--decode-replicas` listens on each of the first replica's ports + this x i.
+REPLICA_PORT_STRIDE = 10
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
@@ -88,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_HTTP_PORT,
         help=f"decode tier's OpenAI-compatible HTTP API (default: {DEFAULT_HTTP_PORT})",
+    )
+    parser.add_argument(
+        "--decode-replicas",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="decode replicas behind the one prefill tier; replica i serves on each decode port + "
+        f"{REPLICA_PORT_STRIDE} x i, and its callers reach all of them as one ipv4: target (default: 1)",
     )
     parser.add_argument(
         "--prefill-port",
@@ -201,6 +211,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which containers narrow), at least 1."""
     try:
@@ -258,9 +275,45 @@ def _common_flags(
     return flags
 
 
+def decode_ports(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(gRPC, HTTP, metrics) ports of each decode replica; a metrics port of 0 stays off."""
+    return [
+        (
+            args.port + REPLICA_PORT_STRIDE * i,
+            args.http_port + REPLICA_PORT_STRIDE * i,
+            args.metrics_port + REPLICA_PORT_STRIDE * i if args.metrics_port else 0,
+        )
+        for i in range(args.decode_replicas)
+    ]
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Refuse a port two children would both listen on (up would only see one of them fail to bind)."""
+    ports = [args.prefill_port, args.prefill_metrics_port]
+    for replica_ports in decode_ports(args):
+        ports.extend(replica_ports)
+    ports = [port for port in ports if port]
+    taken = sorted({port for port in ports if ports.count(port) > 1})
+    if taken:
+        raise ValueError(
+            f"port {', '.join(map(str, taken))} would be used twice: choose the tiers' ports (decode "
+            f"replica i uses each decode port + {REPLICA_PORT_STRIDE} x i)"
+        )
+
+
+def decode_target(args: argparse.Namespace) -> str:
+    """What a gRPC client on this machine passes to reach every decode replica."""
+    host = connect_host(args.host)
+    addresses = [f"{host}:{grpc_port}" for grpc_port, _, _ in decode_ports(args)]
+    return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
+
+
 def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
-    """The prefill and decode children (in start order) with their flags; extra flags go last and win."""
+    """The prefill and decode children (in start order) with their flags; extra flags go last and win.
+
+    Several decode replicas split the decode threads between them, each keeping at least one."""
     decode_threads, prefill_threads = split_threads(args.threads or available_cpus())
+    replica_threads = max(1, decode_threads // args.decode_replicas)
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "serve"]
     prefill_argv = [
         *base,
@@ -268,22 +321,23 @@ def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
         *_common_flags(args, model_dir, args.prefill_port, args.prefill_metrics_port, prefill_threads),
         *shlex.split(args.prefill_args),
     ]
-    decode_flags = _common_flags(args, model_dir, args.port, args.metrics_port, decode_threads)
-    decode_flags += ["--http-port", str(args.http_port)]
-    decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
-    if args.chat_template is not None:
-        decode_flags += ["--chat-template", args.chat_template]
-    for flag, value in (
-        ("--speculative", args.speculative),
-        ("--num-speculative-tokens", args.num_speculative_tokens),
-    ):
-        if value is not None:
-            decode_flags += [flag, str(value)]
-    decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
-    return [
-        TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads),
-        TierSpec("decode", decode_argv, args.port, decode_threads),
-    ]
+    specs = [TierSpec("prefill", prefill_argv, args.prefill_port, prefill_threads)]
+    for index, (port, http_port, metrics_port) in enumerate(decode_ports(args)):
+        decode_flags = _common_flags(args, model_dir, port, metrics_port, replica_threads)
+        decode_flags += ["--http-port", str(http_port)]
+        decode_flags += ["--prefill", f"{connect_host(args.host)}:{args.prefill_port}"]
+        if args.chat_template is not None:
+            decode_flags += ["--chat-template", args.chat_template]
+        for flag, value in (
+            ("--speculative", args.speculative),
+            ("--num-speculative-tokens", args.num_speculative_tokens),
+        ):
+            if value is not None:
+                decode_flags += [flag, str(value)]
+        decode_argv = [*base, "decode", *decode_flags, *shlex.split(args.decode_args)]
+        name = "decode" if args.decode_replicas == 1 else f"decode-{index}"
+        specs.append(TierSpec(name, decode_argv, port, replica_threads, role="decode"))
+    return specs
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -295,9 +349,13 @@ def has_chat_template(model_dir: Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
-def how_to_call(host: str, port: int, http_port: int, model: str, chat: bool = True) -> str:
-    """The lines printed once both tiers serve: `tandem generate`, `grpcurl`, `curl` and the openai SDK;
-    chat turns when the model has a chat template, plain completions when it has none (a base model)."""
+def how_to_call(
+    host: str, port: int, http_port: int, model: str, chat: bool = True, replicas_target: str | None = None
+) -> str:
+    """The lines printed once the tiers serve: `tandem generate`, `grpcurl`, `curl` and the openai SDK;
+    chat turns when the model has a chat template, plain completions when it has none (a base model).
+    With several decode replicas (`replicas_target`, an ipv4: list) `tandem generate` and a Python
+    client with prefix affinity reach all of them; grpcurl, curl and the SDK the first."""
     target = f"{connect_host(host)}:{port}"
     base_url = f"http://{connect_host(host)}:{http_port}/v1"
     if chat:
@@ -320,16 +378,21 @@ def how_to_call(host: str, port: int, http_port: int, model: str, chat: bool = T
         curl_body = f'{{"prompt": "{prompt}", "max_tokens": 64}}'
         sdk_call = f'completions.create(model="{model}", prompt="{prompt}", max_tokens=64).choices[0].text'
     sdk = f'from openai import OpenAI; print(OpenAI(base_url="{base_url}", api_key="none").{sdk_call})'
-    return "\n".join(
-        (
-            f"tandem is up: gRPC on {target}, OpenAI-compatible HTTP on {base_url}. Try:",
-            f"  {generate}",
-            f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
-            f"  curl {base_url}/{endpoint} -H 'Content-Type: application/json' -d '{curl_body}'",
-            f"  python -c '{sdk}'",
-            "Ctrl-C stops both tiers.",
-        )
-    )
+    lines = [
+        f"tandem is up: gRPC on {target}, OpenAI-compatible HTTP on {base_url}. Try:",
+        f"  {generate}",
+        f"  grpcurl -plaintext -d '{grpcurl_body}' {target} tandem.v1.Generation/Generate",
+        f"  curl {base_url}/{endpoint} -H 'Content-Type: application/json' -d '{curl_body}'",
+        f"  python -c '{sdk}'",
+        "Ctrl-C stops both tiers.",
+    ]
+    if replicas_target is not None and replicas_target != target:
+        lines[0] = f"tandem is up: decode replicas on {replicas_target}, the first's HTTP on {base_url}. Try:"
+        lines[1] = "  " + generate.replace(f"--target {target}", f"--target {replicas_target}")
+        call = f'TandemClient("{replicas_target}", affinity=True).complete("Hello!", max_tokens=64).text'
+        lines.insert(2, f"  python -c 'from tandem.client import TandemClient; print({call})'")
+        lines[-1] = "Ctrl-C stops every tier."
+    return "\n".join(lines)
 
 
 class StopRequest:
@@ -374,7 +437,7 @@ def _watch(tiers: Sequence[Tier], stop: threading.Event, status: StatusLine | No
 def _stop_all(tiers: Sequence[Tier], timeout: float) -> bool:
     """Stop decode first (it drains streams whose prompts prefill may still be serving), then prefill."""
     clean = True
-    for tier in sorted(tiers, key=lambda t: t.name != "decode"):
+    for tier in sorted(tiers, key=lambda t: t.role != "decode"):
         clean = stop_tier(tier, timeout) and clean
     for tier in tiers:
         if tier.pump is not None:
@@ -385,6 +448,11 @@ def _stop_all(tiers: Sequence[Tier], timeout: float) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Start both tiers, wait until they serve, watch them, stop them; returns an EXIT_STATUSES key."""
     use_log_format(args.log_format)
+    try:
+        check_ports(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return EXIT_STARTUP_FAILED
     stop = StopRequest()
     stop.install()
     model_dir = _model_dir(args.model)
@@ -403,13 +471,16 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_STARTUP_FAILED
         if died is None and not stop.event.is_set():
             chat = args.chat_template is not None or has_chat_template(model_dir)
-            print(how_to_call(args.host, args.port, args.http_port, model_dir.name, chat), flush=True)
+            text = how_to_call(
+                args.host, args.port, args.http_port, model_dir.name, chat, decode_target(args)
+            )
+            print(text, flush=True)
             died = _serve(args, tiers, stop.event, forwarder)
         if died is not None:
             returncode = died.process.returncode
             log_event(logger, logging.ERROR, "tier exited", tier=died.name, returncode=returncode)
             _stop_all(tiers, args.stop_timeout)
-            return TIER_EXIT_STATUS[died.name]
+            return TIER_EXIT_STATUS[died.role]
         log_event(logger, logging.INFO, "stopping", reason=stop.signal_name or "request")
         return EXIT_OK if _stop_all(tiers, args.stop_timeout) else EXIT_UNCLEAN_STOP
     finally:
@@ -428,7 +499,8 @@ def _serve(
         return _watch(tiers, stop, None)
     host = connect_host(args.host)
     prefill_url = f"http://{host}:{args.prefill_metrics_port}/metrics" if args.prefill_metrics_port else None
-    with StatusLine(f"http://{host}:{args.metrics_port}/metrics", prefill_url) as status:
+    decode_urls = [f"http://{host}:{metrics_port}/metrics" for _, _, metrics_port in decode_ports(args)]
+    with StatusLine(decode_urls, prefill_url) as status:
         forwarder.write_line = status.print_line
         try:
             return _watch(tiers, stop, status)

@@ -7,16 +7,18 @@ import urllib.request
 
 
 class StatusLine:
-    """A live one-line status (requests, KV usage, tok/s) read from the decode tier's /metrics each tick.
+    """A live one-line status (requests, KV usage, tok/s) read from the decode replicas' /metrics each tick.
 
-    tok/s is the growth of `tandem:generation_tokens_total` between two scrapes over the time between them.
+    tok/s is the growth of `tandem:generation_tokens_total` between two scrapes over the time between them;
+    requests and tokens are summed over the replicas, KV usage averaged.
     """
 
-    def __init__(self, metrics_url: str, prefill_metrics_url: str | None) -> None:
+    def __init__(self, metrics_urls: list[str], prefill_metrics_url: str | None) -> None:
         from rich.console import Console
         from rich.live import Live
 
-        self._urls = (metrics_url, prefill_metrics_url)
+        self._urls = metrics_urls
+        self._prefill_url = prefill_metrics_url
         self._console = Console(stderr=True)
         self._live = Live("starting…", console=self._console, refresh_per_second=4, transient=True)
         self._last: tuple[float, float] | None = None
@@ -33,7 +35,8 @@ class StatusLine:
         self._live.__exit__(None, None, None)
 
     def refresh(self) -> None:
-        self._live.update(self.render(scrape(self._urls[0]), scrape(self._urls[1]) if self._urls[1] else {}))
+        decode = merge_replicas([scrape(url) for url in self._urls])
+        self._live.update(self.render(decode, scrape(self._prefill_url) if self._prefill_url else {}))
 
     def render(self, decode: dict[str, float], prefill: dict[str, float]) -> str:
         if not decode:
@@ -52,6 +55,20 @@ class StatusLine:
         if "tandem:prefill_queue_depth" in prefill:
             parts.append(f"prefill queue {prefill['tandem:prefill_queue_depth']:.0f}")
         return " | ".join(parts)
+
+
+def merge_replicas(replicas: list[dict[str, float]]) -> dict[str, float]:
+    """One view of several decode replicas' samples: sums, except KV usage, a fraction, averaged; {}
+    while any replica cannot be read (a partial sum would look like a drop)."""
+    if not replicas or not all(replicas):
+        return {}
+    merged: dict[str, float] = {}
+    for samples in replicas:
+        for name, value in samples.items():
+            merged[name] = merged.get(name, 0.0) + value
+    if "tandem:kv_cache_usage_perc" in merged:
+        merged["tandem:kv_cache_usage_perc"] /= len(replicas)
+    return merged
 
 
 def scrape(url: str, timeout: float = 0.5) -> dict[str, float]:

@@ -30,12 +30,18 @@ def connect_host(host: str) -> str:
 
 @dataclass(frozen=True)
 class TierSpec:
-    """One child: its name, its `tandem serve` command line, and the gRPC port it will serve on."""
+    """One child: its name, its `tandem serve` command line, the gRPC port it will serve on, and its role
+    ("prefill" or "decode"; a decode replica's name numbers it)."""
 
     name: str
     argv: list[str]
     port: int
     threads: int
+    role: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.role:
+            object.__setattr__(self, "role", self.name)
 
 
 @dataclass
@@ -49,6 +55,10 @@ class Tier:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
 
     def exited(self) -> bool:
         return self.process.poll() is not None

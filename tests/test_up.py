@@ -24,15 +24,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from decode_service.front_door.openai_http.protocol import Endpoint, translate
 from protos.tandem.v1 import generation_pb2 as pb
 from tandem.cli import build_parser
+from tandem.client import TandemClient
 from tandem.up import (
+    EXIT_DECODE_EXITED,
     EXIT_OK,
     EXIT_PREFILL_EXITED,
+    EXIT_STARTUP_FAILED,
+    check_ports,
+    decode_target,
     has_chat_template,
     how_to_call,
     split_threads,
     tier_specs,
 )
-from tandem.up_status import StatusLine
+from tandem.up import run as run_up
+from tandem.up_status import StatusLine, merge_replicas
 
 START_TIMEOUT_S = 180
 
@@ -94,6 +100,68 @@ def test_speculative_decoding_reaches_the_decode_tier_only():
     assert "--speculative" not in prefill.argv
 
 
+def test_decode_replicas_share_one_prefill_tier_on_strided_ports_and_split_the_decode_threads():
+    args = build_parser().parse_args(
+        ["up", "--decode-replicas", "3", "--threads", "8", "--port", "7001", "--prefill-port", "7002"]
+    )
+    prefill, *decodes = tier_specs(args, Path("/models/m"))
+    assert [(d.name, d.role, d.port, d.threads) for d in decodes] == [
+        ("decode-0", "decode", 7001, 1),
+        ("decode-1", "decode", 7011, 1),
+        ("decode-2", "decode", 7021, 1),
+    ]
+    for index, decode in enumerate(decodes):
+        flags = decode.argv
+        assert flags[flags.index("--prefill") + 1] == "127.0.0.1:7002"
+        assert flags[flags.index("--http-port") + 1] == str(8000 + 10 * index)
+        assert flags[flags.index("--metrics-port") + 1] == str(9400 + 10 * index)
+    assert prefill.role == "prefill" and prefill.threads == 4
+    assert decode_target(args) == "ipv4:127.0.0.1:7001,127.0.0.1:7011,127.0.0.1:7021"
+    single = build_parser().parse_args(["up", "--port", "7001"])
+    assert decode_target(single) == "127.0.0.1:7001" and [s.name for s in tier_specs(single, Path("/m"))] == [
+        "prefill",
+        "decode",
+    ]
+
+
+def test_ports_two_children_would_share_are_refused_before_anything_starts(capsys):
+    args = build_parser().parse_args(
+        ["up", "--decode-replicas", "2", "--port", "50042", "--prefill-port", "50052"]
+    )
+    with pytest.raises(ValueError, match=r"port 50052 would be used twice"):
+        check_ports(args)
+    assert run_up(args) == EXIT_STARTUP_FAILED
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--decode-replicas", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_several_replicas_are_shown_as_one_target_with_an_affinity_client():
+    text = how_to_call("0.0.0.0", 7001, 8001, "SmolLM2", replicas_target="ipv4:127.0.0.1:7001,127.0.0.1:7011")
+    assert "tandem generate --target ipv4:127.0.0.1:7001,127.0.0.1:7011" in text
+    sdk = re.search(r"python -c '(from tandem\.client .+)'$", text, re.MULTILINE)
+    assert sdk is not None and "affinity=True" in sdk.group(1)
+    compile(sdk.group(1), "client-example", "exec")
+    assert "grpcurl -plaintext -d" in text and text.endswith("Ctrl-C stops every tier.")
+
+
+def test_the_status_line_sums_replicas_and_averages_their_kv_usage():
+    one = {
+        "tandem:num_requests_running": 2,
+        "tandem:kv_cache_usage_perc": 0.2,
+        "tandem:generation_tokens_total": 5,
+    }
+    two = {
+        "tandem:num_requests_running": 1,
+        "tandem:kv_cache_usage_perc": 0.4,
+        "tandem:generation_tokens_total": 7,
+    }
+    merged = merge_replicas([one, two])
+    assert merged["tandem:num_requests_running"] == 3 and merged["tandem:generation_tokens_total"] == 12
+    assert merged["tandem:kv_cache_usage_perc"] == pytest.approx(0.3)
+    assert merge_replicas([one, {}]) == {}
+
+
 def test_a_base_model_is_shown_completions_not_chat(tmp_path):
     """A model without a chat template (Gemma 3 270M) answers chat with 400: the banner shows completions."""
     assert not has_chat_template(tmp_path)
@@ -124,7 +192,7 @@ def test_how_to_call_lines_are_a_tandem_generate_and_a_valid_grpcurl_request():
 
 
 def test_status_line_reads_requests_kv_usage_and_prefill_queue():
-    status = StatusLine("http://127.0.0.1:1/metrics", None)
+    status = StatusLine(["http://127.0.0.1:1/metrics"], None)
     line = status.render(
         {
             "tandem:num_requests_running": 3,
@@ -218,16 +286,16 @@ class UpProcess:
     def log(self) -> str:
         return "".join(self.stdout + self.stderr)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, tiers: frozenset[str] = frozenset({"prefill", "decode"})) -> None:
         assert self.ready.wait(START_TIMEOUT_S), "tandem up did not come up:\n" + self.log()
-        assert set(self.pids) == {"prefill", "decode"}
+        assert set(self.pids) == tiers
 
     def generate(self, *flags: str) -> subprocess.CompletedProcess[str]:
         command = [*tandem_command(), "generate", "--target", f"127.0.0.1:{self.port}", *flags]
         return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
-    def metric(self, name: str) -> float:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+    def metric(self, name: str, replica: int = 0) -> float:
+        url = f"http://127.0.0.1:{self.metrics_port + 10 * replica}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
         samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -297,6 +365,28 @@ def test_killing_up_outright_takes_both_tiers_down(up):
     while any(alive(pid) for pid in up.pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [tier for tier, pid in up.pids.items() if alive(pid)] == [], up.log()
+
+
+@pytest.mark.slow
+def test_two_decode_replicas_behind_one_prefill_tier_serve_an_affinity_client(model_dir):
+    sizing = ["--block-size", "8", "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    process = UpProcess(["--model", str(model_dir), *sizing, "--decode-replicas", "2"])
+    try:
+        process.wait_ready(frozenset({"prefill", "decode-0", "decode-1"}))
+        target = f"ipv4:127.0.0.1:{process.port},127.0.0.1:{process.port + 10}"
+        assert target in process.log()
+        with TandemClient(target, affinity=True, timeout=60) as client:
+            for index in range(2):  # no shared prefix: each goes to the replica chosen least recently
+                completion = client.complete(
+                    f"conversation {index} " * 20, max_tokens=4, temperature=0.0, ignore_eos=True
+                )
+                assert len(completion.token_ids) == 4
+        assert [process.metric("tandem:generation_tokens_total", replica) for replica in (0, 1)] == [4, 4]
+        os.kill(process.pids["decode-1"], signal.SIGKILL)
+        assert process.process.wait(90) == EXIT_DECODE_EXITED, process.log()
+        assert not any(alive(pid) for pid in process.pids.values()), process.log()
+    finally:
+        process.close()
 
 
 @pytest.mark.slow
