@@ -3,8 +3,9 @@
 helm lint --strict and helm template with the default values and every CI values file, then
 kubernetes-validate --strict on each rendered manifest, then behaviour checks on the parsed
 output: probes, NetworkPolicy, the decode -> headless prefill wiring, resources, replicas,
-drain, autoscaling, the endpoint picker and its EndpointPickerConfig, KV events. Helm itself comes from helm/fetch_helm.py (pinned, sha256-checked); when
-it cannot be obtained these tests skip with a loud reason, or fail under TANDEM_REQUIRE_HELM=1.
+drain, autoscaling, the endpoint picker and its EndpointPickerConfig, KV events. Helm itself
+comes from helm/fetch_helm.py (pinned, sha256-checked); when it cannot be obtained these tests
+skip with a loud reason, or fail under TANDEM_REQUIRE_HELM=1.
 """
 
 from __future__ import annotations
