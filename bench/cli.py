@@ -19,6 +19,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "bench.multi_turn",
         "multi-turn chat with history resent: prefix cache on vs off, llama-server",
     ),
+    (
+        "replicas",
+        "bench.replicas",
+        "two decode replicas, one prefill tier: prefix-affine client against round robin, a replica killed",
+    ),
     ("occupancy", "bench.occupancy", "batch-occupancy timeline, static vs continuous, from the event log"),
     ("chunked-prefill", "bench.chunked_prefill", "ITL of running streams while a long prompt is prefilled"),
     (

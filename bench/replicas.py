@@ -1,0 +1,265 @@
+"""`tandem bench replicas`: two decode replicas behind one prefill tier, prefix affinity against round robin.
+
+The multi-turn chat of `bench.multi_turn` (C conversations x T turns, a shared system prompt, each turn
+resending the whole history) runs four times, each on fresh servers so every cache starts cold:
+
+- `one-replica`: one decode replica and the prefill tier, the reference hit rate;
+- `round-robin`: two decode replicas, the client spreading calls with gRPC's round_robin;
+- `affinity`: two decode replicas, the client with `affinity=True` (`tandem.client.affinity`);
+- `affinity-kill`: as `affinity`, and one replica is killed (SIGKILL) once a third of the turns are done.
+  A turn cut off mid-stream is sent again whole (the client itself retries a call that got no answer),
+  so a conversation is lost only if a turn fails twice: the run reports how many were.
+
+Reported per run: the decode replicas' prefix-cache hit rate (hit tokens / queried tokens, summed over
+the replicas' `tandem:prefix_cache_*` counters), median TTFT of turns >= 2 and of turn 1, throughput,
+and the affinity / round-robin TTFT ratio. Writes `replicas.json` to `--out-dir`.
+
+    tandem bench replicas                                     # 8 conversations x 5 turns (about 10 min)
+    tandem bench replicas --conversations 2 --turns 2 --system-len 48 --runs affinity   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import statistics
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+
+from bench.multi_turn import FIRST_PLAIN_TOKEN, ChatWorkload, TurnResult, summarize
+
+logger = logging.getLogger(__name__)
+
+RUNS = ("one-replica", "round-robin", "affinity", "affinity-kill")
+# What share of the turns is done when `affinity-kill` kills a replica.
+KILL_AFTER_SHARE = 1 / 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list (default: {','.join(RUNS)})")
+    parser.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: 8)")
+    parser.add_argument("--turns", type=int, default=5, help="turns per conversation (default: 5)")
+    parser.add_argument(
+        "--system-len", type=int, default=512, help="shared system prompt tokens (default: 512)"
+    )
+    parser.add_argument("--user-len", type=int, default=48, help="tokens of each user message (default: 48)")
+    parser.add_argument("--reply-len", type=int, default=32, help="greedy tokens of each reply (default: 32)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
+    parser.add_argument("--kv-cache-memory", default="512MiB", help="each tier's KV pool (default: 512MiB)")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/tmp"))
+
+
+class Replicas:
+    """One prefill tier and N decode replicas as processes; `kill` takes one replica down hard."""
+
+    def __init__(self, model: str, count: int, kv_cache_memory: str) -> None:
+        from bench import servers
+
+        sizing = ["--kv-cache-memory", kv_cache_memory]
+        self.prefill, prefill_target = servers.tandem_prefill_server("replicas-prefill", model, 1, sizing)
+        self.decodes, self.targets, self.metrics = [], [], []
+        for index in range(count):
+            port = servers.free_port()
+            decode, target = servers.tandem_decode_server(
+                f"replicas-decode-{index}", model, 1, [*sizing, "--metrics-port", str(port)], prefill_target
+            )
+            self.decodes.append(decode)
+            self.targets.append(target)
+            self.metrics.append(f"http://127.0.0.1:{port}/metrics")
+        self.killed: set[int] = set()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Replicas]:
+        from bench import servers
+
+        with servers.running(self.prefill, *self.decodes):
+            yield self
+
+    @property
+    def target(self) -> str:
+        return self.targets[0] if len(self.targets) == 1 else "ipv4:" + ",".join(self.targets)
+
+    def kill(self, index: int) -> None:
+        import os
+
+        os.killpg(self.decodes[index].pid, signal.SIGKILL)
+        self.killed.add(index)
+
+    def cache_counters(self) -> tuple[float, float]:
+        """(queried, hit) prompt tokens summed over the live replicas."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        queried = hit = 0.0
+        for index, url in enumerate(self.metrics):
+            if index in self.killed:
+                continue
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "tandem:prefix_cache_queries_total":
+                        queried += sample.value
+                    elif sample.name == "tandem:prefix_cache_hits_total":
+                        hit += sample.value
+        return queried, hit
+
+
+async def _stream(client, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[list[int]]:
+    async for delta in client.generate(
+        token_ids=list(prompt), temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+    ):
+        if delta.token_ids:
+            yield list(delta.token_ids)
+
+
+async def converse(
+    client, workload: ChatWorkload, on_turn: Callable[[], None] | None = None
+) -> tuple[list[TurnResult], float, int, int]:
+    """Every conversation concurrently, its turns in sequence, a failed turn sent again once; returns
+    the turns, the wall seconds, the turns sent again and the conversations lost."""
+    from tandem.client import TandemError
+
+    resent = lost = 0
+
+    async def conversation(index: int) -> list[TurnResult]:
+        nonlocal resent, lost
+        history, results = list(workload.system), []
+        for turn, user in enumerate(workload.users[index], start=1):
+            history.extend(user)
+            for attempt in range(2):
+                start, first, reply = time.perf_counter(), None, []
+                try:
+                    async for token_ids in _stream(client, history, workload.reply_len):
+                        first = first if first is not None else time.perf_counter() - start
+                        reply.extend(token_ids)
+                    break
+                except TandemError as exc:
+                    logger.warning("conversation %d turn %d failed (%s)", index, turn, exc)
+                    if attempt:
+                        lost += 1
+                        return results
+                    resent += 1
+            results.append(TurnResult(index, turn, len(history), first or 0.0, tuple(reply)))
+            history.extend(reply)
+            if on_turn is not None:
+                on_turn()
+        return results
+
+    start = time.perf_counter()
+    per_conversation = await asyncio.gather(*(conversation(i) for i in range(len(workload.users))))
+    turns = [turn for results in per_conversation for turn in results]
+    return turns, time.perf_counter() - start, resent, lost
+
+
+def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkload) -> dict:
+    from tandem.client import AsyncTandemClient
+
+    replicas = Replicas(model, 1 if name == "one-replica" else 2, args.kv_cache_memory)
+    total_turns = len(workload.users) * len(workload.users[0])
+
+    async def session() -> dict:
+        client = AsyncTandemClient(replicas.target, affinity=name.startswith("affinity"))
+        done = 0
+
+        def on_turn() -> None:
+            nonlocal done
+            done += 1
+            if name == "affinity-kill" and done == int(total_turns * KILL_AFTER_SHARE):
+                logger.info("killing decode replica 1 after %d turns", done)
+                replicas.kill(1)
+
+        for warm in range(len(replicas.targets)):  # one request per replica, off the workload's prefix
+            async for _ in _stream(client, [FIRST_PLAIN_TOKEN + warm] * 8, 2):
+                pass
+        before = replicas.cache_counters()
+        turns, wall_s, resent, lost = await converse(client, workload, on_turn)
+        await client.close()
+        queried, hit = (now - then for now, then in zip(replicas.cache_counters(), before, strict=True))
+        return {
+            "run": name,
+            "decode_replicas": len(replicas.targets),
+            "affinity": name.startswith("affinity"),
+            "prefix_cache_hit_rate": hit / queried if queried else 0.0,
+            "turns_sent_again": resent,
+            "conversations_lost": lost,
+            **summarize(turns, wall_s),
+            "replies": [[t.conversation, t.turn, list(t.reply)] for t in turns],
+        }
+
+    with replicas.running():
+        result = asyncio.run(session())
+    logger.info(
+        "%s: hit rate %.2f, median TTFT turns>=2 %.1f ms, lost %d",
+        name,
+        result["prefix_cache_hit_rate"],
+        result["median_ttft_ms_turns_2_plus"] or float("nan"),
+        result["conversations_lost"],
+    )
+    return result
+
+
+def compare(runs: list[dict]) -> dict:
+    """The issue's two figures: affinity's hit rate against one replica's, its TTFT against round robin's."""
+    by_name = {run["run"]: run for run in runs}
+    found: dict = {}
+    one, rr, aff = by_name.get("one-replica"), by_name.get("round-robin"), by_name.get("affinity")
+    if aff and one and one["prefix_cache_hit_rate"]:
+        found["hit_rate_affinity_over_one_replica"] = (
+            aff["prefix_cache_hit_rate"] / one["prefix_cache_hit_rate"]
+        )
+    if aff and rr and rr["median_ttft_ms_turns_2_plus"]:
+        found["ttft_turns_2_plus_affinity_over_round_robin"] = (
+            aff["median_ttft_ms_turns_2_plus"] / rr["median_ttft_ms_turns_2_plus"]
+        )
+        found["ttft_all_turns_affinity_over_round_robin"] = statistics.median(
+            aff["median_ttft_ms_by_turn"].values()
+        ) / statistics.median(rr["median_ttft_ms_by_turn"].values())
+    if aff and rr:
+        found["replies_identical_affinity_vs_round_robin"] = aff["replies"] == rr["replies"]
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.machine import host_label, load_average, machine_info
+    from bench.report import command_line, write_json
+    from bench.roofline import ModelShape
+    from engine.model_store import resolve_model
+
+    model_dir = resolve_model(args.model)
+    vocab = ModelShape.from_config_file(model_dir / "config.json").vocab
+    workload = ChatWorkload.synthetic(
+        vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
+    )
+    machine = machine_info()
+    document = {
+        "benchmark": "replicas",
+        "machine": machine,
+        "host": host_label(machine),
+        "command": command_line(),
+        "model": model_dir.name,
+        "workload": workload.describe(),
+        "runs": [measure(name.strip(), args, str(model_dir), workload) for name in args.runs.split(",")],
+        "load_average_at_write": load_average(),
+    }
+    document["found"] = compare(document["runs"])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "replicas.json"
+    write_json(path, document)
+    print(f"host: {document['host']}")
+    for run_ in document["runs"]:
+        print(
+            f"{run_['run']:<14} hit rate {run_['prefix_cache_hit_rate']:.2f}  "
+            f"TTFT turns>=2 {run_['median_ttft_ms_turns_2_plus'] or float('nan'):8.1f} ms  "
+            f"turn 1 {run_['median_ttft_ms_turn_1']:8.1f} ms  {run_['output_throughput']:6.1f} tok/s  "
+            f"resent {run_['turns_sent_again']}  lost {run_['conversations_lost']}"
+        )
+    print(json.dumps(document["found"], indent=2))
+    logger.info("wrote %s", path)
+    return 0
