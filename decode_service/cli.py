@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine import kv_events
 from engine.speculation import METHODS, SpeculativeConfig
 from serving.flags import add_engine_arguments, add_server_arguments
 
@@ -113,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Whatever the interval, tokens that piled up while a stream's writer was busy go out together, "
         "so a message may carry several tokens",
     )
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON", help=kv_events.FLAG_HELP)
     _add_prefill_arguments(parser)
     _add_limit_arguments(parser)
     _add_structured_output_arguments(parser)
@@ -425,6 +427,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        kv_events=kv_events.KVEventsConfig.from_flag(args.kv_events_config),
     )
     config.validate()
     return config

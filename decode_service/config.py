@@ -19,6 +19,7 @@ from decode_service.engine_core.remote_prefill.targets import (
     parse_prefill_targets,
 )
 from decode_service.front_door.admission import RequestLimits
+from engine.kv_events import KVEventsConfig
 from serving.config import ServerConfig
 
 BATCHING_MODES = ("continuous", "static")
@@ -67,6 +68,9 @@ class DecodeServiceConfig(ServerConfig):
     An engine core in a process of its own that leaves a heartbeat unanswered for
     `engine_heartbeat_timeout_s` (stopped, wedged) is killed and the server exits non-zero, as when the
     core dies; the timeout must outlast the longest step (a long prefill on a slow CPU).
+
+    `kv_events` (vLLM's KVEventsConfig) publishes the prefix cache's block events for cache-aware
+    routers, from the engine core (`engine.kv_events`).
     """
 
     port: int = 50051
@@ -111,6 +115,7 @@ class DecodeServiceConfig(ServerConfig):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     engine_heartbeat_timeout_s: float = 30.0
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @property
     def disaggregated(self) -> bool:
@@ -154,6 +159,7 @@ class DecodeServiceConfig(ServerConfig):
         if not self.engine_heartbeat_timeout_s > 0:
             timeout = self.engine_heartbeat_timeout_s
             raise ConfigError(f"engine_heartbeat_timeout_s must be > 0, got {timeout}")
+        self.kv_events.validate()
 
     def _validate_structured_outputs(self) -> None:
         if not self.structured_output_compile_timeout_s > 0:

@@ -7,9 +7,9 @@ Two sources, each read where it is cheapest and exact:
   the engine thread before the deltas are grouped for streaming, or as an engine-core process's step
   message arrives. Every delta passes there, including the final ABORT of a request whose client left,
   so nothing is missed or counted twice.
-- Live state (running/waiting requests, KV usage, preemptions, KV-transfer counters) is read at
-  scrape time from the engine core's `CoreStats`, so the gauges are never stale and the engine pays
-  nothing (a core in its own process sends its counters with each step).
+- Live state (running/waiting requests, KV usage, preemptions, KV-transfer and KV-event counters) is
+  read at scrape time from the engine core's `CoreStats`, so the gauges are never stale and the engine
+  pays nothing (a core in its own process sends its counters with each step).
 - Structured outputs: grammar compile seconds (each cache miss, timed by the compile service on a
   validation thread) and grammar mask seconds per engine step (fill + apply, timed by the engine only
   on steps that mask a row), both through observer callbacks, so unconstrained traffic pays nothing.
@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 from decode_service.engine_core.messages import CoreStats
 from decode_service.engine_core.request import ServedRequest, StreamDelta
 from engine.sequence import FinishReason
-from serving.cache_metrics import prefix_cache_metrics
+from serving.cache_metrics import kv_event_metrics, prefix_cache_metrics
 
 if TYPE_CHECKING:
     from decode_service.engine_core.grammar_compiler import GrammarCompiler
@@ -83,6 +83,7 @@ class _LiveStateCollector(Collector):
             value=stats.num_preemptions,
         )
         yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        yield from kv_event_metrics(stats.kv_events_published, stats.kv_events_dropped)
         yield from _transfer_metrics(stats)
         yield from _speculation_metrics(stats)
 

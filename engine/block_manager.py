@@ -12,6 +12,8 @@ the longest run of registered blocks matching its leading full blocks and comput
 registration and joins an LRU of evictable blocks; allocation takes never-registered blocks first, then
 evicts the least recently released. Evictable blocks count as free. A lookup also compares the block's
 stored token ids and parent hash with the caller's, so even a hash collision cannot mix contents.
+With a recorder attached (`events`), registrations and evictions are recorded as KV events for
+cache-aware routers (`engine.kv_events`); without one, nothing is.
 
 KV groups (`engine.kv_layout`): a model whose layers attend differently keeps one block table per group,
 all drawing from this one pool. A sliding-window group holds only the blocks a query can still read: the
@@ -43,6 +45,7 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from base.errors import OutOfBlocksError
+from engine.kv_events import KVEventRecorder
 from engine.kv_layout import NULL_BLOCK, KVLayout, first_visible_block
 from engine.sequence import Sequence
 
@@ -116,6 +119,8 @@ class BlockManager:
         self._reservations: dict[int, _Reservation] = {}
         self._owner: dict[int, int] = {}
         self._num_reserved = 0
+        # Where registrations and evictions are recorded as KV events (`engine.kv_events`); None: nowhere.
+        self.events: KVEventRecorder | None = None
 
     # -- counting --------------------------------------------------------------------------------------
 
@@ -176,6 +181,11 @@ class BlockManager:
         """The cache key of a group's block: the token chain's hash, tagged past group 0 (a longer key,
         so no group's key can equal another's)."""
         return digest + group.to_bytes(2, "little") if group else digest
+
+    @staticmethod
+    def _split_key(key: bytes) -> tuple[int, bytes]:
+        """The group and token-chain hash a cache key (`_key`) was made of."""
+        return int.from_bytes(key[32:], "little"), key[:32]
 
     def _identity_of(self, seq: Sequence, index: int) -> BlockIdentity:
         parent = seq.block_hashes[index - 1] if index else root_hash(self.namespace, seq.cache_salt)
@@ -528,9 +538,10 @@ class BlockManager:
         full = min(seq.num_computed_tokens // self.block_size, len(tables[0]))
         if not self.enable_caching or full <= seq.num_committed_blocks:
             return
-        for index, digest in enumerate(
-            self.block_hashes(seq, full)[seq.num_committed_blocks :], seq.num_committed_blocks
-        ):
+        hashes = self.block_hashes(seq, full)
+        # Per group, the blocks registered now, when someone records events.
+        registered: list[list[int]] | None = [[] for _ in tables] if self.events is not None else None
+        for index, digest in enumerate(hashes[seq.num_committed_blocks :], seq.num_committed_blocks):
             identity = None
             for group, table in enumerate(tables):
                 block = table[index]
@@ -541,7 +552,13 @@ class BlockManager:
                     self._cached[key] = block
                     self._hash[block] = key
                     self._identity[block] = identity = identity or self._identity_of(seq, index)
+                    if registered is not None:
+                        registered[group].append(index)
         seq.num_committed_blocks = full
+        if registered is not None:
+            for group, indices in enumerate(registered):
+                if indices:
+                    self.events.stored(group, indices, hashes, seq.token_ids)
 
     def release_slid_out(self, seq: Sequence) -> None:
         """Drop every sliding-group block of `seq` that no query it will run can read any more.
@@ -616,6 +633,9 @@ class BlockManager:
     def _evict(self) -> int:
         """Unregister the least recently released cached block and hand it out."""
         block, _ = self._evictable.popitem(last=False)
-        del self._cached[self._hash[block]]
+        key = self._hash[block]
+        del self._cached[key]
+        if self.events is not None:
+            self.events.removed(*self._split_key(key))
         self._hash[block] = self._identity[block] = None
         return block

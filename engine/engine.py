@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarDeadEndError, GrammarMask, GrammarState, GrammarViolationError
 from engine.kv_cache import KVCache
+from engine.kv_events import MEDIUM_BY_DEVICE, KVEventRecorder, KVEventsConfig
 from engine.model_facts import ModelFacts
 from engine.model_runner import ModelRunner, ScheduledChunk
 from engine.models import build_model
@@ -32,6 +34,9 @@ from engine.speculation import NgramDrafts, SpeculationStats
 from engine.tokenizer import Tokenizer
 from kernels.kv_quant import check_device_supports
 from kernels.platform import choose_platform
+
+if TYPE_CHECKING:
+    from engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +161,8 @@ class Engine:
         self.max_model_len = self.facts.max_model_len
         self.speculative = config.speculative
         self.speculation_stats = SpeculationStats()
+        # Where each step's prefix-cache events go (`start_kv_events`); None: they are not recorded.
+        self.kv_events: KVEventPublisher | None = None
         logger.info(
             "engine ready",
             extra={
@@ -232,7 +239,53 @@ class Engine:
         child.num_computed_tokens = last
         return child
 
+    # -- KV events: the prefix cache's changes, for cache-aware routers (`engine.kv_events`) ------------
+
+    def start_kv_events(self, config: KVEventsConfig) -> None:
+        """Publish this engine's prefix-cache events as `config` says (nothing when it leaves them off).
+
+        Opens the sockets now, so a taken port or a bad endpoint raises ConfigError at start."""
+        if not config.enabled:
+            return
+        from engine.kv_event_publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(config)
+        publisher.start()
+        self.attach_kv_events(publisher)
+
+    def attach_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Record the block manager's registrations and evictions from now on, and hand them to
+        `publisher` once per step (`start_kv_events` does this with a publisher it starts)."""
+        medium = MEDIUM_BY_DEVICE.get(self.device.type, self.device.type.upper())
+        manager = self.block_manager
+        manager.events = KVEventRecorder(self.block_size, medium, manager.windows)
+        self.kv_events = publisher
+
+    def stop_kv_events(self) -> None:
+        """Stop recording and close the publisher (after the engine thread stopped stepping)."""
+        publisher, self.kv_events = self.kv_events, None
+        self.block_manager.events = None
+        if publisher is not None:
+            publisher.close()
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the block manager recorded since the last call to the publisher, as one batch (none
+        when nothing changed, or events are off)."""
+        recorder = self.block_manager.events
+        if recorder is None or self.kv_events is None:
+            return
+        events = recorder.take()
+        if events:
+            self.kv_events.publish(events)
+
     def step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
+        """Run one step (`_step`); with KV events on, the cache changes since the last batch (this step's
+        registrations, the evictions of the allocations before it) leave as one batch."""
+        outputs = self._step(chunks)
+        self._publish_kv_events()
+        return outputs
+
+    def _step(self, chunks: list[ScheduledChunk]) -> list[TokenOutput]:
         """Run one forward over the chunks and sample a token for every sequence it completes.
 
         The caller has grown each block table to cover the chunk (and its draft). Blocks the forward
@@ -370,6 +423,8 @@ class Engine:
         self.block_manager.commit(seq)
         if self._sliding:
             self.block_manager.release_slid_out(seq)
+        # Not left for the next step: when this token ends the request, none may come for a while.
+        self._publish_kv_events()
         return self._append_sampled(seq, token_id, logprob, list(top_logprobs[: seq.sampling.logprobs]))
 
     def _append_sampled(

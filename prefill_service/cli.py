@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine import kv_events
 from serving.flags import add_engine_arguments, add_server_arguments
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="requests waiting for admission before RESOURCE_EXHAUSTED (default: 256)",
     )
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON", help=kv_events.FLAG_HELP)
 
 
 def service_config_from_args(args: argparse.Namespace) -> PrefillServiceConfig:
@@ -48,7 +50,9 @@ def service_config_from_args(args: argparse.Namespace) -> PrefillServiceConfig:
     from prefill_service.config import PrefillServiceConfig
     from serving.flags import server_settings_from_args
 
-    config = PrefillServiceConfig(**server_settings_from_args(args))
+    config = PrefillServiceConfig(
+        **server_settings_from_args(args), kv_events=kv_events.KVEventsConfig.from_flag(args.kv_events_config)
+    )
     config.validate()
     return config
 

@@ -7,9 +7,10 @@ engine sizing (token budget per step, sequences per step, KV pool, max_model_len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from base.errors import ConfigError
+from engine.kv_events import KVEventsConfig
 from serving.config import ServerConfig
 
 
@@ -20,11 +21,16 @@ class PrefillServiceConfig(ServerConfig):
     `max_queue` bounds the requests accepted but not yet admitted to the running batch (admission
     needs free blocks for the whole prompt); past it new calls get RESOURCE_EXHAUSTED, so the decode
     tier can try another replica instead of waiting behind a long queue.
+
+    `kv_events` (vLLM's KVEventsConfig) publishes the prefix cache's block events for cache-aware
+    routers (`engine.kv_events`).
     """
 
     port: int = 50052
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def validate(self) -> None:
         super().validate()
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        self.kv_events.validate()

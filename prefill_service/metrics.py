@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from engine.engine import Engine
 from prefill_service.scheduler import ChunkedPrefillScheduler
-from serving.cache_metrics import prefix_cache_metrics
+from serving.cache_metrics import kv_event_metrics, prefix_cache_metrics
 
 PREFIX = "tandem:"
 OUTCOMES = ("finished", "failed", "cancelled", "refused")
@@ -57,6 +57,11 @@ class _LiveStateCollector(Collector):
         )
         blocks = self._engine.block_manager
         yield from prefix_cache_metrics(blocks.num_queried_tokens, blocks.num_hit_tokens)
+        publisher = self._engine.kv_events
+        if publisher is None:
+            yield from kv_event_metrics(0, 0)
+        else:
+            yield from kv_event_metrics(publisher.num_published, publisher.num_dropped)
 
 
 class PrefillMetrics:

@@ -74,6 +74,8 @@ class PrefillServer(TierServer):
             engine, engine.config.max_num_batched_tokens, engine.config.max_num_seqs
         )
         self.engine_loop = PrefillEngineLoop(engine, scheduler, self.registry.deliver_threadsafe, self.events)
+        # The engine thread's steps publish them; a taken events port fails here, at start.
+        engine.start_kv_events(config.kv_events)
         keep_message_buffers_in_heap()
         self.sender = KVSender(engine.kv_cache, self.layout, engine.device)
         self.metrics = PrefillMetrics(scheduler, engine, metrics_registry)
@@ -89,6 +91,7 @@ class PrefillServer(TierServer):
 
     def _closed(self) -> None:
         self.sender.close()
+        self.engine.stop_kv_events()
 
     def _serving_details(self) -> str:
         return (

@@ -53,6 +53,8 @@ class EngineCore:
         self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
         self.events: EventLog[StepRecord] | None = EventLog(config.event_log_size) if record_steps else None
         self.loop = EngineLoop(engine, self.scheduler, deliver, self.events)
+        # Here, in the process that owns the block pool; a taken events port fails the start.
+        engine.start_kv_events(config.kv_events)
 
     async def start_dependencies(self) -> None:
         """Before the engine loop starts: find the prefill replicas the first requests will use."""
@@ -60,9 +62,10 @@ class EngineCore:
             await self.remote_prefill.start()
 
     async def close_dependencies(self) -> None:
-        """After the engine loop stopped, so that no transfer is live."""
+        """After the engine loop stopped, so that no transfer is live and no step publishes events."""
         if self.remote_prefill is not None:
             await self.remote_prefill.close()
+        self.engine.stop_kv_events()
 
     def stats(self) -> CoreStats:
         """The live counters, read without a lock (each is one atomic read under the GIL)."""
@@ -76,6 +79,10 @@ class EngineCore:
             prefix_cache_queries=blocks.num_queried_tokens,
             prefix_cache_hits=blocks.num_hit_tokens,
         )
+        publisher = engine.kv_events
+        if publisher is not None:
+            stats.kv_events_published = publisher.num_published
+            stats.kv_events_dropped = publisher.num_dropped
         speculation = engine.speculation_stats
         if speculation.num_drafts:
             stats.spec_num_drafts = speculation.num_drafts

@@ -129,6 +129,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # KV event batches sent, and dropped on a full queue (`engine.kv_event_publisher`).
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0
 
 
 class StepOut(msgspec.Struct, tag="step", array_like=True):
