@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench.metrics import RequestRecord, summarize
+from bench.report import results_dir
 from bench.workload import LengthDistribution, SyntheticWorkload, WorkloadRequest
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-budget", type=int, default=512, help="max-num-batched-tokens when chunked")
     parser.add_argument("--threads", type=int, default=2, help="server threads (default: 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def run(args: argparse.Namespace) -> int:

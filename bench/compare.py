@@ -23,7 +23,7 @@ server systems with the first --sweep-prompts requests of the same workload, Poi
 system that cannot run is skipped with its reason printed and recorded. Writes
 `<out-dir>/compare.json`, prints the table with ratios to hf-static, then draws the plots.
 
-    tandem bench compare --out-dir bench/results
+    tandem bench compare [--out-dir DIR]     # default: bench.report.results_dir()
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from base.errors import TandemError
+from bench.report import results_dir
 from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
 from bench.servers import ServerStartError
 from bench.workload import ArrivalProcess, workload_summary
@@ -103,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default: 16)")
     parser.add_argument("--llama-context", type=int, default=16384, help="llama-server total context")
     add_workload_arguments(parser)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
     parser.add_argument(
         "--update",
         action="store_true",

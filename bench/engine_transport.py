@@ -1,6 +1,6 @@
 """What one engine step's output costs to cross a process boundary, per local transport.
 
-    python -m bench.engine_transport [--seqs 128] [--steps 20000] [--out bench/results/engine_transport.json]
+    python -m bench.engine_transport [--seqs 128] [--steps 20000] [--out FILE]
 
 Issue 23 moves the decode engine core into a process of its own; the front door then receives one
 message per step carrying every running sequence's new token. This measures the candidates on that
@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from bench.machine import load_average, machine_info
+from bench.report import results_dir
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=128, help="sequences per step message")
     parser.add_argument("--steps", type=int, default=20000, help="step messages per transport")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/engine_transport.json"))
+    parser.add_argument("--out", type=Path, default=results_dir() / "engine_transport.json")
     args = parser.parse_args(argv)
     load_before = load_average()
     results = [measure(args.seqs, args.steps) for measure in (measure_zmq, measure_pipe)]

@@ -3,7 +3,7 @@
 Measures greedy generation of a fixed number of new tokens (EOS ignored) at batch 1 and batch
 16, for both, back to back in one process, and prints the ratio. Results go to a JSON file.
 
-    python -m bench.engine_vs_hf [--model DIR] [--new-tokens 128] [--out bench/results/engine_vs_hf.json]
+    python -m bench.engine_vs_hf [--model DIR] [--new-tokens 128] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.report import results_dir
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine, GenerateRequest
 from engine.model_store import resolve_model
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model dir (default: the cached SmolLM2-135M-Instruct)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--out", default="bench/results/engine_vs_hf.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "engine_vs_hf.json")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     engine = Engine.from_pretrained(

@@ -1,6 +1,6 @@
 """`tandem bench gemma`: Gemma 3 270M, tandem int8 and W8A8 int8 against llama-server on the same GGUF.
 
-    tandem bench gemma [--systems ...] [--quick] [--out-dir bench/results]
+    tandem bench gemma [--systems ...] [--quick] [--out-dir DIR]
 
 Gemma 3 270M is a base model, so both systems are measured on completions: held-out natural-text
 prompts (`bench.heldout_text`, tokenized once with the model's tokenizer and sent as token ids, so both
@@ -31,6 +31,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.report import results_dir
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "gemma-3-270m"
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--quick", action="store_true", help="smoke-sized workloads")
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def _systems(text: str) -> list[str]:

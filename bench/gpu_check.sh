@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot check of tandem on a machine with an NVIDIA GPU and only minutes on it.
 #
-#   bench/gpu_check.sh [OUT_DIR]        # default: bench/results/gpu_check/<UTC time>
+#   bench/gpu_check.sh [OUT_DIR]        # default: <results dir>/gpu_check/<UTC time>, the results dir
+#                                       # being bench.report.results_dir()'s (outside the tree)
 #
 # Setup (not counted in the budget): `make install`, which installs nothing GPU-specific beyond the
 # torch wheel pip picks for this machine, and `tandem fetch-model` for the served model (a failure
@@ -23,7 +24,8 @@
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
-OUT=${1:-bench/results/gpu_check/$(date -u +%Y%m%dT%H%M%SZ)}
+RESULTS=${TANDEM_BENCH_RESULTS:-${TANDEM_HOME:-$HOME/.cache/tandem}/bench-results}
+OUT=${1:-$RESULTS/gpu_check/$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUT"
 PY=.venv/bin/python
 FAILED=0

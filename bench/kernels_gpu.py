@@ -12,8 +12,8 @@ Every launch is timed alone with CUDA events after a 512 MiB memset that flushes
 the GPU busy while the host enqueues the launch, so host overhead is not counted); the median
 over the iterations is reported. Each output is checked against the torch reference.
 
-    python -m bench.kernels_gpu [--out bench/results/kernels_gpu.json]   # one H200: < 5 minutes
-    python -m bench.kernels_gpu --dry-run                                # CPU, Triton interpreter
+    python -m bench.kernels_gpu [--out FILE]     # one H200: < 5 minutes
+    python -m bench.kernels_gpu --dry-run        # CPU, Triton interpreter
 
 `--dry-run` runs the same code path on the CPU under `TRITON_INTERPRET=1` with tiny shapes and
 fp32, to validate shapes, correctness checks and the JSON format without a GPU; its timings mean
@@ -500,10 +500,14 @@ def run(shapes: Shapes, env: dict, peak_override: float | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.report import results_dir
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     parser.add_argument(
-        "--out", default=None, help="JSON path (default bench/results/kernels_gpu[_dry_run].json)"
+        "--out",
+        default=None,
+        help="JSON path (default: kernels_gpu[_dry_run].json in bench.report.results_dir())",
     )
     parser.add_argument("--peak-bandwidth", type=float, default=None, help="bytes/s; default by device name")
     args = parser.parse_args(argv)
@@ -512,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no CUDA device; use --dry-run on a CPU")
     shapes = DRY_RUN_SHAPES if args.dry_run else GPU_SHAPES
     report = run(shapes, env, args.peak_bandwidth)
-    out = Path(args.out or f"bench/results/kernels_gpu{'_dry_run' if args.dry_run else ''}.json")
+    out = Path(args.out or results_dir() / f"kernels_gpu{'_dry_run' if args.dry_run else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

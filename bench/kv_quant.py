@@ -2,7 +2,7 @@
 full-precision cache on held-out prompts (and where the rest diverge), per-token-and-head scales against
 per-block ones, KV blocks per memory budget, KV bytes on the wire, and single-stream decode speed.
 
-    python -m bench.kv_quant [--model DIR] [--tokens 64] [--out bench/results/kv_quant.json]
+    python -m bench.kv_quant [--model DIR] [--tokens 64] [--out FILE]
 
 Scale granularity is measured with fake quantization: the cache stays fp32 and attention reads it
 quantized and dequantized (per token and head, or per block and head with the block's maximum over the
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import results_dir
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine, GenerateRequest
 from engine.model_runner import ScheduledChunk
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per reply (default: 64)")
     parser.add_argument("--repeats", type=int, default=5, help="timed decode runs per KV dtype (default: 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/kv_quant.json"))
+    parser.add_argument("--out", type=Path, default=results_dir() / "kv_quant.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

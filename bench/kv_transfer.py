@@ -17,7 +17,7 @@ Two sections, on SmolLM2-135M-Instruct's KV layout (the default model; fp32, 16-
 
     python -m bench.kv_transfer [--sections wire,serve] [--model DIR] [--wire-lengths 128,1024,4096,16384]
         [--message-sizes 1024,2048,4096,8192,16384] [--lengths 128,1024,4096] [--repeats 3]
-        [--out bench/results/kv_transfer.json]
+        [--out FILE]
 
 The serve section runs one CPU forward per prompt (a 4k prompt takes tens of seconds on two cores).
 On a shared machine the numbers move with the load: the result file records the load average
@@ -42,6 +42,7 @@ import torch
 
 from bench.kv_wire import measure_crc32c, measure_wire
 from bench.machine import load_average, machine_info
+from bench.report import results_dir
 from decode_service.config import DecodeServiceConfig
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig, ModelConfig
@@ -339,7 +340,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="128,1024,4096", help="serve section prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="runs per length and path (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", default="bench/results/kv_transfer.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "kv_transfer.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("decode_service", "prefill_service", "engine", "kernels", "serving"):

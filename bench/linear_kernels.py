@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.report import results_dir
+
 logger = logging.getLogger(__name__)
 
 KERNELS = ("fp32_gemv", "fp32_onednn", "int8_gemv", "int8_gemm")
@@ -108,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,4,8,16,32,48,64,128", help="row counts, comma-separated")
     parser.add_argument("--layers", type=int, default=30, help="distinct weight copies (default: 30)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many passes (default: 3)")
-    parser.add_argument("--result-file", type=Path, default=Path("bench/results/linear_kernels.json"))
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "linear_kernels.json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.report import results_dir
+
 if TYPE_CHECKING:
     from bench.servers import ServerProcess
 
@@ -507,7 +509,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not measure llama-server (measured by default when llama.cpp is built)",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from bench.report import results_dir
+
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("tandem-aggregated", "tandem-disaggregated", "llama-server")
@@ -61,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB", help="tandem's KV pool (default: 2GiB)")
     parser.add_argument("--llama-parallel", type=int, default=8, help="llama-server slots (default: 8)")
     parser.add_argument("--llama-context", type=int, default=32768, help="llama-server total context")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
 

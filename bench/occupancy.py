@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.report import results_dir
 from bench.workload import ArrivalProcess, LengthDistribution, SyntheticWorkload, WorkloadRequest
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=lengths, default=lengths("uniform:16:128"), help="output length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server (default: 2)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """`tandem bench perf-report`: issue 17's figures in one run, back to back, each against its target.
 
     tandem bench perf-report [--sections serving,single,kv,headline] [--quick] [--allow-load]
-        [--headline-from-file] [--out-dir bench/results]
+        [--headline-from-file] [--out-dir DIR]
 
 Sections, in this order (each reuses its own benchmark's machinery):
 
@@ -43,6 +43,7 @@ from pathlib import Path
 from base.errors import TandemError
 from bench import perf_targets
 from bench.perf_targets import Figure
+from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="read the headline from the existing compare.json instead of re-measuring it",
     )
-    parser.add_argument("--compare-file", type=Path, default=Path("bench/results/compare.json"))
+    parser.add_argument("--compare-file", type=Path, default=results_dir() / "compare.json")
     parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def _sections(text: str) -> list[str]:

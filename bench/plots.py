@@ -14,7 +14,7 @@
 - `quantized.png` and `README_quantized_table.md`: `tandem bench quantized`'s precision modes against
   llama-server F32 and Q8_0 (the project README's benchmark table).
 
-    tandem bench plots [--results-dir bench/results]
+    tandem bench plots [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+from bench.report import results_dir
 
 INF_LABEL = "all at once"
 TANDEM_HEADLINE = "tandem-aggregated"
@@ -358,7 +360,7 @@ def draw_comparison(compare_path: Path, out: Path) -> list[Path]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--results-dir", type=Path, default=results_dir())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ import pstats
 import time
 from pathlib import Path
 
+from bench.report import results_dir
 from bench.workload import WorkloadRequest
 
 logger = logging.getLogger(__name__)
@@ -186,8 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     parser.add_argument("--torch-profile-steps", type=int, default=20, help="steps under torch.profiler")
     add_workload_arguments(parser)
-    parser.add_argument("--compare-json", type=Path, default=Path("bench/results/compare.json"))
-    parser.add_argument("--result-file", type=Path, default=Path("bench/results/profile_decode.json"))
+    parser.add_argument("--compare-json", type=Path, default=results_dir() / "compare.json")
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "profile_decode.json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """`tandem bench quantized`: tandem's precision modes against llama-server F32 and Q8_0, in one run.
 
-    tandem bench quantized [--systems ...] [--quick] [--out-dir bench/results]
+    tandem bench quantized [--systems ...] [--quick] [--out-dir DIR]
 
 Systems, each a fresh server measured alone, one after another (`tandem bench compare` starts them):
 tandem aggregated in fp32, with int8 weights (`--quantization int8`) and with int8 weights and int8 KV
@@ -30,6 +30,8 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--quick", action="store_true", help="smoke-sized workloads")
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> argparse.Namespace:

@@ -1,6 +1,9 @@
-"""`tandem bench replicas`: two decode replicas behind one prefill tier, prefix affinity against round robin.
+"""`tandem bench replicas`: two decode replicas, prefix affinity against round robin.
 
-The multi-turn chat of `bench.multi_turn` (C conversations x T turns, a shared system prompt, each turn
+`--topology disaggregated` (the default) puts the replicas behind one prefill tier; decode replicas
+prefill a prompt themselves when fewer than `--local-prefill-threshold` of its tokens are uncached, as
+llm-d sends only long uncached prompts to prefill. `--topology aggregated` has no prefill tier. The
+multi-turn chat of `bench.multi_turn` (C conversations x T turns, a shared system prompt, each turn
 resending the whole history) runs four times, each on fresh servers so every cache starts cold:
 
 - `one-replica`: one decode replica and the prefill tier, the reference hit rate;
@@ -12,7 +15,7 @@ resending the whole history) runs four times, each on fresh servers so every cac
 
 Reported per run: the decode replicas' prefix-cache hit rate (hit tokens / queried tokens, summed over
 the replicas' `tandem:prefix_cache_*` counters), median TTFT of turns >= 2 and of turn 1, throughput,
-and the affinity / round-robin TTFT ratio. Writes `replicas.json` to `--out-dir`.
+and the affinity / round-robin TTFT ratio. Writes `replicas_<topology>.json` to `--out-dir`.
 
     tandem bench replicas                                     # 8 conversations x 5 turns (about 10 min)
     tandem bench replicas --conversations 2 --turns 2 --system-len 48 --runs affinity   # a smoke run
@@ -33,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 from bench.multi_turn import FIRST_PLAIN_TOKEN, ChatWorkload, TurnResult, summarize
+from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +57,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reply-len", type=int, default=32, help="greedy tokens of each reply (default: 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="each tier's KV pool (default: 512MiB)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/tmp"))
+    parser.add_argument(
+        "--topology",
+        choices=("disaggregated", "aggregated"),
+        default="disaggregated",
+        help="decode replicas behind one prefill tier, or each prefilling itself (default: disaggregated)",
+    )
+    parser.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=256,
+        help="decode replicas prefill prompts with fewer uncached tokens themselves, as llm-d sends only "
+        "long uncached prompts to prefill (default: 256; 0: every prompt to the prefill tier)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 class Replicas:
     """One prefill tier and N decode replicas as processes; `kill` takes one replica down hard."""
 
-    def __init__(self, model: str, count: int, kv_cache_memory: str) -> None:
+    def __init__(
+        self, model: str, count: int, kv_cache_memory: str, local_prefill_threshold: int | None
+    ) -> None:
+        """`local_prefill_threshold` None: no prefill tier, each replica prefills itself (aggregated)."""
         from bench import servers
 
         sizing = ["--kv-cache-memory", kv_cache_memory]
-        self.prefill, prefill_target = servers.tandem_prefill_server("replicas-prefill", model, 1, sizing)
+        local, prefill_target, self.prefill = [], None, None
+        if local_prefill_threshold is not None:
+            local = ["--local-prefill-threshold", str(local_prefill_threshold)]
+            self.prefill, prefill_target = servers.tandem_prefill_server("replicas-prefill", model, 1, sizing)
         self.decodes, self.targets, self.metrics = [], [], []
         for index in range(count):
             port = servers.free_port()
             decode, target = servers.tandem_decode_server(
-                f"replicas-decode-{index}", model, 1, [*sizing, "--metrics-port", str(port)], prefill_target
+                f"replicas-decode-{index}",
+                model,
+                1,
+                [*sizing, *local, "--metrics-port", str(port)],
+                prefill_target,
             )
             self.decodes.append(decode)
             self.targets.append(target)
@@ -79,7 +106,7 @@ class Replicas:
     def running(self) -> Iterator[Replicas]:
         from bench import servers
 
-        with servers.running(self.prefill, *self.decodes):
+        with servers.running(*([self.prefill] if self.prefill else []), *self.decodes):
             yield self
 
     @property
@@ -161,7 +188,8 @@ async def converse(
 def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkload) -> dict:
     from tandem.client import AsyncTandemClient
 
-    replicas = Replicas(model, 1 if name == "one-replica" else 2, args.kv_cache_memory)
+    threshold = args.local_prefill_threshold if args.topology == "disaggregated" else None
+    replicas = Replicas(model, 1 if name == "one-replica" else 2, args.kv_cache_memory, threshold)
     total_turns = len(workload.users) * len(workload.users[0])
 
     async def session() -> dict:
@@ -245,14 +273,16 @@ def run(args: argparse.Namespace) -> int:
         "command": command_line(),
         "model": model_dir.name,
         "workload": workload.describe(),
+        "topology": args.topology,
+        "local_prefill_threshold": args.local_prefill_threshold if args.topology == "disaggregated" else None,
         "runs": [measure(name.strip(), args, str(model_dir), workload) for name in args.runs.split(",")],
         "load_average_at_write": load_average(),
     }
     document["found"] = compare(document["runs"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "replicas.json"
+    path = args.out_dir / f"replicas_{args.topology}.json"
     write_json(path, document)
-    print(f"host: {document['host']}")
+    print(f"host: {document['host']}; {args.topology}")
     for run_ in document["runs"]:
         print(
             f"{run_['run']:<14} hit rate {run_['prefix_cache_hit_rate']:.2f}  "

@@ -3,11 +3,16 @@
 A run's JSON (schema_version 1) holds: `system` (what was measured and how it was configured),
 `workload` and `arrivals` (what was sent), `metrics` (see bench.metrics), `distributions` (TTFT/ITL
 quantiles for CDF plots), `machine` and `command`. Comparisons and sweeps keep a list of such runs.
+
+Every command writes to `results_dir()` unless told otherwise, outside the source tree, so a run leaves
+`git status` clean. What the READMEs show (their tables' markdown and the pictures they embed) is
+refreshed by passing `--out-dir bench/results`, where git ignores the JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -17,6 +22,18 @@ from rich.console import Console
 from rich.table import Table
 
 SCHEMA_VERSION = 1
+RESULTS_ENV = "TANDEM_BENCH_RESULTS"
+
+
+def results_dir() -> Path:
+    """Where every command writes its results by default: `$TANDEM_BENCH_RESULTS`, else `bench-results`
+    under tandem's home (`$TANDEM_HOME`, else `~/.cache/tandem`)."""
+    configured = os.environ.get(RESULTS_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    from base.settings import get_settings
+
+    return get_settings().home / "bench-results"
 
 
 def command_line() -> str:

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.report import results_dir
+
 BYTES_FP32 = 4
 BYTES_INT32 = 4
 
@@ -193,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the probe (default: 2)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest decode batch (default: 64)")
     add_workload_arguments(parser)
-    parser.add_argument("--result-file", type=Path, default=Path("bench/results/physical_limit.json"))
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "physical_limit.json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.backends import StreamingBackend
 from bench.metrics import compute_metrics, distributions, parse_goodput
-from bench.report import command_line, metrics_table, print_table, run_result, write_json
+from bench.report import command_line, metrics_table, print_table, results_dir, run_result, write_json
 from bench.runner import run_load
 from bench.workload import (
     ArrivalProcess,
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads the server runs with, recorded in the JSON (the client cannot see it)",
     )
-    parser.add_argument("--result-file", type=Path, default=Path("bench-serve-result.json"))
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "serve.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from bench.backends import StreamingBackend
 from bench.near_zero_model import NearZeroModelSpec
+from bench.report import results_dir
 from bench.workload import ArrivalProcess, LengthDistribution, SyntheticWorkload, WorkloadRequest
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RESULT_FILE = Path("bench/results/serving_path.json")
 PROMPT_LEN = 16
 KV_CACHE_MEMORY = "64MiB"
 # The model's default vocabulary: the first ids of the real tokenizer. With SmolLM2's whole 49,152 the LM
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", default="tandem", help="name of this run in the JSON (e.g. before/after)")
     parser.add_argument("--no-floor", action="store_true", help="skip the in-process engine-alone split")
     parser.add_argument("--profile", action="store_true", help="add py-spy rounds: all threads, GIL holder")
-    parser.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "serving_path.json")
 
 
 def _server_supports(flag: str) -> bool:

@@ -1,6 +1,6 @@
 """`tandem bench speculative`: n-gram speculative decoding against plain decoding and llama-server Q8_0.
 
-    tandem bench speculative [--systems ...] [--quick] [--out-dir bench/results]
+    tandem bench speculative [--systems ...] [--quick] [--out-dir DIR]
 
 Four labelled held-out chat workloads on the default model, each a few requests built from the Python
 standard library (which no model here was tuned on) and rendered with the model's chat template:
@@ -32,6 +32,8 @@ import logging
 import math
 import textwrap
 from pathlib import Path
+
+from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(a neighbour's burst on a shared host slows one run, never speeds one up; default: 2)",
     )
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
 def chat_texts() -> dict[str, list[str]]:

@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.report import results_dir
 from bench.structured_corpus import CORPUS, SYSTEM_PROMPT, SchemaCase
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RESULT_FILE = Path("bench/results/structured_output.json")
 ITL_RATIO_TARGET = 1.15
 FILL_METRIC = "tandem:structured_output_fill_seconds"
 COMPILE_METRIC = "tandem:structured_output_compile_seconds"
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="smoke test: a near-zero random model with the real tokenizer, 4 streams, 24 tokens, 1 round",
     )
-    parser.add_argument("--result-file", type=Path, default=DEFAULT_RESULT_FILE)
+    parser.add_argument("--result-file", type=Path, default=results_dir() / "structured_output.json")
 
 
 @dataclass

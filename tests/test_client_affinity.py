@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 
 import grpc
@@ -17,8 +18,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from tandem.client import AsyncTandemClient, TandemClient
 from tandem.client.affinity import (
     BLOCK_BYTES,
-    LOAD_FACTOR,
-    LOAD_SLACK,
+    LOAD_BOUND,
     ReplicaPicker,
     prefix_chain,
     resolve_addresses,
@@ -117,15 +117,24 @@ def test_a_busy_home_gives_way_past_the_load_bound():
     picker, _, _ = picker_for("a:1", "b:1")
     home = picker.acquire(text(conversation(0, 1)))
     held = [home]
-    # The home keeps its prefix while it has at most LOAD_FACTOR x the other's calls + LOAD_SLACK in flight.
+    # The home keeps its prefix while it would hold at most LOAD_BOUND x the mean calls (rounded up).
     while True:
         replica = picker.acquire(text(conversation(0, 2)))
         held.append(replica)
         if replica is not home:
             break
-    other = replica
-    assert home.in_flight - 1 == LOAD_FACTOR * (other.in_flight - 1) + LOAD_SLACK
+    total = len(held) - 1  # in flight when the last call was placed
+    assert home.in_flight + 1 > math.ceil(LOAD_BOUND * (total + 1) / 2)  # it no longer fitted the bound
+    assert home.in_flight == total and replica.in_flight == 1  # and had taken every call before
     for replica in held:
+        picker.release(replica)
+
+
+def test_a_burst_sharing_a_system_prompt_is_split_evenly():
+    picker, _, _ = picker_for("a:1", "b:1")
+    burst = [picker.acquire(text(conversation(index, 1))) for index in range(8)]
+    assert sorted(r.in_flight for r in picker.replicas) == [4, 4]
+    for replica in burst:
         picker.release(replica)
 
 

@@ -9,9 +9,11 @@ server's cache keys them) and sends a request to the replica holding the longest
 blocks. So turns of one conversation meet their history, and prompts sharing a system prompt meet it
 too, without the client knowing the server's tokenizer.
 
-Load bounds the affinity: the best match is taken only while it has at most `LOAD_FACTOR` x the
-least-loaded replica's calls in flight plus `LOAD_SLACK` (the prefill pool's rule), so a hot prefix
-spreads; without a match the least-loaded replica (ties: least recently chosen) takes the request.
+Load bounds the affinity (consistent hashing with bounded loads): a replica may take a call only while
+it would then have at most `LOAD_BOUND` x the mean calls in flight, rounded up; among those, the one
+with the longest match wins (ties: fewer calls in flight, then least recently chosen). So a hot prefix
+or a shared system prompt spreads instead of piling on one replica, and without a match the
+least-loaded replica takes the request.
 
 Replicas come and go: a `dns:` target is resolved again every `RESOLVE_INTERVAL_S` and when every
 replica is failing; a new address joins with nothing remembered, a vanished one is dropped with what it
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import socket
 import threading
 import time
@@ -44,8 +47,7 @@ BLOCK_BYTES = 64
 BLOCK_TOKENS = 16
 # Chain hashes remembered per replica (LRU): 64k blocks cover ~4 MB of prompt text.
 MAX_REMEMBERED_BLOCKS = 65536
-LOAD_FACTOR = 2
-LOAD_SLACK = 2
+LOAD_BOUND = 1.25
 RESOLVE_INTERVAL_S = 30.0
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
@@ -204,10 +206,10 @@ class ReplicaPicker(Generic[Stub]):
         candidates = healthy or sorted(allowed, key=lambda r: r.down_until)[:1]
         if not candidates:
             return None
-        replica = min(candidates, key=lambda r: (r.in_flight, r.last_chosen))
-        best = max(candidates, key=lambda r: (r.matched(chain), -r.in_flight, -r.last_chosen))
-        if best.matched(chain) and best.in_flight <= LOAD_FACTOR * replica.in_flight + LOAD_SLACK:
-            replica = best
+        # The least-loaded candidate always fits this bound, so `eligible` is never empty.
+        bound = math.ceil(LOAD_BOUND * (sum(r.in_flight for r in candidates) + 1) / len(candidates))
+        eligible = [r for r in candidates if r.in_flight + 1 <= bound]
+        replica = max(eligible, key=lambda r: (r.matched(chain), -r.in_flight, -r.last_chosen))
         replica.remember(chain)
         replica.in_flight += 1
         replica.last_chosen = next(self._choices)
