@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shlex
 import signal
 import statistics
 import time
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="each tier's KV pool (default: 512MiB)")
     parser.add_argument(
+        "--decode-args",
+        default="",
+        metavar="ARGS",
+        help="more `tandem serve decode` flags for every replica of every run, one shell-quoted string",
+    )
+    parser.add_argument(
         "--topology",
         choices=("disaggregated", "aggregated"),
         default="disaggregated",
@@ -77,7 +84,12 @@ class Replicas:
     """One prefill tier and N decode replicas as processes; `kill` takes one replica down hard."""
 
     def __init__(
-        self, model: str, count: int, kv_cache_memory: str, local_prefill_threshold: int | None
+        self,
+        model: str,
+        count: int,
+        kv_cache_memory: str,
+        local_prefill_threshold: int | None,
+        decode_args: Sequence[str] = (),
     ) -> None:
         """`local_prefill_threshold` None: no prefill tier, each replica prefills itself (aggregated)."""
         from bench import servers
@@ -94,7 +106,7 @@ class Replicas:
                 f"replicas-decode-{index}",
                 model,
                 1,
-                [*sizing, *local, "--metrics-port", str(port)],
+                [*sizing, *local, "--metrics-port", str(port), *decode_args],
                 prefill_target,
             )
             self.decodes.append(decode)
@@ -189,7 +201,13 @@ def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkl
     from tandem.client import AsyncTandemClient
 
     threshold = args.local_prefill_threshold if args.topology == "disaggregated" else None
-    replicas = Replicas(model, 1 if name == "one-replica" else 2, args.kv_cache_memory, threshold)
+    replicas = Replicas(
+        model,
+        1 if name == "one-replica" else 2,
+        args.kv_cache_memory,
+        threshold,
+        shlex.split(args.decode_args),
+    )
     total_turns = len(workload.users) * len(workload.users[0])
 
     async def session() -> dict:
@@ -274,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         "model": model_dir.name,
         "workload": workload.describe(),
         "topology": args.topology,
+        "decode_args": args.decode_args,
         "local_prefill_threshold": args.local_prefill_threshold if args.topology == "disaggregated" else None,
         "runs": [measure(name.strip(), args, str(model_dir), workload) for name in args.runs.split(",")],
         "load_average_at_write": load_average(),
