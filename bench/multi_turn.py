@@ -330,9 +330,9 @@ def compare_runs(runs: list[dict]) -> list[dict]:
 
 
 def draw_ttft_by_turn(document: dict, out: Path) -> Path:
-    from bench.plots import _pyplot
+    from bench.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in document["runs"]:
         by_turn = run["median_ttft_ms_by_turn"]
@@ -347,11 +347,7 @@ def draw_ttft_by_turn(document: dict, out: Path) -> Path:
     ax.set_title(f"multi-turn chat: {document['workload']['system_len']}-token shared system prompt")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = out / "multi_turn_ttft_by_turn.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out / "multi_turn_ttft_by_turn.png")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ INF_LABEL = "all at once"
 TANDEM_HEADLINE = "tandem-aggregated"
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +39,7 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save(plt, fig, path: Path) -> Path:
     """Lay out, write and close one figure."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -69,7 +69,7 @@ def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
         return None
     finite = sorted({rate for points in series.values() for rate, _ in points if math.isfinite(rate)})
     inf_x = (finite[-1] * 2) if finite else 1.0
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, points in series.items():
         xs = [inf_x if math.isinf(rate) else rate for rate, _ in points]
@@ -98,13 +98,13 @@ def draw_throughput_vs_rate(compare: dict, out: Path) -> Path | None:
     ax_ttft.set_title("p99 time to first token vs request rate")
     ax_tput.legend(fontsize=8)
     fig.suptitle(_subtitle(compare), fontsize=9)
-    return _save(plt, fig, out / "throughput_vs_rate.png")
+    return save(plt, fig, out / "throughput_vs_rate.png")
 
 
 def draw_cdfs(compare: dict, out: Path) -> Path | None:
     if not compare["runs"]:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, title in ((axes[0], "ttft_ms_quantiles", "TTFT"), (axes[1], "itl_ms_quantiles", "ITL")):
         for run in compare["runs"]:
@@ -122,7 +122,7 @@ def draw_cdfs(compare: dict, out: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(_subtitle(compare), fontsize=9)
-    return _save(plt, fig, out / "cdf_ttft_itl.png")
+    return save(plt, fig, out / "cdf_ttft_itl.png")
 
 
 def _subtitle(compare: dict) -> str:
@@ -200,7 +200,7 @@ def draw_occupancy(occupancy: dict, out: Path) -> Path:
     """Rows = batch slots, x = engine iteration, one colour per request; static above continuous."""
     from matplotlib.colors import hsv_to_rgb
 
-    plt = _pyplot()
+    plt = pyplot()
     modes = occupancy["modes"]
     size = (12, 2.2 + 1.6 * len(modes))
     fig, axes = plt.subplots(len(modes), 1, figsize=size, sharex=True, squeeze=False)
@@ -224,12 +224,12 @@ def draw_occupancy(occupancy: dict, out: Path) -> Path:
         f"outputs {occupancy['output_len']} tokens ({occupancy['model']})",
         fontsize=10,
     )
-    return _save(plt, fig, out / "occupancy_timeline.png")
+    return save(plt, fig, out / "occupancy_timeline.png")
 
 
 def draw_chunked_prefill(itl: dict, out: Path) -> Path:
     """ITL of the decode streams against time, one panel per setting, the long prompt's arrival marked."""
-    plt = _pyplot()
+    plt = pyplot()
     settings = itl["settings"]
     size = (11, 2.5 + 2 * len(settings))
     fig, axes = plt.subplots(len(settings), 1, figsize=size, sharex=True, squeeze=False)
@@ -260,12 +260,12 @@ def draw_chunked_prefill(itl: dict, out: Path) -> Path:
         f"prefilled ({itl['model']}, {itl['threads']} threads)",
         fontsize=10,
     )
-    return _save(plt, fig, out / "chunked_prefill_itl.png")
+    return save(plt, fig, out / "chunked_prefill_itl.png")
 
 
 def draw_structured_output(result: dict, out: Path) -> Path:
     """ITL CDFs and p50/p90 bars of constrained vs unconstrained streams; forced-token share by schema."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = result["summary"]
     fig, (ax_cdf, ax_bars, ax_jump) = plt.subplots(1, 3, figsize=(15, 4.5))
     for kind, quantiles in result["itl_ms_cdf"].items():
@@ -312,7 +312,7 @@ def draw_structured_output(result: dict, out: Path) -> Path:
         f"max {workload['max_tokens']} tokens ({result['model']})",
         fontsize=10,
     )
-    return _save(plt, fig, out / "structured_output.png")
+    return save(plt, fig, out / "structured_output.png")
 
 
 def draw_serving_path(result: dict, out: Path) -> Path | None:
@@ -321,7 +321,7 @@ def draw_serving_path(result: dict, out: Path) -> Path | None:
     bare = result.get("bare_grpc")
     if not bare:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     summary = result["summary"]
     fig, (ax_rate, ax_cpu) = plt.subplots(1, 2, figsize=(11, 4))
     rounds = {"tandem": result["rounds"], "bare grpc.aio": bare["rounds"]}
@@ -348,7 +348,71 @@ def draw_serving_path(result: dict, out: Path) -> Path | None:
         f"{result['machine']['date'][:16]}",
         fontsize=10,
     )
-    return _save(plt, fig, out / "serving_path.png")
+    return save(plt, fig, out / "serving_path.png")
+
+
+def quantized_table(document: dict) -> str:
+    """`tandem bench quantized`'s README table: a row per system, then the ratios and how it was measured."""
+    from bench.machine import host_label
+
+    lines = [
+        "| system | single-stream decode tok/s | multi-turn chat tok/s | multi-turn median TTFT (ms) "
+        "| all-at-once tok/s | peak RSS (MiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in document["runs"]:
+        lines.append(
+            f"| {run['label']} | {run['single_decode_tok_s']:.1f} | {run['multi_turn_tok_s']:.1f} "
+            f"| {run['multi_turn_median_ttft_ms']:,.0f} | {run['headline_tok_s']:.1f} "
+            f"| {run['peak_rss_bytes'] / 2**20:,.0f} |"
+        )
+    lines.append("")
+    found = document.get("ratios")
+    if found:
+        lines.append(
+            f"tandem int8 / llama-server Q8_0: single-stream decode {found['single_decode']:.2f}x, "
+            f"multi-turn throughput {found['multi_turn_throughput']:.2f}x and median TTFT "
+            f"{found['multi_turn_median_ttft']:.2f}x, all-at-once {found['headline_throughput']:.2f}x."
+        )
+    workloads = document["workloads"]
+    chat, single, headline = workloads["chat"], workloads["single"], workloads["headline"]
+    machine = document["machine"]
+    lines += [
+        f"Workloads: multi-turn {chat['conversations']} conversations x {chat['turns']} turns (a shared "
+        f"{chat['system_len']}-token system prompt, {chat['user_len']}-token user turns, {chat['reply_len']}"
+        f"-token replies, history resent); single stream {single['num_requests']} requests one at a time, "
+        f"prompts {single['prompt_len']}, outputs {single['output_len']}; all at once "
+        f"{headline['num_requests']} requests, prompts {headline['prompt_len']}, outputs "
+        f"{headline['output_len']}. Greedy, EOS ignored, {document['model']}.",
+        f"Machine: {host_label(machine)}; "
+        f"{document['threads']} threads per system. Measured {document['started']}, "
+        f"commit {document['commit']}, load average "
+        f"{document['load_average_at_start']} at start and {document['load_average_at_end']} at the end"
+        f"{'' if document['valid'] else ' (busy machine: not a valid comparison)'}; command: "
+        f"`{document['command']}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def draw_quantized(document: dict, out_dir: Path) -> Path:
+    """`tandem bench quantized`'s figures, a panel each, a bar per system."""
+    plt = pyplot()
+    figures = (
+        ("single_decode_tok_s", "single-stream decode tok/s"),
+        ("multi_turn_tok_s", "multi-turn chat tok/s"),
+        ("multi_turn_median_ttft_ms", "multi-turn median TTFT (ms)"),
+        ("headline_tok_s", "all-at-once tok/s"),
+        ("peak_rss_bytes", "peak RSS (MiB)"),
+    )
+    runs = document["runs"]
+    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 4))
+    for ax, (key, title) in zip(axes, figures, strict=True):
+        values = [run[key] / (2**20 if key == "peak_rss_bytes" else 1) for run in runs]
+        colours = ["tab:blue" if run["system"].startswith("tandem") else "tab:gray" for run in runs]
+        ax.bar(range(len(runs)), values, color=colours)
+        ax.set_xticks(range(len(runs)), [run["label"] for run in runs], rotation=45, ha="right")
+        ax.set_title(title)
+    return save(plt, fig, out_dir / "quantized.png")
 
 
 def draw_comparison(compare_path: Path, out: Path) -> list[Path]:
@@ -375,11 +439,9 @@ def run(args: argparse.Namespace) -> int:
     if (out / "structured_output.json").is_file():
         written.append(draw_structured_output(json.loads((out / "structured_output.json").read_text()), out))
     if (out / "quantized.json").is_file():
-        from bench import quantized
-
         document = json.loads((out / "quantized.json").read_text())
-        (out / "README_quantized_table.md").write_text(quantized.table(document))
-        written += [quantized.draw(document, out), out / "README_quantized_table.md"]
+        (out / "README_quantized_table.md").write_text(quantized_table(document))
+        written += [draw_quantized(document, out), out / "README_quantized_table.md"]
     for path in written:
         print(path)
     return 0 if written else 1

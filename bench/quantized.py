@@ -192,77 +192,6 @@ def ratios(runs: list[dict]) -> dict | None:
     }
 
 
-def table(document: dict) -> str:
-    """The README's benchmark table: a row per system, then the ratios and how it was measured."""
-    from bench.machine import host_label
-
-    lines = [
-        "| system | single-stream decode tok/s | multi-turn chat tok/s | multi-turn median TTFT (ms) "
-        "| all-at-once tok/s | peak RSS (MiB) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for run in document["runs"]:
-        lines.append(
-            f"| {run['label']} | {run['single_decode_tok_s']:.1f} | {run['multi_turn_tok_s']:.1f} "
-            f"| {run['multi_turn_median_ttft_ms']:,.0f} | {run['headline_tok_s']:.1f} "
-            f"| {run['peak_rss_bytes'] / 2**20:,.0f} |"
-        )
-    lines.append("")
-    found = document.get("ratios")
-    if found:
-        lines.append(
-            f"tandem int8 / llama-server Q8_0: single-stream decode {found['single_decode']:.2f}x, "
-            f"multi-turn throughput {found['multi_turn_throughput']:.2f}x and median TTFT "
-            f"{found['multi_turn_median_ttft']:.2f}x, all-at-once {found['headline_throughput']:.2f}x."
-        )
-    workloads = document["workloads"]
-    chat, single, headline = workloads["chat"], workloads["single"], workloads["headline"]
-    machine = document["machine"]
-    lines += [
-        f"Workloads: multi-turn {chat['conversations']} conversations x {chat['turns']} turns (a shared "
-        f"{chat['system_len']}-token system prompt, {chat['user_len']}-token user turns, {chat['reply_len']}"
-        f"-token replies, history resent); single stream {single['num_requests']} requests one at a time, "
-        f"prompts {single['prompt_len']}, outputs {single['output_len']}; all at once "
-        f"{headline['num_requests']} requests, prompts {headline['prompt_len']}, outputs "
-        f"{headline['output_len']}. Greedy, EOS ignored, {document['model']}.",
-        f"Machine: {host_label(machine)}; "
-        f"{document['threads']} threads per system. Measured {document['started']}, "
-        f"commit {document['commit']}, load average "
-        f"{document['load_average_at_start']} at start and {document['load_average_at_end']} at the end"
-        f"{'' if document['valid'] else ' (busy machine: not a valid comparison)'}; command: "
-        f"`{document['command']}`.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def draw(document: dict, out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figures = (
-        ("single_decode_tok_s", "single-stream decode tok/s"),
-        ("multi_turn_tok_s", "multi-turn chat tok/s"),
-        ("multi_turn_median_ttft_ms", "multi-turn median TTFT (ms)"),
-        ("headline_tok_s", "all-at-once tok/s"),
-        ("peak_rss_bytes", "peak RSS (MiB)"),
-    )
-    runs = document["runs"]
-    fig, axes = plt.subplots(1, len(figures), figsize=(4 * len(figures), 4))
-    for ax, (key, title) in zip(axes, figures, strict=True):
-        values = [run[key] / (2**20 if key == "peak_rss_bytes" else 1) for run in runs]
-        colours = ["tab:blue" if run["system"].startswith("tandem") else "tab:gray" for run in runs]
-        ax.bar(range(len(runs)), values, color=colours)
-        ax.set_xticks(range(len(runs)), [run["label"] for run in runs], rotation=45, ha="right")
-        ax.set_title(title)
-    fig.tight_layout()
-    path = out_dir / "quantized.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def workloads_for(args: argparse.Namespace, vocab: int) -> dict:
     from bench import compare
     from bench.multi_turn import ChatWorkload
@@ -335,7 +264,9 @@ def run(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / "quantized.json", document)
     if document["runs"]:
-        (args.out_dir / "README_quantized_table.md").write_text(table(document))
-        logger.info("wrote %s", draw(document, args.out_dir))
-        print(table(document))
+        from bench.plots import draw_quantized, quantized_table
+
+        (args.out_dir / "README_quantized_table.md").write_text(quantized_table(document))
+        logger.info("wrote %s", draw_quantized(document, args.out_dir))
+        print(quantized_table(document))
     return 0 if not document["skipped"] else 1

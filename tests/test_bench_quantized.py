@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import quantized, servers
+from bench import plots, quantized, servers
 
 
 def _run(system: str, single: float, chat: float, ttft: float, headline: float) -> dict:
@@ -65,13 +65,13 @@ def test_the_table_has_a_row_per_system_and_says_when_the_machine_was_busy() -> 
         _run("tandem-aggregated-int8", 60.0, 90.0, 300.0, 400.0),
         _run("llama-server-q8_0", 50.0, 30.0, 1200.0, 100.0),
     ]
-    text = quantized.table(_document(runs))
+    text = plots.quantized_table(_document(runs))
     assert "| tandem fp32 | 40.0 | 80.0 | 350 | 180.0 | 700 |" in text
     assert "| llama-server Q8_0 | 50.0 | 30.0 | 1,200 | 100.0 | 700 |" in text
     assert "single-stream decode 1.20x" in text and "all-at-once 4.00x" in text
     assert "commit abc1234" in text and "not a valid comparison" not in text
     assert "4 conversations x 4 turns" in text and "64 requests, prompts uniform:60:330" in text
-    assert "not a valid comparison" in quantized.table(_document(runs, valid=False))
+    assert "not a valid comparison" in plots.quantized_table(_document(runs, valid=False))
 
 
 def test_unknown_systems_are_refused() -> None:
