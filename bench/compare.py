@@ -42,6 +42,7 @@ from base.errors import TandemError
 from bench.report import results_dir
 from bench.serve import Workload, add_workload_arguments, build_workload, make_backend, measure
 from bench.servers import ServerStartError
+from bench.session import SystemSkipped
 from bench.workload import ArrivalProcess, workload_summary
 
 logger = logging.getLogger(__name__)
@@ -68,10 +69,6 @@ AGGREGATED_FLAGS = {
 }
 SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "llama-server")
 BASELINE = "hf-static"
-
-
-class SystemSkipped(TandemError):
-    """A system cannot run on this machine now (not built, not wired up); the message says why."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,11 +21,8 @@ ratios. Takes about 10 minutes on a quiet 2-core machine; `--quick` runs a smoke
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import datetime
 import logging
-import math
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -45,7 +42,6 @@ LABELS = {
     "tandem-w8a8": "tandem w8a8_int8",
     "llama-server": "llama-server Q4_K_M",
 }
-MAX_START_LOAD = 1.0
 LLAMA_PARALLEL = 16
 LLAMA_CONTEXT = 32768
 
@@ -56,14 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke-sized workloads")
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
     parser.add_argument("--out-dir", type=Path, default=results_dir())
-
-
-def _systems(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = set(names) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS)})")
-    return names
 
 
 def gguf_path() -> Path:
@@ -85,7 +73,7 @@ def gguf_path() -> Path:
 def serving(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[tuple[str, str, dict]]:
     """Start system `name`; yields (backend kind, target, system description)."""
     from bench import servers
-    from bench.compare import SystemSkipped
+    from bench.session import SystemSkipped
 
     if name in TANDEM:
         server_args = ["--quantization", TANDEM[name], "--kv-cache-memory", "1GiB", "--max-num-seqs", "64"]
@@ -107,7 +95,6 @@ def serving(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[tu
 
 def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
     """The all-at-once and single-stream workloads, on held-out text tokenized by the model's tokenizer."""
-    from bench import compare
     from bench.heldout_text import heldout_prompts, spread_lengths
     from bench.serve import Workload
     from bench.workload import WorkloadRequest, workload_summary
@@ -124,10 +111,7 @@ def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
         description = {"source": f"bench.heldout_text ({label})", **workload_summary(requests)}
         return Workload(requests, warmups, description)
 
-    args_for_load = argparse.ArgumentParser()
-    compare.add_arguments(args_for_load)
     return {
-        "args": args_for_load.parse_args(["--no-progress", "--num-warmups", "1"]),
         "all_at_once": workload(prompts, out_len, f"{count} completions of {out_len} tokens"),
         "single": workload(prompts[:single_count], single_len, f"{single_count} x {single_len} tokens"),
     }
@@ -135,30 +119,13 @@ def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
 
 def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
     """All-at-once and single-stream on one fresh server of system `name`."""
-    from bench.quantized import _server_pids, peak_rss_bytes
-    from bench.serve import make_backend, measure
-    from bench.workload import ArrivalProcess
+    from bench import session
+    from bench.serve import make_backend
 
     with serving(name, args, model_dir) as (kind, target, extra):
-
-        def run(workload: str, max_concurrency: int | None = None) -> dict:
-            backend = make_backend(kind, target, name)
-            arrivals = ArrivalProcess(math.inf)
-            return asyncio.run(
-                measure(
-                    backend,
-                    workloads["args"],
-                    arrivals,
-                    False,
-                    extra,
-                    workloads[workload],
-                    max_concurrency=max_concurrency,
-                )
-            )
-
-        single = run("single", max_concurrency=1)["metrics"]
-        together = run("all_at_once")["metrics"]
-        memory = peak_rss_bytes(_server_pids())
+        single = session.at_once(make_backend(kind, target, name), workloads["single"], extra, 1)
+        together = session.at_once(make_backend(kind, target, name), workloads["all_at_once"], extra)
+        memory = session.peak_rss_bytes(session.server_pids())
     result = {
         "system": name,
         "label": LABELS[name],
@@ -226,11 +193,9 @@ def table(document: dict) -> str:
 
 
 def draw(document: dict, out_dir: Path) -> Path:
-    import matplotlib
+    from bench.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = document["runs"]
     labels = [run["label"] for run in runs]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -241,58 +206,27 @@ def draw(document: dict, out_dir: Path) -> Path:
         axis.bar(labels, [run[key] for run in runs], color=[COLORS[run["system"]] for run in runs])
         axis.set_title(title, fontsize=10)
     fig.suptitle(f"Gemma 3 270M on {document['machine']['cpu']}", fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "gemma.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out_dir / "gemma.png")
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.compare import SystemSkipped
-    from bench.machine import git_commit, load_average, machine_info
-    from bench.report import command_line, write_json
-    from bench.servers import ServerStartError
+    from bench import session
     from engine.model_store import fetch_model
 
-    start_load = load_average()
-    valid = start_load[0] <= MAX_START_LOAD
-    if not valid and not args.allow_load:
-        raise SystemExit(
-            f"load average {start_load[0]:.2f} > {MAX_START_LOAD}: other processes would void the comparison "
-            "(--allow-load runs anyway and records the run as not valid)"
-        )
+    names = session.systems(args.systems, SYSTEMS)
+    start_load, valid = session.quiet_machine(args.allow_load)
     model_dir = fetch_model(MODEL_NAME)
     workloads = workloads_for(args, model_dir)
-    document = {
-        "benchmark": "gemma",
-        "machine": machine_info(),
-        "command": command_line(),
-        "commit": git_commit(),
-        "model": MODEL_NAME,
-        "threads": args.threads,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_at_start": start_load,
-        "workloads": {
-            "all_at_once": workloads["all_at_once"].description,
-            "single": workloads["single"].description,
-        },
-        "runs": [],
-        "skipped": {},
-    }
-    for name in _systems(args.systems):
-        try:
-            document["runs"].append(measure_system(name, args, model_dir, workloads))
-        except (SystemSkipped, ServerStartError) as exc:
-            logger.warning("skipping %s: %s", name, exc)
-            document["skipped"][name] = str(exc)
-    document["ratios"] = ratios(document["runs"])
-    document["load_average_at_end"] = load_average()
-    document["valid"] = valid
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "gemma.json", document)
-    if document["runs"]:
-        (args.out_dir / "README_gemma_table.md").write_text(table(document))
-        logger.info("wrote %s", draw(document, args.out_dir))
-        print(table(document))
+    document = session.header(
+        "gemma",
+        start_load,
+        model=MODEL_NAME,
+        threads=args.threads,
+        workloads={name: workloads[name].description for name in ("all_at_once", "single")},
+    )
+    document["runs"], document["skipped"] = session.each_system(
+        names, lambda name: measure_system(name, args, model_dir, workloads)
+    )
+    document["ratios"], document["valid"] = ratios(document["runs"]), valid
+    session.finish(document, args.out_dir, table, draw)
     return 0 if not document["skipped"] else 1

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import logging
 import math
@@ -513,23 +512,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.machine import host_label, load_average, machine_info
-    from bench.report import command_line, write_json
+    from bench import session
     from engine.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
-    machine = machine_info()
-    host = host_label(machine)
-    document = {
-        "benchmark": "memory",
-        "machine": machine,
-        "host": host,
-        "command": command_line(),
-        "model": model_dir.name,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_at_start": load_average(),
-        "runs": [measure_tandem(args, model_dir)],
-    }
+    document = session.header("memory", model=model_dir.name)
+    host = document["host"]
+    document["runs"] = [measure_tandem(args, model_dir)]
     print(table(document["runs"][0]))
     if args.llama_server:
         peer = measure_llama_server(args, model_dir)
@@ -543,7 +532,6 @@ def run(args: argparse.Namespace) -> int:
                 trimmed = total_bytes(ours, "after_malloc_trim") / total_bytes(peer, "after_malloc_trim")
                 document["ratio_to_llama_server_after_malloc_trim"] = trimmed
                 print(f"after malloc_trim(0) in every process: {trimmed:.2f}x")
-    document["load_average_at_end"] = load_average()
-    path = write_json(args.out_dir / "memory.json", document)
+    path = session.finish(document, args.out_dir)
     print(f"host: {host}; wrote {path}")
     return 0

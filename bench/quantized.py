@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -54,7 +53,6 @@ LABELS = {
 OPTIONAL_SYSTEMS = ("tandem-aggregated-in-process",)
 # The pair the ratios compare: tandem's 8-bit weights against llama.cpp's.
 TANDEM, PEER = "tandem-aggregated-int8", "llama-server-q8_0"
-MAX_START_LOAD = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,32 +68,6 @@ def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> a
     parser = argparse.ArgumentParser()
     add(parser)
     return parser.parse_args(argv)
-
-
-def _systems(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    known = SYSTEMS + OPTIONAL_SYSTEMS
-    unknown = set(names) - set(known)
-    if unknown:
-        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
-    return names
-
-
-def peak_rss_bytes(pids: list[int]) -> int:
-    """The summed high-water RSS (VmHWM) of `pids`: what each process held at its peak."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-    return total
-
-
-def _server_pids() -> list[int]:
-    import psutil
-
-    return [child.pid for child in psutil.Process().children(recursive=True)]
 
 
 @contextlib.contextmanager
@@ -119,9 +91,9 @@ def _chat_client(kind: str, target: str):
 
 def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
     """Multi-turn, single stream and headline on one fresh server of system `name`."""
+    from bench import session
     from bench.multi_turn import FIRST_PLAIN_TOKEN, run_conversations, summarize
-    from bench.serve import make_backend, measure
-    from bench.workload import ArrivalProcess
+    from bench.serve import make_backend
 
     with serving(name, args, str(model_dir)) as (kind, target, extra):
 
@@ -133,26 +105,10 @@ def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloa
             await client.close()
             return summarize(turns, wall_s)
 
-        def all_at_once(workload: str, max_concurrency: int | None = None) -> dict:
-            """One run of `workloads[workload]`, every request sent at once (at most `max_concurrency`
-            in flight)."""
-            return asyncio.run(
-                measure(
-                    make_backend(kind, target, name),
-                    workloads["args"],
-                    ArrivalProcess(math.inf),
-                    False,
-                    extra,
-                    workloads[workload],
-                    max_concurrency=max_concurrency,
-                )
-            )
-
         multi_turn = asyncio.run(chat())
-        single_run = all_at_once("single", max_concurrency=1)
-        headline_run = all_at_once("headline")
-        memory = peak_rss_bytes(_server_pids())
-    single_metrics, headline_metrics = single_run["metrics"], headline_run["metrics"]
+        single_metrics = session.at_once(make_backend(kind, target, name), workloads["single"], extra, 1)
+        headline_metrics = session.at_once(make_backend(kind, target, name), workloads["headline"], extra)
+        memory = session.peak_rss_bytes(session.server_pids())
     result = {
         "system": name,
         "label": LABELS[name],
@@ -208,7 +164,6 @@ def workloads_for(args: argparse.Namespace, vocab: int) -> dict:
     single_args = _parse(compare.add_arguments, ["--no-progress", "--num-warmups", "1", *single_sizes])
     chat = ChatWorkload.synthetic(vocab, 2 if args.quick else 4, 2 if args.quick else 4, 512, 48, 32, seed=0)
     return {
-        "args": headline_args,
         "headline": build_workload(headline_args, vocab),
         "single": build_workload(single_args, vocab),
         "chat": chat,
@@ -216,57 +171,30 @@ def workloads_for(args: argparse.Namespace, vocab: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.compare import SystemSkipped
-    from bench.machine import git_commit, load_average, machine_info
-    from bench.report import command_line, write_json
+    from bench import session
+    from bench.plots import draw_quantized, quantized_table
     from bench.roofline import ModelShape
-    from bench.servers import ServerStartError
     from engine.model_store import resolve_model
 
-    start_load = load_average()
-    valid = start_load[0] <= MAX_START_LOAD
-    if not valid and not args.allow_load:
-        raise SystemExit(
-            f"load average {start_load[0]:.2f} > {MAX_START_LOAD}: other processes would void the comparison "
-            "(--allow-load runs anyway and records the run as not valid)"
-        )
+    names = session.systems(args.systems, SYSTEMS + OPTIONAL_SYSTEMS)
+    start_load, valid = session.quiet_machine(args.allow_load)
     model_dir = resolve_model(args.model)
     workloads = workloads_for(args, ModelShape.from_config_file(model_dir / "config.json").vocab)
-    document = {
-        "benchmark": "quantized",
-        "machine": machine_info(),
-        "command": command_line(),
-        "commit": git_commit(),
-        "model": model_dir.name,
-        "threads": args.threads,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_at_start": start_load,
-        "valid": valid,
-        "workloads": {
+    document = session.header(
+        "quantized",
+        start_load,
+        model=model_dir.name,
+        threads=args.threads,
+        valid=valid,
+        workloads={
             "chat": workloads["chat"].describe(),
             "single": workloads["single"].description,
             "headline": workloads["headline"].description,
         },
-        "runs": [],
-        "skipped": {},
-    }
-    for name in _systems(args.systems):
-        try:
-            document["runs"].append(measure_system(name, args, model_dir, workloads))
-        except (SystemSkipped, ServerStartError) as exc:
-            logger.warning("skipping %s: %s", name, exc)
-            document["skipped"][name] = str(exc)
+    )
+    document["runs"], document["skipped"] = session.each_system(
+        names, lambda name: measure_system(name, args, model_dir, workloads)
+    )
     document["ratios"] = ratios(document["runs"])
-    end_load = load_average()
-    # The run's own servers keep the load near their thread count; the 15-minute figure shows a neighbour.
-    document["load_average_at_end"] = end_load
-    document["valid"] = valid
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "quantized.json", document)
-    if document["runs"]:
-        from bench.plots import draw_quantized, quantized_table
-
-        (args.out_dir / "README_quantized_table.md").write_text(quantized_table(document))
-        logger.info("wrote %s", draw_quantized(document, args.out_dir))
-        print(quantized_table(document))
+    session.finish(document, args.out_dir, quantized_table, draw_quantized)
     return 0 if not document["skipped"] else 1

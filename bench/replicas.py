@@ -273,8 +273,7 @@ def compare(runs: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.machine import host_label, load_average, machine_info
-    from bench.report import command_line, write_json
+    from bench import session
     from bench.roofline import ModelShape
     from engine.model_store import resolve_model
 
@@ -283,24 +282,19 @@ def run(args: argparse.Namespace) -> int:
     workload = ChatWorkload.synthetic(
         vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
     )
-    machine = machine_info()
-    document = {
-        "benchmark": "replicas",
-        "machine": machine,
-        "host": host_label(machine),
-        "command": command_line(),
-        "model": model_dir.name,
-        "workload": workload.describe(),
-        "topology": args.topology,
-        "decode_args": args.decode_args,
-        "local_prefill_threshold": args.local_prefill_threshold if args.topology == "disaggregated" else None,
-        "runs": [measure(name.strip(), args, str(model_dir), workload) for name in args.runs.split(",")],
-        "load_average_at_write": load_average(),
-    }
+    document = session.header(
+        "replicas",
+        model=model_dir.name,
+        workload=workload.describe(),
+        topology=args.topology,
+        decode_args=args.decode_args,
+        local_prefill_threshold=(args.local_prefill_threshold if args.topology == "disaggregated" else None),
+    )
+    document["runs"] = [
+        measure(name.strip(), args, str(model_dir), workload) for name in args.runs.split(",")
+    ]
     document["found"] = compare(document["runs"])
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"replicas_{args.topology}.json"
-    write_json(path, document)
+    session.finish(document, args.out_dir, name=f"replicas_{args.topology}")
     print(f"host: {document['host']}; {args.topology}")
     for run_ in document["runs"]:
         print(
@@ -310,5 +304,4 @@ def run(args: argparse.Namespace) -> int:
             f"resent {run_['turns_sent_again']}  lost {run_['conversations_lost']}"
         )
     print(json.dumps(document["found"], indent=2))
-    logger.info("wrote %s", path)
     return 0

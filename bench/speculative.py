@@ -25,11 +25,8 @@ the ratios. About 8 minutes on a quiet 2-core machine; `--quick` runs a smoke-si
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime
 import inspect
 import logging
-import math
 import textwrap
 from pathlib import Path
 
@@ -46,7 +43,6 @@ LABELS = {
 COLORS = {"tandem-int8": "tab:blue", "tandem-int8-ngram": "tab:green", "llama-server-q8_0": "tab:gray"}
 WORKLOADS = ("code_edit", "extraction", "rewrite", "open_chat")
 CONCURRENT = 16
-MAX_START_LOAD = 1.0
 
 OPEN_QUESTIONS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -108,7 +104,6 @@ def chat_texts() -> dict[str, list[str]]:
 
 def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
     """Each labelled workload single-stream, and open chat at 16 streams, as token-id requests."""
-    from bench import compare
     from bench.serve import Workload
     from bench.workload import WorkloadRequest, workload_summary
     from engine.tokenizer import Tokenizer
@@ -126,8 +121,6 @@ def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
         return Workload(requests, warmups, {"source": label, **workload_summary(requests)})
 
     texts = chat_texts()
-    load_args = argparse.ArgumentParser()
-    compare.add_arguments(load_args)
     workloads = {
         name: workload(texts[name][:per_workload], f"bench.speculative {name}, single stream")
         for name in WORKLOADS
@@ -136,7 +129,7 @@ def workloads_for(args: argparse.Namespace, model_dir: Path) -> dict:
     workloads["concurrent"] = workload(
         list(OPEN_QUESTIONS), f"open chat, {CONCURRENT} streams", repeat=streams
     )
-    return {"args": load_args.parse_args(["--no-progress", "--num-warmups", "1"]), **workloads}
+    return workloads
 
 
 SERVER_ARGS = [
@@ -164,22 +157,6 @@ def _result(name: str, extra: dict, single: dict[str, dict], concurrent: dict) -
     return result
 
 
-def _measure(backend, workloads: dict, extra: dict, workload: str, max_concurrency: int | None) -> dict:
-    from bench.serve import measure
-    from bench.workload import ArrivalProcess
-
-    run = measure(
-        backend,
-        workloads["args"],
-        ArrivalProcess(math.inf),
-        False,
-        extra,
-        workloads[workload],
-        max_concurrency,
-    )
-    return asyncio.run(run)["metrics"]
-
-
 def _faster(metrics: dict, than: dict, single_stream: bool) -> bool:
     """Whether a repeat beat the best so far: lower TPOT p50 single-stream, more tok/s concurrent."""
     if single_stream:
@@ -191,7 +168,7 @@ def measure_tandem(args: argparse.Namespace, model_dir: Path, workloads: dict) -
     """One `--speculative ngram` server; each workload run with every request opted out
     (`disable_speculation`: plain decoding) and then speculating, back to back, so the ratio compares
     the same process at the same minute."""
-    from bench import servers
+    from bench import servers, session
     from bench.backends.tandem_grpc import TandemBackend
 
     decode, target = servers.tandem_decode_server(
@@ -205,7 +182,7 @@ def measure_tandem(args: argparse.Namespace, model_dir: Path, workloads: dict) -
                 for name, results in by_mode.items():
                     backend = TandemBackend(target, name, disable_speculation=name == "tandem-int8")
                     concurrency = None if workload == "concurrent" else 1
-                    metrics = _measure(backend, workloads, extra, workload, concurrency)
+                    metrics = session.at_once(backend, workloads[workload], extra, concurrency)
                     if workload not in results or _faster(metrics, results[workload], concurrency == 1):
                         results[workload] = metrics
     return [
@@ -218,13 +195,15 @@ def measure_tandem(args: argparse.Namespace, model_dir: Path, workloads: dict) -
 
 def measure_llama(args: argparse.Namespace, model_dir: Path, workloads: dict) -> dict:
     """Every workload on a fresh llama-server over the Q8_0 GGUF."""
-    from bench import quantized
+    from bench import quantized, session
     from bench.serve import make_backend
 
     name = "llama-server-q8_0"
     with quantized.serving(name, args, str(model_dir)) as (kind, target, extra):
-        single = {w: _measure(make_backend(kind, target, name), workloads, extra, w, 1) for w in WORKLOADS}
-        concurrent = _measure(make_backend(kind, target, name), workloads, extra, "concurrent", None)
+        single = {
+            w: session.at_once(make_backend(kind, target, name), workloads[w], extra, 1) for w in WORKLOADS
+        }
+        concurrent = session.at_once(make_backend(kind, target, name), workloads["concurrent"], extra)
     return _result(name, extra, single, concurrent)
 
 
@@ -269,11 +248,9 @@ def table(document: dict) -> str:
 
 
 def draw(document: dict, out_dir: Path) -> Path:
-    import matplotlib
+    from bench.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = document["runs"]
     fig, axis = plt.subplots(figsize=(9, 3.5))
     width = 0.8 / max(1, len(runs))
@@ -290,45 +267,26 @@ def draw(document: dict, out_dir: Path) -> Path:
     axis.set_ylabel("single-stream decode tok/s")
     axis.legend(fontsize=8)
     fig.suptitle(f"Speculative decoding, SmolLM2-135M int8, on {document['machine']['cpu']}", fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "speculative.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(plt, fig, out_dir / "speculative.png")
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.compare import SystemSkipped
-    from bench.machine import git_commit, load_average, machine_info
-    from bench.report import command_line, write_json
+    from bench import session
     from bench.servers import ServerStartError
     from engine.model_store import fetch_model
 
-    start_load = load_average()
-    valid = start_load[0] <= MAX_START_LOAD
-    if not valid and not args.allow_load:
-        raise SystemExit(
-            f"load average {start_load[0]:.2f} > {MAX_START_LOAD}: other processes would void the comparison "
-            "(--allow-load runs anyway and records the run as not valid)"
-        )
+    names = session.systems(args.systems, SYSTEMS)
+    start_load, valid = session.quiet_machine(args.allow_load)
     model_dir = fetch_model()
     workloads = workloads_for(args, model_dir)
-    document = {
-        "benchmark": "speculative",
-        "machine": machine_info(),
-        "command": command_line(),
-        "commit": git_commit(),
-        "threads": args.threads,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "load_average_at_start": start_load,
-        "workloads": {name: workloads[name].description for name in (*WORKLOADS, "concurrent")},
-        "runs": [],
-        "skipped": {},
-    }
-    names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    unknown = set(names) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"unknown systems {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
+    document = session.header(
+        "speculative",
+        start_load,
+        threads=args.threads,
+        workloads={name: workloads[name].description for name in (*WORKLOADS, "concurrent")},
+        runs=[],
+        skipped={},
+    )
     try:
         if {"tandem-int8", "tandem-int8-ngram"} & set(names):
             document["runs"] += [
@@ -336,16 +294,9 @@ def run(args: argparse.Namespace) -> int:
             ]
         if "llama-server-q8_0" in names:
             document["runs"].append(measure_llama(args, model_dir, workloads))
-    except (SystemSkipped, ServerStartError) as exc:
+    except (session.SystemSkipped, ServerStartError) as exc:
         logger.warning("skipping: %s", exc)
         document["skipped"]["run"] = str(exc)
-    document["ratios"] = ratios(document["runs"])
-    document["load_average_at_end"] = load_average()
-    document["valid"] = valid
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / "speculative.json", document)
-    if document["runs"]:
-        (args.out_dir / "README_speculative_table.md").write_text(table(document))
-        logger.info("wrote %s", draw(document, args.out_dir))
-        print(table(document))
+    document["ratios"], document["valid"] = ratios(document["runs"]), valid
+    session.finish(document, args.out_dir, table, draw)
     return 0 if not document["skipped"] else 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import plots, quantized, servers
+from bench import plots, quantized, servers, session
 
 
 def _run(system: str, single: float, chat: float, ttft: float, headline: float) -> dict:
@@ -76,14 +76,18 @@ def test_the_table_has_a_row_per_system_and_says_when_the_machine_was_busy() -> 
 
 def test_unknown_systems_are_refused() -> None:
     with pytest.raises(SystemExit, match="unknown systems: tandem-int4"):
-        quantized._systems("tandem-aggregated,tandem-int4")
+        session.systems("tandem-aggregated,tandem-int4", quantized.SYSTEMS)
+    assert session.systems(" llama-server,tandem-aggregated,", quantized.SYSTEMS) == [
+        "llama-server",
+        "tandem-aggregated",
+    ]
 
 
 def test_peak_rss_reads_each_process_high_water_mark() -> None:
-    own = quantized.peak_rss_bytes([os.getpid()])
+    own = session.peak_rss_bytes([os.getpid()])
     assert own > 10 * 2**20
-    assert quantized.peak_rss_bytes([os.getpid(), os.getpid()]) == 2 * own
-    assert quantized.peak_rss_bytes([2**22 + 7]) == 0  # gone: counted as nothing
+    assert session.peak_rss_bytes([os.getpid(), os.getpid()]) == 2 * own
+    assert session.peak_rss_bytes([2**22 + 7]) == 0  # gone: counted as nothing
 
 
 def test_llama_server_runs_q8_0_without_repacking() -> None:
@@ -124,7 +128,7 @@ def test_each_server_runs_single_one_at_a_time_and_the_headline_all_at_once(monk
 
     monkeypatch.setattr(quantized, "serving", serving)
     monkeypatch.setattr(quantized, "_chat_client", lambda kind, target: ChatClient())
-    monkeypatch.setattr(quantized, "_server_pids", list)
+    monkeypatch.setattr(session, "server_pids", list)
     monkeypatch.setattr("bench.multi_turn.run_conversations", run_conversations)
     monkeypatch.setattr(
         "bench.multi_turn.summarize",
@@ -132,7 +136,7 @@ def test_each_server_runs_single_one_at_a_time_and_the_headline_all_at_once(monk
     )
     monkeypatch.setattr("bench.serve.make_backend", lambda kind, target, label: object())
     monkeypatch.setattr("bench.serve.measure", measure)
-    workloads = {"chat": "chat", "args": None, "single": "single", "headline": "headline"}
+    workloads = {"chat": "chat", "single": "single", "headline": "headline"}
     result = quantized.measure_system("tandem-aggregated", None, Path("model"), workloads)
     assert calls == [("single", 1, math.inf), ("headline", None, math.inf)]
     assert result["single_decode_tok_s"] == 50.0 and result["headline_tok_s"] == 9.0
