@@ -351,8 +351,7 @@ def draw_ttft_by_turn(document: dict, out: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.machine import load_average, machine_info
-    from bench.report import command_line, write_json
+    from bench import session
     from bench.roofline import ModelShape
     from bench.servers import ServerStartError
     from engine.model_store import resolve_model
@@ -362,15 +361,9 @@ def run(args: argparse.Namespace) -> int:
     workload = ChatWorkload.synthetic(
         vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
     )
-    document = {
-        "benchmark": "multi-turn",
-        "machine": machine_info(),
-        "command": command_line(),
-        "model": model_dir.name,
-        "workload": workload.describe(),
-        "runs": [],
-        "skipped": {},
-    }
+    document = session.header(
+        "multi-turn", model=model_dir.name, workload=workload.describe(), runs=[], skipped={}
+    )
     for name in [n.strip() for n in args.systems.split(",") if n.strip()]:
         for caching in (True,) if name == "llama-server" else (False, True):
             try:
@@ -380,10 +373,7 @@ def run(args: argparse.Namespace) -> int:
                 document["skipped"][name] = str(exc)
                 break
     document["cache_on_vs_off"] = compare_runs(document["runs"])
-    document["load_average_at_write"] = load_average()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "multi_turn.json"
-    write_json(path, document)
+    session.finish(document, args.out_dir, name="multi_turn")
     print(
         json.dumps({"cache_on_vs_off": document["cache_on_vs_off"], "skipped": document["skipped"]}, indent=2)
     )
@@ -400,5 +390,4 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.no_plots and document["runs"]:
         logger.info("wrote %s", draw_ttft_by_turn(document, args.out_dir))
-    logger.info("wrote %s", path)
     return 0
