@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from base.errors import ConfigError, InvalidRequestError, UnsupportedModelError
+from base.kv_dtypes import kv_bytes_per_token_head, resolve_kv_cache_dtype
+from engine.families import FAMILIES
 from engine.kv_layout import KVLayout
-from engine.models import FAMILIES
+from engine.quantization import check_supported
 from engine.speculation import SpeculativeConfig
-from kernels.kv_quant import kv_bytes_per_token_head, resolve_kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,6 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        from engine.quantization import check_supported
-
         check_supported(self.quantization, self.device, self.dtype)
 
     @property

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from base.errors import InvalidRequestError, OutOfBlocksError, TandemError
-from engine import quantization
+from engine import quantization, quantized_layers
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarDeadEndError, GrammarMask, GrammarState, GrammarViolationError
@@ -115,9 +115,9 @@ class Engine:
         self.platform = choose_platform(
             self.device,
             config.dtype,
-            quantization.linear_module(config.quantization),
+            quantized_layers.linear_module(config.quantization),
             config.attention_backend,
-            quantized_embedding=quantization.embedding_module(config.quantization),
+            quantized_embedding=quantized_layers.embedding_module(config.quantization),
         )
         self.backend = self.platform.attention
         check_device_supports(config.kv_dtype, self.device, self.backend.name)

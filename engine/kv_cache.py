@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from base.kv_dtypes import SCALE_DTYPE, is_quantized
 from engine.config import ModelConfig
 from engine.kv_layout import KVLayout
-from kernels.kv_quant import SCALE_DTYPE, is_quantized, kv_rotation
+from kernels.kv_quant import kv_rotation
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""Weight quantization methods, by the name `--quantization` takes: how a linear layer is quantized, which
-module (and so which kernel) runs it, and where it can run.
+"""Weight quantization methods, by the name `--quantization` takes: what each quantizes, where it can
+run, and the mark it leaves on the weights' fingerprint. Which module (and so which kernel) runs a
+method's layers is `engine.quantized_layers`: this module loads no kernel, so a config can be checked
+where no model is built (the decode front door).
 
 The linear layers of the decoder layers (q/k/v/o and gate/up/down, fused or not), the LM head and the
 token embedding are quantized; norms and biases keep the model's dtype. The head is the method's linear
@@ -16,8 +18,8 @@ of 32 weights, each with its own scale and minimum) and the embedding as Q8_0 (b
 scale): neither maps onto one symmetric scale per row, so int8 is quantized from the checkpoint the
 fetch caches (the GGUF dequantized once, as for fp32).
 
-A method joins by adding a `QuantizationMethod` to `METHODS` (fp8 on GPUs through `torch._scaled_mm`
-would be the next).
+A method joins by adding a `QuantizationMethod` to `METHODS` and its modules to
+`engine.quantized_layers.LAYERS` (fp8 on GPUs through `torch._scaled_mm` would be the next).
 
 Quantized weights are other weights: KV computed with them differs from full precision, so the method
 is part of the model identity both tiers compare before any KV moves (`weights_fingerprint`).
@@ -27,15 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
-from torch import nn
 
 from base.errors import ConfigError
-from kernels.int8_embedding import Int8Embedding
-from kernels.int8_linear import Int8Linear
-from kernels.w8a8_linear import W8A8Linear
 
 NONE = "none"
 
@@ -45,13 +42,6 @@ class QuantizationMethod:
     """One weight quantization method."""
 
     name: str
-    # The empty quantized module that replaces a linear layer, of its shape, device and bias, with a
-    # `load_weight_rows(offset, weight)` that quantizes checkpoint rows into it; the extension is the C++
-    # CPU kernels (or None). The module's forward picks the kernel.
-    empty_like: Callable[[nn.Linear, ModuleType | None], nn.Module]
-    # The empty quantized table that replaces the token embedding, given the embedding and, when it is
-    # tied to the LM head, the head's quantized module (built by `empty_like`) whose rows it then reads.
-    empty_embedding: Callable[[nn.Embedding, nn.Module | None], nn.Module]
     # Raises ConfigError, naming the flags, when the method cannot run on this device and dtype.
     check: Callable[[torch.device, torch.dtype], None]
     # What `weights_fingerprint` appends: it names what the method quantizes, so replicas that quantize
@@ -72,21 +62,11 @@ def _fp32_on_cpu(name: str) -> Callable[[torch.device, torch.dtype], None]:
 
 METHODS: dict[str, QuantizationMethod] = {
     # Before the embedding was quantized too, int8 replicas announced "+int8-weights".
-    "int8": QuantizationMethod(
-        "int8",
-        Int8Linear.empty_like,
-        Int8Embedding.empty_like,
-        _fp32_on_cpu("int8"),
-        "int8-weights-and-embedding",
-    ),
+    "int8": QuantizationMethod("int8", _fp32_on_cpu("int8"), "int8-weights-and-embedding"),
     # int8 weights as above, with each token's activations quantized to int8 before every linear and the
     # LM head (`kernels.w8a8_linear`); the embedding lookup is int8's.
     "w8a8_int8": QuantizationMethod(
-        "w8a8_int8",
-        W8A8Linear.empty_like,
-        Int8Embedding.empty_like,
-        _fp32_on_cpu("w8a8_int8"),
-        "w8a8-int8-weights-activations-and-embedding",
+        "w8a8_int8", _fp32_on_cpu("w8a8_int8"), "w8a8-int8-weights-activations-and-embedding"
     ),
 }
 CHOICES = (NONE, *METHODS)
@@ -99,19 +79,6 @@ def check_supported(name: str, device: str | torch.device, dtype: torch.dtype) -
     if name not in METHODS:
         raise ConfigError(f"unknown quantization {name!r}; choose one of {', '.join(CHOICES)}")
     METHODS[name].check(torch.device(device), dtype)
-
-
-def linear_module(name: str) -> Callable[[nn.Linear, ModuleType | None], nn.Module] | None:
-    """The empty module `name`'s method builds each decoder linear as (`QuantizationMethod.empty_like`);
-    None for full-precision weights. The engine's `kernels.platform.Platform` swaps it in before loading,
-    so `CausalLM.load_weights` then quantizes into it."""
-    return None if name == NONE else METHODS[name].empty_like
-
-
-def embedding_module(name: str) -> Callable[[nn.Embedding, nn.Module | None], nn.Module] | None:
-    """The empty table `name`'s method builds the token embedding as (`QuantizationMethod.empty_embedding`);
-    None for full-precision weights. `kernels.platform.Platform.quantize_embeddings` swaps it in."""
-    return None if name == NONE else METHODS[name].empty_embedding
 
 
 def weights_fingerprint(model_fingerprint: str, name: str) -> str:

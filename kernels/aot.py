@@ -52,14 +52,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from kernels import triton_cache, triton_decode, triton_fused, triton_moe, triton_prefill  # noqa: E402
-from kernels.kv_quant import (  # noqa: E402
-    FP8_MIN_CUDA_CAPABILITY,
+from base.kv_dtypes import (  # noqa: E402
     KV_CACHE_DTYPE_CHOICES,
     SCALE_DTYPE,
     is_quantized,
     resolve_kv_cache_dtype,
 )
+from kernels import triton_cache, triton_decode, triton_fused, triton_moe, triton_prefill  # noqa: E402
+from kernels.kv_quant import FP8_MIN_CUDA_CAPABILITY  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.triton_common import KernelLaunch, is_interpreted, recorded_launches  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""What a quantized KV cache is: its element dtypes, their ranges, the scales beside them, and where
-each can run.
+"""How a quantized KV cache stores its rows: the scales beside them, the rotation of its keys, and where
+each element dtype can run (the dtypes themselves, their ranges and sizes, are `base.kv_dtypes`).
 
 A quantized cache stores every (token, KV head) row of K and of V as `head_dim` narrow elements plus
 one fp32 scale, symmetric: `scale = max|row| / QMAX`, `stored = round(row / scale)` (int8: round half
@@ -20,45 +20,11 @@ from __future__ import annotations
 import torch
 
 from base.errors import ConfigError
+from base.kv_dtypes import is_quantized, kv_cache_dtype_flag
+from base.kv_dtypes import resolve_kv_cache_dtype as resolve_kv_cache_dtype  # bench.memory reads it here
 
-SCALE_DTYPE = torch.float32
-# The largest stored magnitude of each quantized element dtype.
-QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-# `--kv-cache-dtype` values other than `auto` (the model's dtype), and the element dtype they store.
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
 # Triton converts fp8 e4m3 in hardware from Ada/Hopper on; older GPUs have no such instruction.
 FP8_MIN_CUDA_CAPABILITY = (8, 9)
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    """Whether a cache of `dtype` carries scales beside its elements."""
-    return dtype in QUANT_MAX
-
-
-def quant_max(dtype: torch.dtype) -> float:
-    """The largest magnitude a quantized element of `dtype` stores."""
-    return QUANT_MAX[dtype]
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache element dtype `--kv-cache-dtype name` means for a model running in `model_dtype`."""
-    if name == "auto":
-        return model_dtype
-    try:
-        return KV_CACHE_DTYPES[name]
-    except KeyError:
-        raise ConfigError(
-            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, not {name!r}"
-        ) from None
-
-
-def kv_cache_dtype_flag(dtype: torch.dtype) -> str:
-    """The `--kv-cache-dtype` value that stores `dtype` (for messages): `int8`, `fp8_e4m3` or `auto`."""
-    for name, stored in KV_CACHE_DTYPES.items():
-        if stored == dtype:
-            return name
-    return "auto"
 
 
 def check_device_supports(dtype: torch.dtype, device: torch.device, backend: str) -> None:
@@ -93,10 +59,3 @@ def kv_rotation(head_dim: int) -> torch.Tensor:
     while hadamard.shape[0] < block:
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
     return torch.block_diag(*[hadamard] * (head_dim // block)) / block**0.5
-
-
-def kv_bytes_per_token_head(head_dim: int, dtype: torch.dtype) -> int:
-    """Cache bytes one token's K (or V) takes in one KV head of one layer, its scale included."""
-    element = torch.empty((), dtype=dtype).element_size()
-    scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if is_quantized(dtype) else 0
-    return head_dim * element + scale

@@ -205,7 +205,7 @@ class W8A8Experts(Int8Experts):
 
 AnyExperts = Experts | Int8Experts
 
-# The int8 experts a quantization method's linear module stands for (`engine.quantization.linear_module`
+# The int8 experts a quantization method's linear module stands for (`engine.quantized_layers.linear_module`
 # gives the platform the module's constructor only; this maps it to the experts' one).
 _QUANTIZED_EXPERTS: dict[object, Callable[[Experts, ModuleType | None], nn.Module]] = {
     Int8Linear.empty_like: Int8Experts.empty_like,

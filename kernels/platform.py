@@ -42,10 +42,10 @@ class Platform:
     attention: AttentionBackend
     # The C++ CPU kernels the choices below run on: None on GPUs, when switched off or not buildable.
     extension: ModuleType | None
-    # The quantization method's empty module (`engine.quantization.linear_module`) each decoder linear
+    # The quantization method's empty module (`engine.quantized_layers.linear_module`) each decoder linear
     # becomes before loading, given `extension`; None: full-precision weights.
     quantized_linear: Callable[[nn.Linear, ModuleType | None], nn.Module] | None
-    # The method's empty token-embedding table (`engine.quantization.embedding_module`), given the
+    # The method's empty token-embedding table (`engine.quantized_layers.embedding_module`), given the
     # embedding and, when tied, the quantized LM head whose rows it reads; None: full-precision weights.
     quantized_embedding: Callable[[nn.Embedding, nn.Module | None], nn.Module] | None
     # fp32 linears become `CpuLinear`s: the extension's GEMV for a few rows, oneDNN beyond.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import SCALE_DTYPE, quant_max
+from base.kv_dtypes import SCALE_DTYPE, quant_max
 from kernels.metadata import AttentionMetadata
 from kernels.window import first_visible, kernel_window
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import is_quantized, quant_max
+from base.kv_dtypes import is_quantized, quant_max
 from kernels.triton_common import KernelLaunch, launch, quantized_launch_args, round_half_even, slot_offsets
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from base.kv_dtypes import SCALE_DTYPE, is_quantized
 from engine.kv_layout import KVGroup, first_visible_block
 from engine.kv_layout import KVLayout as AttentionLayout
-from kernels.kv_quant import SCALE_DTYPE, is_quantized
 from kv_transfer.errors import KVLayoutMismatchError
 from protos.tandem.internal.v1 import prefill_pb2
 

@@ -32,7 +32,7 @@ import crc32c
 import numpy as np
 import torch
 
-from kernels.kv_quant import SCALE_DTYPE
+from base.kv_dtypes import SCALE_DTYPE
 from kv_transfer.errors import (
     KVChecksumError,
     KVLayoutMismatchError,

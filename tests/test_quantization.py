@@ -17,7 +17,7 @@ from torch import nn
 
 from base.errors import ConfigError
 from base.settings import CPU_EXTENSION_ENV, Settings
-from engine import quantization
+from engine import quantization, quantized_layers
 from engine.config import EngineConfig
 from engine.engine import GenerateRequest, kv_namespace
 from engine.model_runner import ScheduledChunk
@@ -161,8 +161,8 @@ def test_a_gpu_platform_quantizes_a_bf16_head_and_embedding_for_its_torch_refere
     platform = choose_platform(
         "cuda",
         torch.bfloat16,
-        quantization.linear_module("int8"),
-        quantized_embedding=quantization.embedding_module("int8"),
+        quantized_layers.linear_module("int8"),
+        quantized_embedding=quantized_layers.embedding_module("int8"),
         settings=Settings(),
     )
     pair = TiedPair(50, 24, torch.bfloat16)
@@ -309,3 +309,8 @@ def test_tandem_up_passes_the_quantization_to_both_tiers():
         assert spec.argv[spec.argv.index("--quantization") + 1] == "int8"
     default = build_parser().parse_args(["up"])
     assert all("--quantization" not in spec.argv for spec in tier_specs(default, Path("/m")))
+
+
+def test_every_method_names_its_layers():
+    assert set(quantized_layers.LAYERS) == set(quantization.METHODS)
+    assert quantized_layers.linear_module(quantization.NONE) is None

@@ -1,9 +1,8 @@
 """The model registry: which module builds the forward pass of each Hugging Face `model_type`.
 
 Every family is a small module under this package stating only how its decoder differs from the
-shared skeleton (`engine.models.decoder`); this table names them. It is kept free of torch modules so
-that `engine.config` can refuse an unknown `model_type` at start, from a process that never builds a
-model (the decode front door reads configs too), without importing any family.
+shared skeleton (`engine.models.decoder`); `engine.families.FAMILIES` names them, and this package
+builds the one a config asks for.
 """
 
 from __future__ import annotations
@@ -11,23 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from engine.families import FAMILIES
+
 if TYPE_CHECKING:
     from engine.config import ModelConfig
     from engine.models.decoder import CausalLM
     from kernels.backend import AttentionBackend
-
-# model_type -> the module under `engine.models` whose `MODEL` class runs it.
-FAMILIES: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "phi3": "phi3",
-    "mixtral": "mixtral",
-    "qwen3_moe": "qwen3_moe",
-}
 
 
 def model_class(model_type: str) -> type[CausalLM]:

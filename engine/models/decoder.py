@@ -7,7 +7,7 @@ sequence's context lives in the cache. Projections are fused (qkv, gate_up) so a
 fewer, larger matmuls; `load_weights` maps Hugging Face parameter names onto them.
 
 The base classes are the Llama layer (Llama 2/3, SmolLM2, Mistral, Qwen2). A family (one module
-beside this one, chosen by `engine.models.FAMILIES`) subclasses `CausalLM` and overrides only the
+beside this one, chosen by `engine.families.FAMILIES`) subclasses `CausalLM` and overrides only the
 `make_*` pieces that differ: its norm, its layer's norm arrangement, its attention's scale or
 per-head q/k norm, its MLP (a mixture of experts swaps in here), its embedding scale, its checkpoint
 names.
