@@ -25,5 +25,14 @@ class UnsupportedModelError(TandemError):
     """The checkpoint's architecture or options are not implemented by our forward pass."""
 
 
+class IncompatibleKVError(TandemError):
+    """The caller's compatibility hash differs from this replica's: its KV blocks would be garbage there.
+
+    Maps to FAILED_PRECONDITION: retrying the same replica cannot help, only a compatible one can. Here,
+    not in `kv_transfer.errors` (which re-exports it), so that the status mapping (`serving.status`)
+    needs no KV transfer code.
+    """
+
+
 class OutOfBlocksError(TandemError):
     """The KV block pool cannot satisfy an allocation; the scheduler decides what to do."""

@@ -6,7 +6,7 @@ them mean "this transfer is unusable": the receiver writes nothing from the chun
 decode tier's gRPC edge fails the request.
 """
 
-from base.errors import TandemError
+from base.errors import IncompatibleKVError, TandemError
 
 
 class KVTransferError(TandemError):
@@ -36,13 +36,6 @@ class KVNonFiniteError(KVTransferError):
     The checksum only proves the bytes are the sender's; a sender with broken numerics (or a rogue one)
     can still send NaN. Such KV would poison every token decoded over it, and every later request that
     shares its prefix through the prefix cache, so it is refused like a corrupt chunk.
-    """
-
-
-class IncompatibleKVError(TandemError):
-    """The caller's compatibility hash differs from this replica's: its KV blocks would be garbage there.
-
-    Maps to FAILED_PRECONDITION: retrying the same replica cannot help, only a compatible one can.
     """
 
 

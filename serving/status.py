@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from base.errors import InvalidRequestError, OutOfBlocksError
-from kv_transfer import IncompatibleKVError
+from base.errors import IncompatibleKVError, InvalidRequestError, OutOfBlocksError
 from serving.errors import (
     DrainingError,
     QueueFullError,

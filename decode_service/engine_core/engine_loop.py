@@ -5,7 +5,7 @@ wait in the stage until the step collects them); each step delivers every reques
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
 It runs on a thread of the server process (`--engine-in-process`, tests) or of the engine-core process
-(`engine_core.process`); the front door reaches either through `EngineClient`.
+(`engine_core.process`); the front door reaches either through `request.EngineClient`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from base.errors import TandemError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
@@ -26,17 +25,6 @@ from serving.engine_thread import Deliver, EngineThread
 from serving.event_log import EventLog
 
 logger = logging.getLogger(__name__)
-
-
-class EngineClient(Protocol):
-    """What the front door asks of an engine core: `EngineLoop` in this process, `EngineProcess` in
-    another. Each call is queued and applied at the core's next step."""
-
-    def submit(self, request: ServedRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def stop_at_string(self, request_id: str, index: int, stop: str) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import grpc
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
 from decode_service.config import DecodeServiceConfig
-from decode_service.engine_core.engine_loop import EngineClient
-from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.request import EngineClient, ServedRequest, StreamDelta
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
 from decode_service.front_door.choice_text import (
     AnswerParser,

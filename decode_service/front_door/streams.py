@@ -35,7 +35,6 @@ from typing import Generic, TypeVar
 
 from base.errors import InvalidRequestError
 from decode_service.engine_core.request import ServedRequest, StreamDelta
-from serving.engine_thread import Deliver
 from serving.errors import QueueFullError
 from serving.live_calls import LiveCallRegistry
 
@@ -114,7 +113,7 @@ class StreamIntervalBuffer:
     the engine core in another process, the front door's copy of a sequence holds only its prompt.
     """
 
-    def __init__(self, interval: int, deliver: Deliver[StreamDelta]) -> None:
+    def __init__(self, interval: int, deliver: Callable[[list[StreamDelta]], None]) -> None:
         self.interval = interval
         self._deliver = deliver
         # By request object, not id: the choices of an `n` request share their id.
