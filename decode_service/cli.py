@@ -451,7 +451,13 @@ def run(args: argparse.Namespace) -> int:
             engine: Engine | CoreSpec = Engine.from_pretrained(model_dir, engine_config)
         else:
             engine = CoreSpec(
-                model_dir, engine_config, config, fingerprint, args.threads, args.log_level, args.log_format
+                model_dir,
+                engine_config,
+                config.core,
+                fingerprint,
+                args.threads,
+                args.log_level,
+                args.log_format,
             )
         return serve(
             engine,

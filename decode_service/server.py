@@ -96,12 +96,12 @@ class DecodeServer(TierServer):
         self.events: EventLog[StepRecord] | None = None
         self.remote_prefill: RemotePrefill | None = None
         if isinstance(engine, Engine):
-            self.core = EngineCore(engine, config, observe_then_deliver, model_fingerprint)
+            self.core = EngineCore(engine, config.core, observe_then_deliver, model_fingerprint)
             # The engine times its mask work only when someone listens; this server's registry does.
             engine.grammar_fill_observer = self.metrics.structured_output_fill_seconds.observe
             # Constrained requests compile their grammar on a thread of their own before the loop.
             self.engine_loop: EngineProcess | GrammarGate = GrammarGate.for_engine(
-                self.core.loop, engine, config
+                self.core.loop, engine, config.grammar
             )
             self.scheduler, self.events = self.core.scheduler, self.core.events
             self.remote_prefill = self.core.remote_prefill
@@ -122,13 +122,13 @@ class DecodeServer(TierServer):
         )
         if config.chat_template is not None:
             use_chat_template(model, config.chat_template)
-        self.constraints = Constraints.for_model(model, config)
+        self.constraints = Constraints.for_model(model, config.grammar, config.reasoning_parser)
         if self.constraints.compiler is not None:
             self.metrics.watch_grammar_compiler(self.constraints.compiler)
         self.generations = Generations(
-            model, self.engine_loop, self.registry, config, self._validation, self.constraints
+            model, self.engine_loop, self.registry, config.front_door, self._validation, self.constraints
         )
-        servicer = GenerationServicer(self.generations, self.watchdog, server_version())
+        servicer = GenerationServicer(self.generations, self.watchdog, server_version(), config.disaggregated)
         self._serve(
             GENERATION_SERVICE,
             lambda server: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server),

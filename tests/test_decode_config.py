@@ -3,6 +3,7 @@ mapping, and the JSON log format."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -14,7 +15,9 @@ from base.errors import ConfigError, InvalidRequestError
 from base.logs import JsonFormatter
 from decode_service.cli import service_config_from_args
 from decode_service.config import DecodeServiceConfig, parse_tenant_weights
+from decode_service.engine_core.config import CoreConfig
 from decode_service.engine_core.policies import POLICY_NAMES, WeightedFairQueuingPolicy, make_policy
+from decode_service.front_door.config import FrontDoorConfig, HttpConfig
 from engine.config import parse_memory_size
 from serving.errors import DrainingError, QueueFullError
 from serving.flags import engine_config_from_args
@@ -63,6 +66,40 @@ def test_config_rejects_out_of_range_settings(change):
     DecodeServiceConfig().validate()
     with pytest.raises(ConfigError):
         DecodeServiceConfig(**change).validate()
+
+
+def test_the_flags_defaults_are_their_parts_defaults():
+    config = DecodeServiceConfig()
+    assert (config.core, config.front_door, config.http) == (CoreConfig(), FrontDoorConfig(), HttpConfig())
+
+
+def test_each_half_of_the_server_gets_its_part_and_the_core_no_more():
+    config = DecodeServiceConfig(
+        policy="wfq",
+        prefill="localhost:50052",
+        grammar_cache_size=3,
+        event_log_size=5,
+        max_tokens_cap=7,
+        http_port=8000,
+        auth_token="secret",
+    )
+    core = config.core
+    assert (core.scheduler.policy, core.grammar.grammar_cache_size, core.event_log_size) == ("wfq", 3, 5)
+    assert core.remote_prefill.disaggregated and config.disaggregated
+    assert (config.front_door.max_tokens_cap, config.http.http_port) == (7, 8000)
+    # The core process is handed `core` alone: no HTTP setting, no auth token, no request limit.
+    assert not field_names(core) & {"auth_token", "tls", "http_port", "max_tokens_cap", "limits"}
+
+
+def field_names(config: object) -> set[str]:
+    """The names of a config's fields and of its parts' fields, at any depth."""
+    names = set()
+    for item in dataclasses.fields(config):
+        names.add(item.name)
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value):
+            names |= field_names(value)
+    return names
 
 
 def test_policies_by_name():

@@ -103,8 +103,9 @@ def test_serve_decode_takes_the_helm_chart_prefill_flags(monkeypatch):
         ]
     )
     config = service_config_from_args(args)
-    assert config.disaggregated and config.prefill_tls and config.fallback_local
-    assert config.prefill_targets == (
+    remote = config.core.remote_prefill
+    assert config.disaggregated and remote.prefill_tls and remote.fallback_local
+    assert remote.prefill_targets == (
         PrefillTarget("llm-tandem-prefill.inference.svc.cluster.local", 50052, resolve=True),
     )
     assert (config.local_prefill_threshold, config.prefill_timeout_s) == (256, 12.5)

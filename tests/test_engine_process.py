@@ -44,7 +44,7 @@ class ProcessServer:
             max_num_batched_tokens=64,
         )
         config = DecodeServiceConfig(host="127.0.0.1", port=0, **config_kwargs)
-        self.spec = CoreSpec(model_dir, engine_config, config, threads=1)
+        self.spec = CoreSpec(model_dir, engine_config, config.core, threads=1)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

@@ -260,7 +260,7 @@ def test_decode_tier_aggregated_admits_a_prompt_that_fits_only_at_its_peak(hybri
         max_num_batched_tokens=CHUNK,
     )
     config = DecodeServiceConfig()
-    scheduler = ContinuousScheduler(engine, make_policy("fifo", {}, 0.0), config)
+    scheduler = ContinuousScheduler(engine, make_policy("fifo", {}, 0.0), config.scheduler)
     tokens: dict[str, list[int]] = {}
 
     def deliver(deltas: list[StreamDelta]) -> None:

@@ -4,12 +4,13 @@ calls kept; the grammar formats streamed as generated; and which parser a reques
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 
 import pytest
 
-from decode_service import config
+from decode_service import cli
 from decode_service.front_door.choice_text import AnswerParser, answer_parser_factory, keeps_special_tokens
 from decode_service.front_door.constraints import ConstraintError
 from decode_service.front_door.reasoning import REASONING_PARSERS, make_reasoning_parser
@@ -211,8 +212,11 @@ def test_which_parser_a_request_gets():
 
 
 def test_the_servers_parser_flags_name_the_parsers_there_are():
-    assert set(config.TOOL_CALL_PARSERS) == set(TOOL_CALL_PARSERS)
-    assert set(config.REASONING_PARSERS) == set(REASONING_PARSERS)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    choices = {action.dest: set(action.choices or ()) for action in parser._actions}
+    assert choices["tool_call_parser"] == set(TOOL_CALL_PARSERS)
+    assert choices["reasoning_parser"] == set(REASONING_PARSERS)
 
 
 def test_only_a_parser_that_reads_a_control_token_keeps_special_tokens():

@@ -8,7 +8,7 @@ Create it inside a running asyncio loop: remote prefill runs its transfers there
 from __future__ import annotations
 
 from base.errors import ConfigError
-from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.config import CoreConfig
 from decode_service.engine_core.engine_loop import EngineLoop
 from decode_service.engine_core.messages import CoreStats
 from decode_service.engine_core.policies import make_policy
@@ -31,7 +31,7 @@ class EngineCore:
     def __init__(
         self,
         engine: Engine,
-        config: DecodeServiceConfig,
+        config: CoreConfig,
         deliver: Deliver[StreamDelta],
         model_fingerprint: str | None = None,
         record_steps: bool = True,
@@ -39,18 +39,22 @@ class EngineCore:
         """`record_steps`: keep the flight recorder of step records (`events`), which tests and the
         occupancy benchmark read in this process; a core in a process of its own has no reader for it."""
         self.engine = engine
+        scheduling = config.scheduler
         policy = make_policy(
-            config.policy, config.tenant_weights, config.sjf_aging_tokens_per_second, config.max_idle_tenants
+            scheduling.policy,
+            scheduling.tenant_weights,
+            scheduling.sjf_aging_tokens_per_second,
+            scheduling.max_idle_tenants,
         )
-        scheduler_type = StaticScheduler if config.batching == "static" else ContinuousScheduler
+        scheduler_type = StaticScheduler if scheduling.batching == "static" else ContinuousScheduler
         # Disaggregated: the prefill tier's KV must match ours, and the model fingerprint is half of that.
         self.remote_prefill: RemotePrefill | None = None
-        if config.disaggregated:
+        if config.remote_prefill.disaggregated:
             if model_fingerprint is None:
                 raise ConfigError("disaggregated prefill needs the model fingerprint to check replicas")
-            self.remote_prefill = RemotePrefill(engine, config, model_fingerprint)
+            self.remote_prefill = RemotePrefill(engine, config.remote_prefill, model_fingerprint)
         stage = self.remote_prefill.stage if self.remote_prefill is not None else None
-        self.scheduler = scheduler_type(engine, policy, config, prefill_stage=stage)
+        self.scheduler = scheduler_type(engine, policy, scheduling, prefill_stage=stage)
         self.events: EventLog[StepRecord] | None = EventLog(config.event_log_size) if record_steps else None
         self.loop = EngineLoop(engine, self.scheduler, deliver, self.events)
         # Here, in the process that owns the block pool; a taken events port fails the start.

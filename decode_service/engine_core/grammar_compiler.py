@@ -34,11 +34,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from base.errors import InvalidRequestError
+from base.errors import ConfigError, InvalidRequestError
 from serving.errors import QueueFullError, TierUnavailableError
 
 if TYPE_CHECKING:
@@ -60,6 +61,37 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is f
 _MAX_MESSAGE_CHARS = 500
 _SHUT_DOWN = "the grammar compiler is shut down (the server is stopping)"
 _MIB = 2**20
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Bounds on constraints, read by the front door's compiler and the core's grammar gate.
+
+    A constraint that does not compile within `structured_output_compile_timeout_s` (one budget for all
+    of a request's compiles), or whose compiled grammar is larger than `max_grammar_memory` bytes, is
+    refused; a tenant may have at most `max_compiles_per_tenant` compiles waiting or running, and
+    tenants take turns at the compiler. At most `grammar_cache_size` compiled grammars, and
+    `grammar_cache_memory` bytes of them, are kept.
+    """
+
+    structured_output_compile_timeout_s: float = 10.0
+    grammar_cache_size: int = 256
+    grammar_cache_memory: int = 512 * 2**20
+    max_grammar_memory: int = 64 * 2**20
+    max_compiles_per_tenant: int = 4
+
+    def validate(self) -> None:
+        if not self.structured_output_compile_timeout_s > 0:
+            raise ConfigError(
+                "structured_output_compile_timeout_s must be > 0, got "
+                f"{self.structured_output_compile_timeout_s}"
+            )
+        for name in ("grammar_cache_size", "grammar_cache_memory"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_grammar_memory", "max_compiles_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def clean_error_message(message: str) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from base.errors import InvalidRequestError, TandemError
-from decode_service.engine_core.grammar_compiler import compile_in_process
+from decode_service.engine_core.grammar_compiler import GrammarConfig, compile_in_process
 from decode_service.engine_core.messages import GrammarSource
 from engine.grammar import GrammarState, control_free_tokens
 from engine.utf8_tokens import Utf8Tokens
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     import torch
     import xgrammar as xgr
 
-    from decode_service.config import DecodeServiceConfig
     from decode_service.engine_core.engine_loop import EngineLoop
     from decode_service.engine_core.request import ServedRequest
     from engine.engine import Engine
@@ -128,7 +127,7 @@ class GrammarGate:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_engine(cls, loop: EngineLoop, engine: Engine, config: DecodeServiceConfig) -> GrammarGate:
+    def for_engine(cls, loop: EngineLoop, engine: Engine, config: GrammarConfig) -> GrammarGate:
         cache = GrammarCache(config.grammar_cache_memory, config.grammar_cache_size)
         return cls(loop, engine.tokenizer, engine.vocab_size, cache)
 

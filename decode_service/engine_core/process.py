@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 
 from base.logs import log_event
-from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.config import CoreConfig
 from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.grammar_gate import GrammarGate
 from decode_service.engine_core.heartbeat import CoreHeartbeat
@@ -81,7 +81,8 @@ class CoreSpec:
 
     model_dir: Path
     engine_config: EngineConfig
-    config: DecodeServiceConfig
+    # The core's part of the decode config alone (not the front door's: HTTP limits, the auth token).
+    config: CoreConfig
     model_fingerprint: str | None = None
     threads: int | None = None
     log_level: int = logging.INFO
@@ -395,7 +396,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
         engine.grammar_fill_observer = sender.observe_grammar_fill
         core = EngineCore(engine, spec.config, sender.send, spec.model_fingerprint, record_steps=False)
         sender.stats = core.stats
-        grammars = GrammarGate.for_engine(core.loop, engine, spec.config)
+        grammars = GrammarGate.for_engine(core.loop, engine, spec.config.grammar)
         await core.start_dependencies()
         core.loop.start(warm_up=warm_up)
         await asyncio.to_thread(core.loop.wait_ready)

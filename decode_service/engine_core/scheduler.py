@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from base.errors import ConfigError, InvalidRequestError
-from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.config import SchedulerConfig
 from decode_service.engine_core.policies import Rank, SchedulingPolicy
 from decode_service.engine_core.prefill_stage import LocalPrefillStage, PrefillStage
 from decode_service.engine_core.request import RequestState, ServedRequest, StreamDelta, TokenLogprobs
@@ -53,7 +53,7 @@ class ContinuousScheduler:
         self,
         engine: Engine,
         policy: SchedulingPolicy,
-        config: DecodeServiceConfig,
+        config: SchedulerConfig,
         prefill_stage: PrefillStage | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -16,14 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from base.errors import ConfigError, InvalidRequestError
 from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2 as pb
-
-if TYPE_CHECKING:  # the service's config holds a RequestLimits: a runtime import would be a cycle
-    from decode_service.config import DecodeServiceConfig
 
 
 @dataclass(frozen=True)
@@ -195,15 +191,18 @@ def _trusted_header(headers: Iterable[tuple[str, object]], name: str) -> str | N
 
 
 def tenant_and_priority(
-    request: pb.GenerateRequest, headers: Iterable[tuple[str, object]], config: DecodeServiceConfig
+    request: pb.GenerateRequest,
+    headers: Iterable[tuple[str, object]],
+    tenant_header: str,
+    priority_header: str,
 ) -> tuple[str, int]:
     """Tenant and priority from the trusted gateway's headers (gRPC metadata or HTTP headers, as (name,
-    value) pairs) when configured, else from the request."""
+    value) pairs) when their names are configured (`FrontDoorConfig`), else from the request."""
     tenant, priority = request.tenant, request.priority
-    if config.tenant_header:
-        tenant = _trusted_header(headers, config.tenant_header) or ""
-    if config.priority_header:
-        value = _trusted_header(headers, config.priority_header) or "0"
+    if tenant_header:
+        tenant = _trusted_header(headers, tenant_header) or ""
+    if priority_header:
+        value = _trusted_header(headers, priority_header) or "0"
         try:
             priority = int(value)
         except ValueError:

@@ -41,8 +41,7 @@ from protos.tandem.v1 import generation_pb2 as pb
 from serving.errors import QueueFullError
 
 if TYPE_CHECKING:
-    from decode_service.config import DecodeServiceConfig
-    from decode_service.engine_core.grammar_compiler import GrammarCompiler
+    from decode_service.engine_core.grammar_compiler import GrammarCompiler, GrammarConfig
     from engine.model_facts import ModelFacts
     from engine.tokenizer import Tokenizer
 
@@ -334,13 +333,13 @@ class Constraints:
                 self._warm.popitem(last=False)
 
     @classmethod
-    def for_model(cls, model: ModelFacts, config: DecodeServiceConfig) -> Constraints:
+    def for_model(cls, model: ModelFacts, config: GrammarConfig, reasoning_parser: str | None) -> Constraints:
         """The server's constraints over `model`'s vocabulary; a ConfigError when the reasoning parser
         cannot work with its tokenizer. Cheap: the compiler starts on the first constraint."""
         from decode_service.engine_core.grammar_compiler import GrammarCompiler
 
         tokenizer = model.tokenizer
-        activate_after = reasoning_end_token_id(tokenizer, config.reasoning_parser)
+        activate_after = reasoning_end_token_id(tokenizer, reasoning_parser)
         if tokenizer is None:
             return cls(None)
         compiler = GrammarCompiler(

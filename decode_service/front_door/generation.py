@@ -21,7 +21,6 @@ import grpc
 
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
-from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.request import EngineClient, ServedRequest, StreamDelta
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
 from decode_service.front_door.choice_text import (
@@ -31,6 +30,7 @@ from decode_service.front_door.choice_text import (
     answer_parser_factory,
     keeps_special_tokens,
 )
+from decode_service.front_door.config import FrontDoorConfig
 from decode_service.front_door.constraints import Constraints, may_compile
 from decode_service.front_door.reasoning import ReasoningEnd
 from decode_service.front_door.streams import Mailbox, StreamHub, coalesce
@@ -131,7 +131,7 @@ class Generations:
         model: ModelFacts,
         engine_loop: EngineClient,
         hub: StreamHub,
-        config: DecodeServiceConfig,
+        config: FrontDoorConfig,
         validation: ValidationPool,
         constraints: Constraints | None = None,
     ) -> None:

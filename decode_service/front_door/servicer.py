@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Generate, Abort and GetModelInfo over one engine loop."""
 
-    def __init__(self, generations: Generations, watchdog: StallWatchdog, server_version: str) -> None:
+    def __init__(
+        self, generations: Generations, watchdog: StallWatchdog, server_version: str, disaggregated: bool
+    ) -> None:
         self._generations = generations
+        self._disaggregated = disaggregated
         self._watchdog = watchdog
         self._server_version = server_version
 
@@ -38,7 +41,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # cannot hold its slot: the write is timed out and the request aborted at once.
         try:
             metadata = tuple(context.invocation_metadata() or ())
-            tenant, priority = tenant_and_priority(request, metadata, self._generations.config)
+            config = self._generations.config
+            tenant, priority = tenant_and_priority(
+                request, metadata, config.tenant_header, config.priority_header
+            )
             generation = await self._generations.start(request, time.monotonic(), tenant, priority)
         except Exception as exc:
             await self._refuse(context, exc)
@@ -65,7 +71,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         model = self._generations.model
-        config = self._generations.config
         return pb.ModelInfo(
             model_name=model.model_name,
             max_context_length=model.max_model_len,
@@ -73,7 +78,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             eos_token_ids=sorted(model.eos_token_ids),
             dtype=dtype_name(model.dtype),
             block_size=model.block_size,
-            mode=pb.SERVING_MODE_DISAGGREGATED if config.disaggregated else pb.SERVING_MODE_AGGREGATED,
+            mode=pb.SERVING_MODE_DISAGGREGATED if self._disaggregated else pb.SERVING_MODE_AGGREGATED,
             server_version=self._server_version,
             prefix_caching=model.enable_prefix_caching,
         )

@@ -40,9 +40,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from base.auth import channel_credentials
-from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
 from decode_service.engine_core.remote_prefill.client import PrefillClient
+from decode_service.engine_core.remote_prefill.config import RemotePrefillConfig
 from decode_service.engine_core.remote_prefill.pool import PrefillPool
 from decode_service.engine_core.remote_prefill.transfer import (
     KVTransfer,
@@ -233,7 +233,7 @@ class RemotePrefill:
     requests already see which replicas are ready), `close` after it stopped (so no transfer is live).
     """
 
-    def __init__(self, engine: Engine, config: DecodeServiceConfig, model_fingerprint: str) -> None:
+    def __init__(self, engine: Engine, config: RemotePrefillConfig, model_fingerprint: str) -> None:
         credentials = None
         if config.prefill_tls:
             credentials = channel_credentials(

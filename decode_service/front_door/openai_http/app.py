@@ -181,8 +181,9 @@ class OpenAIRoutes:
             if not openai_request.stream:
                 self._check_unstreamed(openai_request)
             generate.request_id = request.headers.get(REQUEST_ID_HEADER, generate.request_id)
+            config = self._generations.config
             tenant, priority = tenant_and_priority(
-                generate, request.headers.items(), self._generations.config
+                generate, request.headers.items(), config.tenant_header, config.priority_header
             )
             generation = await self._generations.start(generate, arrival, tenant, priority)
         except Exception as exc:

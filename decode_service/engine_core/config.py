@@ -1,0 +1,78 @@
+"""The engine core's parts of the decode configuration: all that a core in a process of its own
+receives (`CoreConfig`), each part read by the code that owns it.
+
+`decode_service.config.DecodeServiceConfig` holds the flags and hands the core its parts; the core reads
+nothing else, so it never sees the front door's settings (HTTP limits, the auth token) or its code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from base.errors import ConfigError
+from decode_service.engine_core.grammar_compiler import GrammarConfig
+from decode_service.engine_core.remote_prefill.config import RemotePrefillConfig
+from engine.kv_events import KVEventsConfig
+
+BATCHING_MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the core schedules: its policy (`policies.make_policy`) and batching mode, read by
+    `core.EngineCore` and the scheduler.
+
+    A request preempted `max_preemptions` times ranks ahead of every request that was not, so it is
+    never the victim again while others are (bounded thrash). wfq remembers at most `max_idle_tenants`
+    idle tenants' leads. `admission_watermark` is the share of the KV pool admission leaves free.
+    """
+
+    policy: str = "fifo"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    sjf_aging_tokens_per_second: float = 100.0
+    max_idle_tenants: int = 1024
+    batching: str = "continuous"
+    static_batch_timeout_s: float = 0.1
+    max_preemptions: int = 3
+    admission_watermark: float = 0.01
+
+    def validate(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ConfigError(f"batching must be one of {', '.join(BATCHING_MODES)}, not {self.batching!r}")
+        if self.max_preemptions < 0:
+            raise ConfigError(f"max_preemptions must be >= 0, got {self.max_preemptions}")
+        if not 0 <= self.admission_watermark < 1:
+            raise ConfigError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
+        if self.static_batch_timeout_s < 0:
+            raise ConfigError(f"static_batch_timeout_s must be >= 0, got {self.static_batch_timeout_s}")
+        if self.max_idle_tenants < 1:
+            raise ConfigError(f"max_idle_tenants must be >= 1, got {self.max_idle_tenants}")
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Everything the engine core reads.
+
+    `event_log_size` bounds the in-process flight recorder of steps. `kv_events` (vLLM's KVEventsConfig)
+    publishes the prefix cache's block events for cache-aware routers (`engine.kv_events`). A core in a
+    process of its own that leaves a heartbeat unanswered for `engine_heartbeat_timeout_s` (stopped,
+    wedged) is killed and the server exits non-zero, as when the core dies; the timeout must outlast the
+    longest step (a long prefill on a slow CPU).
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    remote_prefill: RemotePrefillConfig = field(default_factory=RemotePrefillConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    event_log_size: int = 4096
+    engine_heartbeat_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        self.scheduler.validate()
+        self.remote_prefill.validate()
+        self.grammar.validate()
+        if not self.engine_heartbeat_timeout_s > 0:
+            timeout = self.engine_heartbeat_timeout_s
+            raise ConfigError(f"engine_heartbeat_timeout_s must be > 0, got {timeout}")
+        self.kv_events.validate()
