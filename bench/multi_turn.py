@@ -122,10 +122,12 @@ class ChatClient(Protocol):
 
 
 class TandemChatClient:
-    def __init__(self, target: str) -> None:
+    """`affinity`: choose among the target's replicas by prompt prefix (`tandem.client.affinity`)."""
+
+    def __init__(self, target: str, affinity: bool = False) -> None:
         from tandem.client import AsyncTandemClient
 
-        self._client = AsyncTandemClient(target)
+        self._client = AsyncTandemClient(target, affinity=affinity)
 
     async def complete(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[list[int]]:
         async for delta in self._client.generate(

@@ -33,10 +33,17 @@ import signal
 import statistics
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from bench.multi_turn import FIRST_PLAIN_TOKEN, ChatWorkload, TurnResult, summarize
+from bench.multi_turn import (
+    FIRST_PLAIN_TOKEN,
+    ChatClient,
+    ChatWorkload,
+    TandemChatClient,
+    TurnResult,
+    summarize,
+)
 from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
@@ -150,16 +157,8 @@ class Replicas:
         return queried, hit
 
 
-async def _stream(client, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[list[int]]:
-    async for delta in client.generate(
-        token_ids=list(prompt), temperature=0.0, max_tokens=max_tokens, ignore_eos=True
-    ):
-        if delta.token_ids:
-            yield list(delta.token_ids)
-
-
 async def converse(
-    client, workload: ChatWorkload, on_turn: Callable[[], None] | None = None
+    client: ChatClient, workload: ChatWorkload, on_turn: Callable[[], None] | None = None
 ) -> tuple[list[TurnResult], float, int, int]:
     """Every conversation concurrently, its turns in sequence, a failed turn sent again once; returns
     the turns, the wall seconds, the turns sent again and the conversations lost."""
@@ -175,7 +174,7 @@ async def converse(
             for attempt in range(2):
                 start, first, reply = time.perf_counter(), None, []
                 try:
-                    async for token_ids in _stream(client, history, workload.reply_len):
+                    async for token_ids in client.complete(history, workload.reply_len):
                         first = first if first is not None else time.perf_counter() - start
                         reply.extend(token_ids)
                     break
@@ -198,8 +197,6 @@ async def converse(
 
 
 def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkload) -> dict:
-    from tandem.client import AsyncTandemClient
-
     threshold = args.local_prefill_threshold if args.topology == "disaggregated" else None
     replicas = Replicas(
         model,
@@ -211,7 +208,7 @@ def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkl
     total_turns = len(workload.users) * len(workload.users[0])
 
     async def session() -> dict:
-        client = AsyncTandemClient(replicas.target, affinity=name.startswith("affinity"))
+        client = TandemChatClient(replicas.target, affinity=name.startswith("affinity"))
         done = 0
 
         def on_turn() -> None:
@@ -222,7 +219,7 @@ def measure(name: str, args: argparse.Namespace, model: str, workload: ChatWorkl
                 replicas.kill(1)
 
         for warm in range(len(replicas.targets)):  # one request per replica, off the workload's prefix
-            async for _ in _stream(client, [FIRST_PLAIN_TOKEN + warm] * 8, 2):
+            async for _ in client.complete([FIRST_PLAIN_TOKEN + warm] * 8, 2):
                 pass
         before = replicas.cache_counters()
         turns, wall_s, resent, lost = await converse(client, workload, on_turn)
