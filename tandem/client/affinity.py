@@ -42,6 +42,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from protos.tandem.v1 import generation_pb2 as pb
+from tandem.client.errors import Unavailable
 
 BLOCK_BYTES = 64
 BLOCK_TOKENS = 16
@@ -242,3 +243,48 @@ class ReplicaPicker(Generic[Stub]):
             self._replicas.clear()
             self._retired.clear()
         return [replica.close() for replica in replicas]
+
+
+class ReplicaAttempts(Generic[Stub]):
+    """One call's tries, replica after replica, as both clients make them: `next` picks a replica for the
+    prompt, `received` records the first response (so `abort` can reach the replica running it),
+    `failed` says whether the call may go on to another replica, `done` ends a try."""
+
+    def __init__(
+        self, picker: ReplicaPicker[Stub], request: pb.GenerateRequest, running: dict[str, Replica[Stub]]
+    ) -> None:
+        self._picker = picker
+        self._chain = prefix_chain(request)
+        self._running = running
+        self._tried: list[Replica[Stub]] = []
+        self._replica: Replica[Stub] | None = None
+        self._request_id: str | None = None
+        self._failed = False
+
+    def next(self) -> Replica[Stub] | None:
+        """The replica for the next try; None when every one was tried (see `exhausted`)."""
+        self._replica = self._picker.acquire(self._chain, exclude=self._tried)
+        self._request_id, self._failed = None, False
+        return self._replica
+
+    def received(self, request_id: str) -> None:
+        if self._request_id is None and self._replica is not None:
+            self._request_id = request_id
+            self._running[request_id] = self._replica
+
+    def failed(self, error: grpc.RpcError) -> bool:
+        """Whether the call goes on to another replica (else the caller raises `error`)."""
+        if self._replica is not None:
+            self._tried.append(self._replica)
+        self._failed = retries_elsewhere(error, received=self._request_id is not None)
+        return self._failed and len(self._tried) < MAX_ATTEMPTS
+
+    def done(self) -> None:
+        """The try is over: its replica's call is released and, if it did not answer, backed off."""
+        if self._replica is not None:
+            self._picker.release(self._replica, self._failed)
+        if self._request_id is not None:
+            self._running.pop(self._request_id, None)
+
+    def exhausted(self) -> Unavailable:
+        return Unavailable(f"no replica of {self._picker.target} left to try")

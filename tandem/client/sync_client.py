@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from base.auth import PathLike
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
-from tandem.client.affinity import MAX_ATTEMPTS, Replica, ReplicaPicker, prefix_chain, retries_elsewhere
+from tandem.client.affinity import Replica, ReplicaAttempts, ReplicaPicker
 from tandem.client.connection import ConnectionSettings, Metadata
-from tandem.client.errors import Unavailable, error_from_rpc
+from tandem.client.errors import error_from_rpc
 from tandem.client.requests import ChatMessageLike, ToolLike, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
 
@@ -190,30 +190,23 @@ class TandemClient:
     ) -> Iterator[GenerationDelta]:
         """`generate()` on the replica `picker` chooses for the prompt's prefix; a replica that fails with
         UNAVAILABLE before any response is reported and the call goes to the next best."""
-        chain, tried = prefix_chain(request), []
-        while (replica := picker.acquire(chain, exclude=tried)) is not None:
+        attempts = ReplicaAttempts(picker, request, self._running)
+        while (replica := attempts.next()) is not None:
             call = replica.stub.Generate(
                 request, timeout=self._settings.deadline(timeout), metadata=self._settings.metadata(metadata)
             )
-            received = failed = False
-            request_id = ""
             try:
                 for message in call:
-                    if not received:
-                        received, request_id = True, message.request_id
-                        self._running[request_id] = replica
+                    attempts.received(message.request_id)
                     yield GenerationDelta.from_proto(message)
                 return
             except grpc.RpcError as exc:
-                tried.append(replica)
-                failed = retries_elsewhere(exc, received)
-                if not failed or len(tried) >= MAX_ATTEMPTS:
+                if not attempts.failed(exc):
                     raise error_from_rpc(exc) from exc
             finally:
                 call.cancel()
-                picker.release(replica, failed)
-                self._running.pop(request_id, None)
-        raise Unavailable(f"no replica of {picker.target} left to try")
+                attempts.done()
+        raise attempts.exhausted()
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Run `generate()` with the same arguments to the end and return the whole completion (n = 1;
