@@ -44,19 +44,39 @@ SYSTEMS = ("tandem-aggregated", "tandem-disaggregated", "llama-server")
 FIRST_PLAIN_TOKEN = 100
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser, turns: int) -> None:
+    """The model and the chat's shape, shared with `bench.replicas`."""
     parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: {SYSTEMS})")
     parser.add_argument(
         "--conversations", type=int, default=8, help="concurrent conversations C (default: 8)"
     )
-    parser.add_argument("--turns", type=int, default=6, help="turns T per conversation (default: 6)")
+    parser.add_argument(
+        "--turns", type=int, default=turns, help=f"turns T per conversation (default: {turns})"
+    )
     parser.add_argument(
         "--system-len", type=int, default=512, help="shared system prompt tokens (default: 512)"
     )
     parser.add_argument("--user-len", type=int, default=48, help="tokens of each user message (default: 48)")
     parser.add_argument("--reply-len", type=int, default=32, help="greedy tokens of each reply (default: 32)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
+
+
+def model_and_workload(args: argparse.Namespace) -> tuple[Path, ChatWorkload]:
+    """The model directory and the synthetic chat `add_workload_arguments`' flags describe."""
+    from bench.roofline import ModelShape
+    from engine.model_store import resolve_model
+
+    model_dir = resolve_model(args.model)
+    vocab = ModelShape.from_config_file(model_dir / "config.json").vocab
+    workload = ChatWorkload.synthetic(
+        vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
+    )
+    return model_dir, workload
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, turns=6)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: {SYSTEMS})")
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="tandem batch size cap (default: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tandem tokens per step")
@@ -354,15 +374,9 @@ def draw_ttft_by_turn(document: dict, out: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from bench import session
-    from bench.roofline import ModelShape
     from bench.servers import ServerStartError
-    from engine.model_store import resolve_model
 
-    model_dir = resolve_model(args.model)
-    vocab = ModelShape.from_config_file(model_dir / "config.json").vocab
-    workload = ChatWorkload.synthetic(
-        vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
-    )
+    model_dir, workload = model_and_workload(args)
     document = session.header(
         "multi-turn", model=model_dir.name, workload=workload.describe(), runs=[], skipped={}
     )

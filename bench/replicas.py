@@ -17,7 +17,7 @@ Reported per run: the decode replicas' prefix-cache hit rate (hit tokens / queri
 the replicas' `tandem:prefix_cache_*` counters), median TTFT of turns >= 2 and of turn 1, throughput,
 and the affinity / round-robin TTFT ratio. Writes `replicas_<topology>.json` to `--out-dir`.
 
-    tandem bench replicas                                     # 8 conversations x 5 turns (about 10 min)
+    tandem bench replicas                                     # 8 conversations x 5 turns (about 5 min)
     tandem bench replicas --conversations 2 --turns 2 --system-len 48 --runs affinity   # a smoke run
 """
 
@@ -42,6 +42,8 @@ from bench.multi_turn import (
     ChatWorkload,
     TandemChatClient,
     TurnResult,
+    add_workload_arguments,
+    model_and_workload,
     summarize,
 )
 from bench.report import results_dir
@@ -54,16 +56,8 @@ KILL_AFTER_SHARE = 1 / 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
+    add_workload_arguments(parser, turns=5)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list (default: {','.join(RUNS)})")
-    parser.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default: 8)")
-    parser.add_argument("--turns", type=int, default=5, help="turns per conversation (default: 5)")
-    parser.add_argument(
-        "--system-len", type=int, default=512, help="shared system prompt tokens (default: 512)"
-    )
-    parser.add_argument("--user-len", type=int, default=48, help="tokens of each user message (default: 48)")
-    parser.add_argument("--reply-len", type=int, default=32, help="greedy tokens of each reply (default: 32)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="each tier's KV pool (default: 512MiB)")
     parser.add_argument(
         "--decode-args",
@@ -271,14 +265,8 @@ def compare(runs: list[dict]) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from bench import session
-    from bench.roofline import ModelShape
-    from engine.model_store import resolve_model
 
-    model_dir = resolve_model(args.model)
-    vocab = ModelShape.from_config_file(model_dir / "config.json").vocab
-    workload = ChatWorkload.synthetic(
-        vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
-    )
+    model_dir, workload = model_and_workload(args)
     document = session.header(
         "replicas",
         model=model_dir.name,
