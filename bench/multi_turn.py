@@ -58,6 +58,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser, turns: int) -> None:
     )
     parser.add_argument("--user-len", type=int, default=48, help="tokens of each user message (default: 48)")
     parser.add_argument("--reply-len", type=int, default=32, help="greedy tokens of each reply (default: 32)")
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="mean seconds a user pauses before each later turn, exponentially distributed and seeded "
+        "(default: 0, every turn sent the moment its previous reply ends)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default: 0)")
 
 
@@ -69,7 +76,14 @@ def model_and_workload(args: argparse.Namespace) -> tuple[Path, ChatWorkload]:
     model_dir = resolve_model(args.model)
     vocab = ModelShape.from_config_file(model_dir / "config.json").vocab
     workload = ChatWorkload.synthetic(
-        vocab, args.conversations, args.turns, args.system_len, args.user_len, args.reply_len, args.seed
+        vocab,
+        args.conversations,
+        args.turns,
+        args.system_len,
+        args.user_len,
+        args.reply_len,
+        args.seed,
+        args.think_time,
     )
     return model_dir, workload
 
@@ -89,11 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class ChatWorkload:
-    """The token ids of every message: one system prompt, and per conversation one user message per turn."""
+    """The token ids of every message: one system prompt, and per conversation one user message per turn;
+    `pauses` holds each conversation's seconds of user think time before each turn (0 before the first).
+    """
 
     system: tuple[int, ...]
     users: tuple[tuple[tuple[int, ...], ...], ...]
     reply_len: int
+    pauses: tuple[tuple[float, ...], ...]
 
     @classmethod
     def synthetic(
@@ -105,14 +122,20 @@ class ChatWorkload:
         user_len: int,
         reply_len: int,
         seed: int,
+        think_time: float = 0.0,
     ) -> ChatWorkload:
-        rng = random.Random(seed)
+        """Seeded token ids; pauses drawn from their own generator, so think time leaves the tokens alone."""
+        rng, pause_rng = random.Random(seed), random.Random(seed + 1)
 
         def message(length: int) -> tuple[int, ...]:
             return tuple(rng.randrange(FIRST_PLAIN_TOKEN, vocab) for _ in range(length))
 
+        def pause(turn: int) -> float:
+            return pause_rng.expovariate(1 / think_time) if think_time > 0 and turn > 0 else 0.0
+
         users = tuple(tuple(message(user_len) for _ in range(turns)) for _ in range(conversations))
-        return cls(message(system_len), users, reply_len)
+        pauses = tuple(tuple(pause(turn) for turn in range(turns)) for _ in range(conversations))
+        return cls(message(system_len), users, reply_len, pauses)
 
     def describe(self) -> dict:
         return {
@@ -121,6 +144,9 @@ class ChatWorkload:
             "system_len": len(self.system),
             "user_len": len(self.users[0][0]),
             "reply_len": self.reply_len,
+            "mean_think_time_s": statistics.fmean(p for row in self.pauses for p in row[1:])
+            if self.pauses[0][1:]
+            else 0.0,
         }
 
 
@@ -193,6 +219,7 @@ async def run_conversations(client: ChatClient, workload: ChatWorkload) -> tuple
     async def conversation(index: int) -> list[TurnResult]:
         history, results = list(workload.system), []
         for turn, user in enumerate(workload.users[index], start=1):
+            await asyncio.sleep(workload.pauses[index][turn - 1])
             history.extend(user)
             start, first, reply = time.perf_counter(), None, []
             async for token_ids in client.complete(history, workload.reply_len):

@@ -164,6 +164,7 @@ async def converse(
         nonlocal resent, lost
         history, results = list(workload.system), []
         for turn, user in enumerate(workload.users[index], start=1):
+            await asyncio.sleep(workload.pauses[index][turn - 1])
             history.extend(user)
             for attempt in range(2):
                 start, first, reply = time.perf_counter(), None, []

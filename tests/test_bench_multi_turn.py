@@ -34,10 +34,23 @@ def test_workload_shares_one_system_prompt_and_avoids_special_tokens():
         "system_len": 40,
         "user_len": 5,
         "reply_len": 3,
+        "mean_think_time_s": 0.0,
     }
     tokens = [*workload.system, *(t for c in workload.users for m in c for t in m)]
     assert all(FIRST_PLAIN_TOKEN <= t < 500 for t in tokens)
     assert workload == ChatWorkload.synthetic(500, 3, 2, 40, 5, 3, seed=1)
+
+
+def test_think_time_pauses_later_turns_only_and_leaves_the_tokens_alone():
+    plain = ChatWorkload.synthetic(500, 40, 3, 10, 4, 2, seed=3)
+    thinking = ChatWorkload.synthetic(500, 40, 3, 10, 4, 2, seed=3, think_time=2.0)
+    assert (thinking.system, thinking.users) == (plain.system, plain.users)
+    assert all(row[0] == 0.0 for row in thinking.pauses) and all(
+        p == 0.0 for row in plain.pauses for p in row
+    )
+    later = [p for row in thinking.pauses for p in row[1:]]
+    assert all(p > 0 for p in later) and len(set(later)) == len(later)
+    assert 1.0 < thinking.describe()["mean_think_time_s"] < 3.0  # 80 draws of an exponential, mean 2
 
 
 def test_each_turn_resends_the_history_with_the_servers_replies():

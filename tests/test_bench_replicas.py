@@ -10,7 +10,12 @@ from bench.multi_turn import ChatWorkload
 from bench.replicas import compare, converse
 from tandem.client import Unavailable
 
-WORKLOAD = ChatWorkload(system=(1, 2, 3), users=(((10,), (11,), (12,)), ((20,), (21,), (22,))), reply_len=2)
+WORKLOAD = ChatWorkload(
+    system=(1, 2, 3),
+    users=(((10,), (11,), (12,)), ((20,), (21,), (22,))),
+    reply_len=2,
+    pauses=((0.0, 0.0, 0.0), (0.0, 0.0, 0.0)),
+)
 
 
 class FlakyClient:
