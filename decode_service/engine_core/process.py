@@ -62,6 +62,7 @@ from decode_service.engine_core.messages import (
 )
 from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter
 from decode_service.engine_core.request import ServedRequest, StreamDelta, TokenLogprobs
+from decode_service.engine_core.step_writer import Reply, StepWriter
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sequence import FinishReason, Sequence
@@ -403,12 +404,15 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     except Exception as exc:
         logger.exception("engine core could not start")
         sender.write(StartFailed(f"{type(exc).__name__}: {exc}"))
+        await asyncio.to_thread(sender.close)
         return
     sender.write(Ready())
     logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
     await asyncio.to_thread(_apply_commands, commands, core, grammars, sender)
     await asyncio.to_thread(grammars.stop)
     await core.close_dependencies()
+    # After the loop stopped: its last deltas (the aborts of `_on_stop`) are queued, and leave now.
+    await asyncio.to_thread(sender.close)
 
 
 def _apply_commands(
@@ -461,11 +465,14 @@ def _served_request(command: Submit) -> ServedRequest:
 
 
 class _StepSender:
-    """The engine loop's `deliver` in the core process: each step's deltas and counters, as one message."""
+    """The engine loop's `deliver` in the core process: each step's deltas and counters, as one message.
+
+    The engine thread only converts the deltas (`_delta` reads request fields the next step changes);
+    encoding and writing happen on `StepWriter`'s thread, so a front door that reads slowly holds the
+    steps only once `MAX_QUEUED` messages wait."""
 
     def __init__(self, replies: Connection) -> None:
-        self._replies = replies
-        self._lock = threading.Lock()
+        self._writer = StepWriter(replies)
         self.stats: Callable[[], CoreStats] = CoreStats
         self.grammar_fill_seconds: list[float] = []
 
@@ -488,13 +495,13 @@ class _StepSender:
             )
         )
 
-    def write(self, message: StepOut | Ready | StartFailed | Pong) -> None:
-        data = command_encoder.encode(message)
-        with self._lock:
-            try:
-                self._replies.send_bytes(data)
-            except OSError:
-                logger.info("the server is gone; dropped a step message")
+    def write(self, message: Reply) -> None:
+        """Queue `message` after every one written before it, from any thread."""
+        self._writer.put(message)
+
+    def close(self) -> None:
+        """Write what is queued, then end the writer thread (the core is exiting)."""
+        self._writer.close()
 
 
 def _delta(delta: StreamDelta) -> Delta:
