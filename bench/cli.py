@@ -62,6 +62,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "bench.memory",
         "every resident MiB of one idle int8 decode server (both processes), against llama-server's",
     ),
+    (
+        "request-files",
+        "bench.request_files",
+        "the repository's files one aggregated gRPC Generate executes, in both server processes",
+    ),
     ("perf-report", "bench.perf_report", "issue 17's figures in one run, each against its target"),
     ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
     ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),
