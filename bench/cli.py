@@ -67,6 +67,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "bench.request_files",
         "the repository's files one aggregated gRPC Generate executes, in both server processes",
     ),
+    (
+        "slow-front-door",
+        "bench.slow_front_door",
+        "core steps while the front door stops reading its replies for 2 s, inline writes vs the writer",
+    ),
     ("perf-report", "bench.perf_report", "issue 17's figures in one run, each against its target"),
     ("profile", "bench.profile_decode", "profile decode steps on the headline workload: where time goes"),
     ("plots", "bench.plots", "redraw the PNGs and the README table from the JSON results"),
