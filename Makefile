@@ -31,13 +31,17 @@ run: install
 	$(BIN)/tandem fetch-model
 	$(BIN)/tandem up
 
+# Tests run on one worker per core, at most four; a test file stays on one worker, so its module
+# fixtures (a loaded model, a running server) are built once.
+PYTEST_WORKERS := -n auto --maxprocesses 4 --dist loadfile
+
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) --durations=15
 
 test-quick: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

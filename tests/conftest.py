@@ -33,6 +33,13 @@ TEST_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow tests run first, each file's own order kept: `make test` hands whole files to
+    its workers (`--dist loadfile`), and a long file taken last leaves the other workers idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def tiny_hf_config(
     kind: str = "llama",
     num_heads: int = 4,
