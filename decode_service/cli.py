@@ -435,7 +435,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Start the engine core and the server, serve until SIGTERM/SIGINT, drain; returns the exit status."""
-    from decode_service.engine_core.process import CoreSpec
+    from decode_service.engine_core.config import CoreSpec
     from decode_service.server import serve
     from engine.engine import Engine
     from engine.model_store import model_fingerprint

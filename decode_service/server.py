@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
+from decode_service.engine_core.config import CoreSpec
 from decode_service.engine_core.core import EngineCore
+from decode_service.engine_core.core_client import EngineProcess
 from decode_service.engine_core.grammar_gate import GrammarGate
 from decode_service.engine_core.messages import CoreStats
-from decode_service.engine_core.process import CoreSpec, EngineProcess
 from decode_service.engine_core.remote_prefill.stage import RemotePrefill
 from decode_service.engine_core.request import StreamDelta
 from decode_service.engine_core.scheduler import ContinuousScheduler

@@ -45,7 +45,7 @@ def server_version() -> str:
 
 class EngineRunner(Protocol):
     """The lifecycle of what runs a tier's engine: an `EngineThread`, or the decode tier's engine-core
-    process (`decode_service.engine_core.process`)."""
+    process (`decode_service.engine_core.core_client`)."""
 
     def start(self, warm_up: bool = True) -> None: ...
 

@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
-from decode_service.engine_core.process import CoreSpec, EngineProcess
+from decode_service.engine_core.config import CoreSpec
+from decode_service.engine_core.core_client import EngineProcess
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from protos.tandem.v1 import generation_pb2 as pb

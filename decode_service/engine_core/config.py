@@ -1,19 +1,28 @@
 """The engine core's parts of the decode configuration: all that a core in a process of its own
-receives (`CoreConfig`), each part read by the code that owns it.
+receives (`CoreConfig`), each part read by the code that owns it, and the `CoreSpec` it is spawned with.
 
 `decode_service.config.DecodeServiceConfig` holds the flags and hands the core its parts; the core reads
 nothing else, so it never sees the front door's settings (HTTP limits, the auth token) or its code.
+`CoreSpec` lives here, not with either end of the pipe, because both ends need it: the server's
+`core_client` ships it at spawn and the core's `core_main` receives it, and the core never imports
+`core_client` (which imports `core_main` only to name the spawn target).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from base.errors import ConfigError
 from decode_service.engine_core.grammar_compiler import GrammarConfig
 from decode_service.engine_core.remote_prefill.config import RemotePrefillConfig
 from engine.kv_events import KVEventsConfig
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 BATCHING_MODES = ("continuous", "static")
 
@@ -76,3 +85,17 @@ class CoreConfig:
             timeout = self.engine_heartbeat_timeout_s
             raise ConfigError(f"engine_heartbeat_timeout_s must be > 0, got {timeout}")
         self.kv_events.validate()
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core process needs to build its engine and core; handed over once, at spawn."""
+
+    model_dir: Path
+    engine_config: EngineConfig
+    # The core's part of the decode config alone (not the front door's: HTTP limits, the auth token).
+    config: CoreConfig
+    model_fingerprint: str | None = None
+    threads: int | None = None
+    log_level: int = logging.INFO
+    log_format: str = "text"

@@ -1,6 +1,6 @@
 """One decode engine core: the scheduler over an engine, its engine loop, and remote prefill when the
 replica has a prefill tier. The same assembly runs on the server's engine thread or in a process of
-its own (`engine_core.process`).
+its own (`engine_core.core_main`).
 
 Create it inside a running asyncio loop: remote prefill runs its transfers there.
 """

@@ -56,7 +56,7 @@ class ServedRequest:
     # evicted before admission). Set by the scheduler at enqueue and at preemption.
     expected_cached_tokens: int = 0
     # The front door's number for this submission when the core runs in a process of its own: echoed
-    # in every delta, so a delta never reaches a newer request that reused the id (`engine_core.process`).
+    # in every delta, so a delta never reaches a newer request that reused the id (`engine_core.core_client`).
     submission: int = 0
     # The constraint its answer is held to, compiled where the engine runs before the request reaches the
     # scheduler (`engine_core.grammar_gate`), which sets `seq.grammar`; None: unconstrained.
@@ -111,7 +111,7 @@ class StreamDelta:
 
 class EngineClient(Protocol):
     """What the front door asks of an engine core: `EngineLoop` in this process, `EngineProcess` in
-    another. Each call is queued and applied at the core's next step."""
+    another (`core_client`). Each call is queued and applied at the core's next step."""
 
     def submit(self, request: ServedRequest) -> None: ...
 

@@ -1,4 +1,4 @@
-"""The core process's replies, encoded and written on a thread of their own, in order.
+"""The core process's replies (`core_main`), encoded and written on a thread of their own, in order.
 
 The engine thread used to encode each step's message and write it to the replies pipe itself, with a
 blocking `send_bytes`: a front door that stopped reading for a while (its event loop busy) filled the
