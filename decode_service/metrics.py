@@ -32,8 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from decode_service.engine_core.messages import CoreStats
-from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.messages import CoreStats, Delta, Submit
 from engine.sequence import FinishReason
 from serving.cache_metrics import kv_event_metrics, prefix_cache_metrics
 
@@ -225,7 +224,8 @@ class DecodeMetrics:
         exported)."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
-        self._last_token_time: dict[ServedRequest, float] = {}
+        # By (submission, choice index): when each live choice's latest token arrived.
+        self._last_token_time: dict[tuple[int, int], float] = {}
         self.time_to_first_token = Histogram(
             f"{PREFIX}time_to_first_token_seconds",
             "From the request's arrival to its first token.",
@@ -296,42 +296,48 @@ class DecodeMetrics:
         """Time the compile service's real compiles (cache hits cost nothing and are not observed)."""
         compiler.compile_observer = self.structured_output_compile_seconds.observe
 
-    def observe(self, deltas: list[StreamDelta]) -> None:
-        """Account for one step's deltas: new tokens, first tokens, finished requests."""
+    def observe(self, deltas: list[Delta], request_of: Callable[[int], Submit | None]) -> None:
+        """Account for one step's deltas: new tokens, first tokens, finished requests; `request_of` finds
+        a delta's request by its submission number (None: its stream is gone, so its tokens are not
+        streamed, and not counted)."""
         now = self._clock()
         num_tokens = 0
         for delta in deltas:
+            request = request_of(delta.submission)
+            if request is None:
+                continue
             if delta.token_ids:
                 num_tokens += len(delta.token_ids)
-                self._observe_tokens(delta.request, now)
-            if delta.is_last:
-                self._observe_end(delta, now)
+                self._observe_tokens(request, delta, now)
+            if delta.finish_reason is not None or delta.error is not None:
+                self._observe_end(request, delta, now)
         # One increment per step: each takes the counter's lock.
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
 
-    def _observe_tokens(self, request: ServedRequest, now: float) -> None:
-        previous = self._last_token_time.get(request)
+    def _observe_tokens(self, request: Submit, delta: Delta, now: float) -> None:
+        key = (delta.submission, delta.index)
+        previous = self._last_token_time.get(key)
         if previous is None:
+            state = delta.state
             arrival = request.arrival_time if request.arrival_time is not None else now
-            first_token = request.first_token_time if request.first_token_time is not None else now
-            self.time_to_first_token.observe(max(0.0, first_token - arrival))
-            if request.admitted_time is not None:
-                self.request_queue_time.observe(max(0.0, request.admitted_time - arrival))
-            self.prompt_tokens.inc(request.seq.num_prompt_tokens)
-            if request.grammar is not None or request.seq.grammar is not None:
+            first_token = state.first_token_time if state is not None else None
+            self.time_to_first_token.observe(max(0.0, (first_token or now) - arrival))
+            if state is not None and state.admitted_time is not None:
+                self.request_queue_time.observe(max(0.0, state.admitted_time - arrival))
+            self.prompt_tokens.inc(len(request.prompt_token_ids))
+            if request.grammar is not None:
                 self.structured_output_requests.inc()
         else:
             self.inter_token_latency.observe(max(0.0, now - previous))
-        self._last_token_time[request] = now
+        self._last_token_time[key] = now
 
-    def _observe_end(self, delta: StreamDelta, now: float) -> None:
-        request = delta.request
-        self._last_token_time.pop(request, None)
+    def _observe_end(self, request: Submit, delta: Delta, now: float) -> None:
+        self._last_token_time.pop((delta.submission, delta.index), None)
         if delta.error is not None:
             self.request_errors.inc()
             return
         if delta.finish_reason is not None:
-            self.request_success.labels(delta.finish_reason.value).inc()
+            self.request_success.labels(delta.finish_reason).inc()
         if request.arrival_time is not None:
             self.e2e_request_latency.observe(max(0.0, now - request.arrival_time))

@@ -20,11 +20,10 @@ from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.config import CoreSpec
 from decode_service.engine_core.core import EngineCore
-from decode_service.engine_core.core_client import EngineProcess
-from decode_service.engine_core.grammar_gate import GrammarGate
-from decode_service.engine_core.messages import CoreStats
+from decode_service.engine_core.core_client import EngineProcess, lost_failure
+from decode_service.engine_core.in_process import InProcessCore
+from decode_service.engine_core.messages import StepOut
 from decode_service.engine_core.remote_prefill.stage import RemotePrefill
-from decode_service.engine_core.request import StreamDelta
 from decode_service.engine_core.scheduler import ContinuousScheduler
 from decode_service.engine_core.step_record import StepRecord
 from decode_service.front_door.constraints import Constraints
@@ -83,39 +82,24 @@ class DecodeServer(TierServer):
         self.engine = engine if isinstance(engine, Engine) else None
         capacity = model.max_num_seqs + config.max_queue
         self.registry = StreamHub(asyncio.get_running_loop(), capacity, config.max_stream_buffer)
-        self._core_stats = CoreStats
         served = ServedCache(config.served_model_name or model.model_name, model.block_size, model.num_blocks)
-        self.metrics = DecodeMetrics(lambda: self._core_stats(), metrics_registry, cache=served)
-        batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver_threadsafe)
-
-        def observe_then_deliver(deltas: list[StreamDelta]) -> None:
-            self.metrics.observe(deltas)
-            batched(deltas)
+        self.metrics = DecodeMetrics(lambda: self.engine_loop.stats, metrics_registry, cache=served)
+        self._batched = StreamIntervalBuffer(config.stream_interval, self.registry.deliver)
 
         self.core: EngineCore | None = None
         self.scheduler: ContinuousScheduler | None = None
         self.events: EventLog[StepRecord] | None = None
         self.remote_prefill: RemotePrefill | None = None
+        self.engine_loop: InProcessCore | EngineProcess
         if isinstance(engine, Engine):
-            self.core = EngineCore(engine, config.core, observe_then_deliver, model_fingerprint)
-            # The engine times its mask work only when someone listens; this server's registry does.
-            engine.grammar_fill_observer = self.metrics.structured_output_fill_seconds.observe
-            # Constrained requests compile their grammar on a thread of their own before the loop.
-            self.engine_loop: EngineProcess | GrammarGate = GrammarGate.for_engine(
-                self.core.loop, engine, config.grammar
-            )
+            self.engine_loop = InProcessCore(engine, config.core, self._on_step, model_fingerprint)
+            self.core = self.engine_loop.core
             self.scheduler, self.events = self.core.scheduler, self.core.events
             self.remote_prefill = self.core.remote_prefill
-            self._core_stats = self.core.stats
         else:
-            process = EngineProcess(
-                replace(engine, model_fingerprint=model_fingerprint),
-                observe_then_deliver,
-                self.fail,
-                self.metrics.structured_output_fill_seconds.observe,
+            self.engine_loop = EngineProcess(
+                replace(engine, model_fingerprint=model_fingerprint), self._on_step, self._core_lost
             )
-            self.engine_loop = process
-            self._core_stats = lambda: process.stats
         self.registry.abort = self.engine_loop.abort
         # A batch's worth of constrained requests may wait for their first compile (then they are warm).
         self._validation = ValidationPool(
@@ -166,6 +150,18 @@ class DecodeServer(TierServer):
     def fail(self, reason: str) -> None:
         self._http_serving = False
         super().fail(reason)
+
+    def _on_step(self, step: StepOut) -> None:
+        """One engine step's output, on the event loop: metrics, then the streams."""
+        for seconds in step.grammar_fill_seconds:
+            self.metrics.structured_output_fill_seconds.observe(seconds)
+        self.metrics.observe(step.deltas, self.registry.request_of)
+        self._batched(step.deltas)
+
+    def _core_lost(self, reason: str) -> None:
+        """The engine core process died or went silent: every live request ends, and the server exits."""
+        self.registry.fail_all(lost_failure(reason))
+        self.fail(reason)
 
     async def _start_dependencies(self) -> None:
         if self.http is not None:

@@ -90,6 +90,20 @@ class ModelFacts:
         grammar: GrammarState | None = None,
     ) -> Sequence:
         """Validate a request against this model and wrap it in a `Sequence` (constrained by `grammar`)."""
+        self.check_request(prompt_token_ids, sampling, stopping)
+        return Sequence(
+            request_id or uuid.uuid4().hex,
+            prompt_token_ids,
+            sampling,
+            stopping,
+            cache_salt=cache_salt,
+            grammar=grammar,
+        )
+
+    def check_request(
+        self, prompt_token_ids: SequenceOf[int], sampling: SamplingParams, stopping: StoppingParams
+    ) -> None:
+        """Raise InvalidRequestError naming what this model cannot serve in a request."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt has no tokens")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -106,14 +120,6 @@ class ModelFacts:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({stopping.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        return Sequence(
-            request_id or uuid.uuid4().hex,
-            prompt_token_ids,
-            sampling,
-            stopping,
-            cache_salt=cache_salt,
-            grammar=grammar,
-        )
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """KV blocks that hold `num_tokens` tokens."""

@@ -195,19 +195,19 @@ def test_a_plain_request_does_not_wait_for_a_constraint_compiling_in_the_core(se
     # About 40 MiB of grammar, 0.3-3 s to compile (under the default --max-grammar-memory).
     slow_regex = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 450)) + ")"
     core = server.core
-    submitted: list[str] = []
+    names: dict[int, str] = {}
     ended: list[str] = []
-    real_submit, real_deliver = core.submit, core._deliver
+    real_submit, real_on_step = core.submit, core._on_step
 
     def submit(request) -> None:
-        submitted.append(request.request_id)
+        names[request.submission] = request.request_id
         real_submit(request)
 
-    def deliver(deltas) -> None:
-        ended.extend(delta.request.request_id for delta in deltas if delta.is_last)
-        real_deliver(deltas)
+    def on_step(step) -> None:
+        ended.extend(names[delta.submission] for delta in step.deltas if delta.finish_reason is not None)
+        real_on_step(step)
 
-    core.submit, core._deliver = submit, deliver
+    core.submit, core._on_step = submit, on_step
     try:
         slow = greedy([5, 6, 7], 1)
         slow.request_id = "slow-compile"
@@ -217,14 +217,14 @@ def test_a_plain_request_does_not_wait_for_a_constraint_compiling_in_the_core(se
             target=lambda: answers.update(slow=list(server.stub.Generate(slow, timeout=120)))
         )
         waiting.start()
-        assert wait_until(lambda: "slow-compile" in submitted, timeout=120)
+        assert wait_until(lambda: "slow-compile" in names.values(), timeout=120)
         plain = greedy([5, 6, 7], 2)
         plain.request_id = "plain"
         answers["plain"] = list(server.stub.Generate(plain, timeout=60))
         waiting.join(120)
     finally:
         del core.submit
-        core._deliver = real_deliver
+        core._on_step = real_on_step
     assert answers["plain"][-1].finish_reason == pb.LENGTH
     assert answers["slow"][-1].finish_reason in (pb.LENGTH, pb.STOP)
     assert ended.index("plain") < ended.index("slow-compile"), ended
@@ -392,7 +392,9 @@ def test_the_front_door_answers_while_a_stopped_core_leaves_its_commands_queued(
             request.request_id = f"{index:04d}" + "r" * 1000
             request.stopping.stop.extend(f"{index:04d}{stop:02d}" + "s" * 240 for stop in range(16))
             streams.append(running.stub.Generate(request, timeout=120))
-        assert wait_until(lambda: len(running.core._live) == len(streams), timeout=60)
+        submitted = running.server.registry.request_of
+        numbers = range(1, len(streams) + 1)
+        assert wait_until(lambda: all(submitted(n) is not None for n in numbers), timeout=60)
         reply = health_pb2_grpc.HealthStub(running.channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         os.kill(core, signal.SIGCONT)

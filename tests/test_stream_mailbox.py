@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
-from base.errors import InvalidRequestError
-from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.messages import Delta, Failure, RequestState, Submit
 from decode_service.front_door.choice_text import ChoiceText
 from decode_service.front_door.generation import Generation
 from decode_service.front_door.streams import Mailbox, StreamHub
 from engine.params import SamplingParams, StoppingParams
-from engine.sequence import FinishReason, Sequence
-from serving.errors import QueueFullError
+from serving.errors import RelayedStatusError
 
 
 def test_take_all_hands_over_everything_waiting_in_order():
@@ -60,14 +59,40 @@ def test_a_reader_cancelled_while_waiting_loses_nothing():
     asyncio.run(scenario())
 
 
-def served(request_id: str, n: int = 1, stop: tuple[str, ...] = ()) -> ServedRequest:
-    seq = Sequence(request_id, [1, 2], SamplingParams(), StoppingParams(max_tokens=50, stop=stop))
-    return ServedRequest(seq, n=n)
+_SUBMISSIONS = iter(range(1, 1_000_000))
+# The state the core sends on a choice's first delta once it forked the request's other choices.
+FORKED = RequestState(0, None, None, None, None, 0, True)
 
 
-def token(request: ServedRequest, token_id: int, **kwargs) -> StreamDelta:
-    request.seq.token_ids.append(token_id)
-    return StreamDelta(request, token_ids=[token_id], **kwargs)
+def served(request_id: str, n: int = 1, stop: tuple[str, ...] = ()) -> Submit:
+    return Submit(
+        next(_SUBMISSIONS),
+        request_id,
+        [1, 2],
+        SamplingParams(),
+        StoppingParams(max_tokens=50, stop=stop),
+        "",
+        None,
+        0,
+        "",
+        None,
+        n,
+    )
+
+
+def delta(
+    request: Submit,
+    token_ids: list[int] | None = None,
+    index: int = 0,
+    finish: str | None = None,
+    error: Failure | None = None,
+    state: RequestState | None = None,
+) -> Delta:
+    return Delta(request.submission, index, token_ids or [], [], finish, error, state)
+
+
+def token(request: Submit, token_id: int, **kwargs) -> Delta:
+    return delta(request, [token_id], **kwargs)
 
 
 class _TagTokenizer:
@@ -94,16 +119,15 @@ class _EngineLoop:
         self.stopped.append((request_id, index, stop))
 
 
-def open_stream(hub: StreamHub, request: ServedRequest, engine_loop: _EngineLoop) -> Generation:
+def open_stream(hub: StreamHub, request: Submit, engine_loop: _EngineLoop) -> Generation:
     hub.reserve(request.request_id)
-    seq = request.seq
     return Generation(
         request,
         hub.open(request),
         hub,
         engine_loop,  # type: ignore[arg-type]
         arrival=0.0,
-        new_text=lambda: ChoiceText(_TagTokenizer(), seq.token_ids[:2], seq.stopping, True),  # type: ignore[arg-type]
+        new_text=lambda: ChoiceText(_TagTokenizer(), request.prompt_token_ids, request.stopping, True),  # type: ignore[arg-type]
     )
 
 
@@ -122,8 +146,9 @@ def test_a_stream_past_its_buffer_is_aborted_and_fails_after_what_it_holds():
         assert hub.num_working == 1  # the overflowed stream gave its slot back
         first = await generation.next_responses()
         assert [list(message.token_ids) for message in first] == [[1, 2]]
-        with pytest.raises(QueueFullError, match="--max-stream-buffer"):
+        with pytest.raises(RelayedStatusError, match="--max-stream-buffer") as failed:
             await generation.next_responses()
+        assert failed.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         generation.close()
         assert "slow" not in hub and "other" in hub
 
@@ -148,7 +173,7 @@ def test_the_writers_one_step_woke_all_build_their_messages_before_any_returns_t
         await asyncio.sleep(0)  # every writer waits on its mailbox
         built = Generation._respond
 
-        def respond(self: Generation, delta: StreamDelta):
+        def respond(self: Generation, delta: Delta):
             order.append(("build", self.request_id))
             return built(self, delta)
 
@@ -183,15 +208,13 @@ def test_next_responses_merges_what_waits_and_ends_after_every_choice():
         hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
         parent = served("req", n=2)
         generation = open_stream(hub, parent, engine_loop)
-        parent.forked = True
-        child = ServedRequest(parent.seq, n=2, index=1, parent=parent)
-        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6])])
-        hub._dispatch([StreamDelta(parent, token_ids=[7], finish_reason=FinishReason.LENGTH)])
+        hub._dispatch([token(parent, 5, state=FORKED), token(parent, 6, index=1, state=FORKED)])
+        hub._dispatch([token(parent, 7, finish="length")])
         batch = await generation.next_responses()
         merged = [(m.index, list(m.token_ids), m.text) for m in batch]
         assert merged == [(0, [5, 7], "<5><7>"), (1, [6], "<6>")]
         assert batch[0].finish_reason != 0 and batch[1].finish_reason == 0
-        hub._dispatch([StreamDelta(child, finish_reason=FinishReason.LENGTH)])
+        hub._dispatch([delta(parent, index=1, finish="length")])
         assert [m.index for m in await generation.next_responses()] == [1]
         assert await generation.next_responses() == []
         generation.close()
@@ -207,10 +230,11 @@ def test_an_engine_error_comes_after_the_tokens_before_it():
         request = served("req")
         generation = open_stream(hub, request, engine_loop)
         hub._dispatch([token(request, 1)])
-        hub._dispatch([StreamDelta(request, error=InvalidRequestError("boom"))])
+        hub._dispatch([delta(request, error=Failure("INVALID_ARGUMENT", "boom"))])
         assert [list(m.token_ids) for m in await generation.next_responses()] == [[1]]
-        with pytest.raises(InvalidRequestError, match="boom"):
+        with pytest.raises(RelayedStatusError, match="boom") as failed:
             await generation.next_responses()
+        assert failed.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
     asyncio.run(scenario())
 
@@ -237,23 +261,60 @@ def test_a_stop_string_ends_its_choice_for_the_client_and_the_engine_drops_it():
         hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
         parent = served("req", n=2, stop=("<8>",))
         generation = open_stream(hub, parent, engine_loop)
-        parent.forked = True
-        child = ServedRequest(parent.seq, n=2, index=1, parent=parent)
         # Choice 0 reaches the stop string at its second token, inside a merged batch of three.
-        hub._dispatch([token(parent, 5), StreamDelta(child, token_ids=[6])])
-        hub._dispatch([StreamDelta(parent, token_ids=[8, 9])])
+        hub._dispatch([token(parent, 5, state=FORKED), token(parent, 6, index=1, state=FORKED)])
+        hub._dispatch([delta(parent, [8, 9])])
         batch = await generation.next_responses()
         assert [(m.index, list(m.token_ids), m.text) for m in batch] == [(0, [5, 8], "<5>"), (1, [6], "<6>")]
         assert batch[0].stop_string == "<8>" and batch[0].usage.completion_tokens == 2
         assert engine_loop.stopped == [("req", 0, "<8>")]
         # What the engine made before the stop reached it, and its final STOP delta: dropped.
-        hub._dispatch([StreamDelta(parent, token_ids=[10]), StreamDelta(child, token_ids=[7])])
-        hub._dispatch([StreamDelta(parent, finish_reason=FinishReason.STOP)])
+        hub._dispatch([delta(parent, [10]), delta(parent, [7], index=1)])
+        hub._dispatch([delta(parent, finish="stop", state=FORKED)])
         assert [(m.index, list(m.token_ids)) for m in await generation.next_responses()] == [(1, [7])]
-        hub._dispatch([StreamDelta(child, token_ids=[11], finish_reason=FinishReason.LENGTH)])
+        hub._dispatch([delta(parent, [11], index=1, finish="length", state=FORKED)])
         assert [m.index for m in await generation.next_responses()] == [1]
         assert await generation.next_responses() == []
         generation.close()
         assert engine_loop.aborted == []
+
+    asyncio.run(scenario())
+
+
+def test_a_closed_stream_is_known_until_the_cores_last_delta_for_it():
+    """Metrics still count what the core ends a cancelled request with; then the submission is forgotten."""
+
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        request = served("req")
+        generation = open_stream(hub, request, engine_loop)
+        generation.close()
+        assert engine_loop.aborted == ["req"] and "req" not in hub and hub.num_working == 0
+        assert hub.request_of(request.submission) is request
+        hub._dispatch([delta(request, [3])])  # made before the abort reached the core: dropped
+        hub._dispatch([delta(request, finish="abort")])
+        assert hub.request_of(request.submission) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_lost_core_ends_every_stream_it_owed_with_its_failure():
+    async def scenario() -> None:
+        engine_loop = _EngineLoop()
+        hub = StreamHub(asyncio.get_running_loop(), capacity=4, max_buffer=16)
+        live, cancelled = served("live", n=2), served("cancelled")
+        generation = open_stream(hub, live, engine_loop)
+        open_stream(hub, cancelled, engine_loop).close()
+        hub._dispatch([token(live, 5, state=FORKED)])
+        hub.fail_all(
+            Failure("UNAVAILABLE", "the engine core process exited (code -9); retry on another replica")
+        )
+        assert [list(m.token_ids) for m in await generation.next_responses()] == [[5]]
+        with pytest.raises(RelayedStatusError, match="exited") as failed:
+            await generation.next_responses()
+        assert failed.value.code is grpc.StatusCode.UNAVAILABLE
+        assert hub.request_of(live.submission) is None and hub.request_of(cancelled.submission) is None
+        assert hub.num_working == 0
 
     asyncio.run(scenario())

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import xgrammar as xgr
-from conftest import engine_for, random_prompts, tiny_hf_model
-from test_decode_scheduler import Harness
+from conftest import engine_for, random_prompts, tiny_hf_model, wait_until
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
-from decode_service.engine_core.messages import CoreStats
-from decode_service.engine_core.request import ServedRequest
+from decode_service.engine_core.config import CoreConfig
+from decode_service.engine_core.core_boundary import CoreBoundary
+from decode_service.engine_core.messages import CoreStats, GrammarSource, StepOut, Submit
 from decode_service.metrics import DecodeMetrics
-from engine.grammar import GrammarState
 from engine.params import SamplingParams, StoppingParams
 from engine.tokenizer import Tokenizer
 
@@ -37,14 +35,6 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-@pytest.fixture(scope="module")
-def regex_grammar(tokenizer) -> xgr.CompiledGrammar:
-    info = xgr.TokenizerInfo.from_huggingface(
-        tokenizer.hf, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=list(TINY_EOS_TOKEN_IDS)
-    )
-    return xgr.GrammarCompiler(info, max_threads=1).compile_regex("(yes|no)( maybe)?")
-
-
 def histogram(histogram_metric, suffix: str) -> float:
     """One sample (`_count` or `_sum`) of an unlabelled histogram, read without a scrape."""
     [family] = histogram_metric.collect()
@@ -56,41 +46,71 @@ def counter(counter_metric) -> float:
     return next(s.value for s in family.samples if s.name.endswith("_total"))
 
 
-def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_nothing(
-    tokenizer, regex_grammar
-):
+class _Core:
+    """An engine core behind the front door's messages (`CoreBoundary`, what both shapes run), its steps
+    observed by `metrics` as the server does."""
+
+    def __init__(self, engine, metrics: DecodeMetrics) -> None:
+        self.metrics = metrics
+        self.submitted: dict[int, Submit] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.ended: set[int] = set()
+        self.boundary = CoreBoundary(engine, CoreConfig(), self._on_step)
+
+    def _on_step(self, step: StepOut) -> None:
+        for seconds in step.grammar_fill_seconds:
+            self.metrics.structured_output_fill_seconds.observe(seconds)
+        self.metrics.observe(step.deltas, self.submitted.get)
+        for delta in step.deltas:
+            self.tokens[self.submitted[delta.submission].request_id].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.ended.add(delta.submission)
+
+    def run(self, *requests: tuple[str, list[int], int, GrammarSource | None]) -> None:
+        """Submit each (id, prompt, max tokens, grammar) and wait until all ended."""
+        for request_id, prompt, max_tokens, grammar in requests:
+            submission = len(self.submitted) + 1
+            self.submitted[submission] = submit = Submit(
+                submission,
+                request_id,
+                prompt,
+                GREEDY,
+                StoppingParams(max_tokens=max_tokens, ignore_eos=grammar is None),
+                "",
+                grammar,
+                0,
+                "",
+                None,
+                1,
+            )
+            self.tokens[request_id] = []
+            self.boundary.apply(submit)
+        assert wait_until(lambda: self.ended >= set(self.submitted), timeout=60)
+
+
+def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_nothing(tokenizer):
     # Without jump-forward every output token is sampled, so each one costs exactly one masked step.
     engine = engine_for(
         tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer, grammar_jump_forward=False
     )
-    harness = Harness(engine)
     metrics = DecodeMetrics(CoreStats)
-    engine.grammar_fill_observer = metrics.structured_output_fill_seconds.observe
-    deliver = harness.loop._deliver
+    core = _Core(engine, metrics)
+    core.boundary.grammars.start(warm_up=False)
+    try:
+        prompts = random_prompts(3, 1, min_len=3, max_len=12, vocab=TINY_VOCAB_SIZE)
+        core.run(*((f"free{i}", prompt, 6, None) for i, prompt in enumerate(prompts)))
+        assert histogram(metrics.structured_output_fill_seconds, "_count") == 0
+        assert counter(metrics.structured_output_requests) == 0
 
-    def observe_then_deliver(deltas):
-        metrics.observe(deltas)
-        deliver(deltas)
+        regex = GrammarSource("regex", "(yes|no)( maybe)?", None, False)
+        core.run(("constrained", [4, 5, 6], 20, regex), ("beside-it", [7, 8, 9], 12, None))
+    finally:
+        core.boundary.grammars.stop()
 
-    harness.loop._deliver = observe_then_deliver
-
-    for i, prompt in enumerate(random_prompts(3, 1, min_len=3, max_len=12, vocab=TINY_VOCAB_SIZE)):
-        harness.submit(f"free{i}", prompt, 6)
-    harness.run()
-    assert histogram(metrics.structured_output_fill_seconds, "_count") == 0
-    assert counter(metrics.structured_output_requests) == 0
-
-    stopping = StoppingParams(max_tokens=20)
-    grammar = GrammarState(regex_grammar)
-    seq = engine.make_sequence([4, 5, 6], GREEDY, stopping, "constrained", grammar=grammar)
-    harness.loop.submit(ServedRequest(seq))
-    harness.submit("beside-it", [7, 8, 9], 12)
-    harness.run()
-
-    text = tokenizer.decode(harness.tokens["constrained"])
-    assert text in ("yes", "no", "yes maybe", "no maybe")
+    output = core.tokens["constrained"]
+    assert tokenizer.decode(output) in ("yes", "no", "yes maybe", "no maybe")
     # One masked step per sampled token, the grammar's end (EOS) included, whatever ran beside it.
-    masked_steps = len(seq.output_token_ids) + (seq.output_token_ids[-1] not in TINY_EOS_TOKEN_IDS)
+    masked_steps = len(output) + (output[-1] not in TINY_EOS_TOKEN_IDS)
     assert histogram(metrics.structured_output_fill_seconds, "_count") == masked_steps
     assert histogram(metrics.structured_output_fill_seconds, "_sum") > 0
     assert counter(metrics.structured_output_requests) == 1

@@ -21,7 +21,6 @@ from base.errors import InvalidRequestError, ModelNotFoundError
 from decode_service.front_door.choice_text import ChoiceText, TextPiece
 from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
 from engine.params import StoppingParams
-from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
 
 ENGLISH = "Hello, world! The quick brown fox jumps over the lazy dog; 42 robots count stars."
@@ -471,7 +470,7 @@ def generate_text(tokenizer: Tokenizer, text: str, stopping: StoppingParams) -> 
     ids = tokenizer.encode(text)[: stopping.max_tokens]
     out = []
     for position, token_id in enumerate(ids):
-        finish = FinishReason.LENGTH if position == len(ids) - 1 else None
+        finish = "length" if position == len(ids) - 1 else None
         piece = choice.feed([token_id], finish)
         out.append(piece.text)
         if piece.stop is not None:

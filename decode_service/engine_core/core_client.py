@@ -7,17 +7,18 @@ submissions and aborts, one `StepOut` per engine step with every request's new t
 the server's side alone: nothing in it runs in the core process, and the core's code runs here only to
 be named as the spawn target (`core_main.run_core`, imported when the core is started).
 
-`EngineProcess` has the engine loop's interface (`submit`, `abort`, `stop_at_string`; `start`,
-`wait_ready`, `stop`), so the front door and the server shell use either alike. Its commands and
+`EngineProcess` is a `messages.CoreClient` (`submit`, `abort`, `stop_at_string`; and `start`,
+`wait_ready`, `stop`), as `in_process.InProcessCore` is, so the front door and the server shell use
+either alike. Its commands and
 replies run on the server's event loop: commands gathered during one loop iteration leave in one
 message, and the step messages are read as the pipe becomes readable. Neither ever blocks the loop
 (`pipe_frames`): a core that stops reading leaves the commands buffered here, not the loop waiting.
 
 Lifecycle, from this side: the server drains, then sends `Shutdown`. If the core dies first, or leaves
 a heartbeat ping unanswered for `engine_heartbeat_timeout_s` (stopped, wedged: see `heartbeat`; it is
-then killed), every live request ends at once with UNAVAILABLE and `on_exit` tells the server, which
-turns NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a process whose gRPC
-threads run is unsafe.
+then killed), `on_exit` tells the server, which ends every live request at once with UNAVAILABLE
+(`lost_failure`), turns NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a
+process whose gRPC threads run is unsafe.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ import asyncio
 import logging
 import multiprocessing
 import threading
-import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import grpc
@@ -41,6 +40,7 @@ from decode_service.engine_core.messages import (
     Commands,
     CoreStats,
     Delta,
+    Failure,
     Ping,
     Pong,
     Ready,
@@ -53,34 +53,27 @@ from decode_service.engine_core.messages import (
     core_message_decoder,
 )
 from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter
-from decode_service.engine_core.request import ServedRequest, StreamDelta, TokenLogprobs
-from engine.sequence import FinishReason, Sequence
-from serving.engine_thread import Deliver
-from serving.errors import RelayedStatusError, TierUnavailableError
+from serving.errors import RelayedStatusError
 
 logger = logging.getLogger(__name__)
-
-_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
 class EngineProcess:
     """The front door's handle on an engine core process; use it on the server's event loop.
 
-    `deliver` gets each step's deltas (on the event loop), `observe_grammar_fill` the seconds each step
-    spent filling grammar masks, `on_exit` a reason when the core dies while the server runs.
+    `on_step` gets each step's `StepOut` (on the event loop); `on_exit` a reason when the core dies while
+    the server runs, after which the front door ends every live stream (see `_lose`).
     """
 
     def __init__(
         self,
         spec: CoreSpec,
-        deliver: Deliver[StreamDelta],
+        on_step: Callable[[StepOut], None],
         on_exit: Callable[[str], None],
-        observe_grammar_fill: Callable[[float], None] | None = None,
     ) -> None:
         self.spec = spec
-        self._deliver = deliver
+        self._on_step = on_step
         self._on_exit = on_exit
-        self._observe_fill = observe_grammar_fill
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._commands: Connection | None = None
@@ -89,11 +82,6 @@ class EngineProcess:
         self._reader: FrameReader | None = None
         self._heartbeat: CoreHeartbeat | None = None
         self._pending: list[Submit | Abort | StopAt | Shutdown | Ping] = []
-        self._live: weakref.WeakValueDictionary[int, ServedRequest] = weakref.WeakValueDictionary()
-        self._choices: weakref.WeakKeyDictionary[ServedRequest, dict[int, ServedRequest]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._next_submission = 0
         self._ready = threading.Event()
         self._start_error: str | None = None
         self._stopping = False
@@ -104,29 +92,12 @@ class EngineProcess:
 
     # -- the engine loop's interface ---------------------------------------------------------------
 
-    def submit(self, request: ServedRequest) -> None:
+    def submit(self, request: Submit) -> None:
         if self._lost is not None and self._loop is not None:
-            error = TierUnavailableError(f"{self._lost}; retry on another replica")
-            self._loop.call_soon(self._deliver, [StreamDelta(request, error=error)])
+            delta = Delta(request.submission, 0, [], [], None, lost_failure(self._lost), None)
+            self._loop.call_soon(self._on_step, StepOut([delta], self.stats, []))
             return
-        self._next_submission += 1
-        seq = request.seq
-        self._live[self._next_submission] = request
-        self._send(
-            Submit(
-                self._next_submission,
-                seq.request_id,
-                seq.token_ids[: seq.num_prompt_tokens],
-                seq.sampling,
-                seq.stopping,
-                seq.cache_salt,
-                request.grammar,
-                request.priority,
-                request.tenant,
-                request.arrival_time,
-                request.n,
-            )
-        )
+        self._send(request)
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
@@ -220,12 +191,7 @@ class EngineProcess:
     def _handle(self, message: StepOut | Ready | StartFailed | Pong) -> None:
         if isinstance(message, StepOut):
             self.stats = message.stats
-            if self._observe_fill is not None:
-                for seconds in message.grammar_fill_seconds:
-                    self._observe_fill(seconds)
-            deltas = [delta for delta in map(self._stream_delta, message.deltas) if delta is not None]
-            if deltas:
-                self._deliver(deltas)
+            self._on_step(message)
         elif isinstance(message, Pong):
             if self._heartbeat is not None:
                 self._heartbeat.answered(message.number)
@@ -236,54 +202,6 @@ class EngineProcess:
         else:
             self._start_error = message.message
             self._ready.set()
-
-    def _stream_delta(self, delta: Delta) -> StreamDelta | None:
-        """The delta as the front door's streams know it, on its own copy of the request (None: the
-        stream is gone)."""
-        owner = self._live.get(delta.submission)
-        if owner is None:
-            return None
-        request = owner if delta.index == 0 else self._choice(owner, delta.index)
-        state = delta.state
-        if state is not None:
-            seq = request.seq
-            seq.num_cached_tokens = state.num_cached_tokens
-            seq.matched_stop = state.matched_stop
-            request.admitted_time = state.admitted_time
-            request.prefill_done_time = state.prefill_done_time
-            request.first_token_time = state.first_token_time
-            request.num_preemptions = state.num_preemptions
-            request.forked = state.forked
-        error = None
-        if delta.error is not None:
-            error = RelayedStatusError(grpc.StatusCode[delta.error.code], delta.error.message)
-        return StreamDelta(
-            request,
-            delta.token_ids,
-            [TokenLogprobs(token_id, logprob, top) for token_id, logprob, top in delta.logprobs]
-            if delta.logprobs
-            else [],
-            _FINISH_REASONS[delta.finish_reason] if delta.finish_reason is not None else None,
-            error,
-        )
-
-    def _choice(self, owner: ServedRequest, index: int) -> ServedRequest:
-        """Choice `index` of `owner`'s request (n > 1), made on its first delta."""
-        choices = self._choices.setdefault(owner, {})
-        choice = choices.get(index)
-        if choice is None:
-            seq = owner.seq
-            copy = Sequence(
-                seq.request_id,
-                seq.token_ids[: seq.num_prompt_tokens],
-                seq.sampling,
-                seq.stopping,
-                seq.arrival_time,
-                seq.cache_salt,
-                seq.grammar,
-            )
-            choice = choices[index] = replace(owner, seq=copy, index=index, parent=owner, n=owner.n)
-        return choice
 
     def _core_exited(self) -> None:
         """A pipe to the core ended: the core died (or was killed)."""
@@ -314,17 +232,13 @@ class EngineProcess:
         )
 
     def _lose(self, reason: str, **fields: object) -> None:
-        """The core is gone: end every live request with UNAVAILABLE and tell the server, in one log line."""
+        """The core is gone: tell the server (which ends every live stream with UNAVAILABLE and exits), in
+        one log line."""
         self._close_pipes()
         self._lost = reason
         if self._stopping:
             return
-        live = list(self._live.values())
-        log_event(logger, logging.ERROR, "engine core lost", reason=reason, live_requests=len(live), **fields)
-        error = TierUnavailableError(f"{reason}; retry on another replica")
-        deltas = [StreamDelta(owner, error=error) for owner in live]
-        if deltas:
-            self._deliver(deltas)
+        log_event(logger, logging.ERROR, "engine core lost", reason=reason, **fields)
         self._on_exit(reason)
 
     def _close_pipes(self) -> None:
@@ -336,3 +250,8 @@ class EngineProcess:
             self._writer.close()
         if self._loop is not None and self._replies is not None:
             self._loop.remove_reader(self._replies.fileno())
+
+
+def lost_failure(reason: str) -> Failure:
+    """What every request the lost core held, or is sent after, ends with."""
+    return Failure(grpc.StatusCode.UNAVAILABLE.name, f"{reason}; retry on another replica")

@@ -12,6 +12,8 @@ delta, so a delta is routed to the request that was submitted, never to a newer 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 from engine.params import SamplingParams, StoppingParams
@@ -162,3 +164,15 @@ CoreMessage = StepOut | Ready | StartFailed | Pong
 command_encoder = msgspec.msgpack.Encoder()
 commands_decoder = msgspec.msgpack.Decoder(Commands)
 core_message_decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+
+class CoreClient(Protocol):
+    """What the front door asks of an engine core: `InProcessCore` on a thread of this process,
+    `EngineProcess` in another. Each call is queued and applied at the core's next step; the answers come
+    back as `StepOut`s."""
+
+    def submit(self, request: Submit) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop_at_string(self, request_id: str, index: int, stop: str) -> None: ...

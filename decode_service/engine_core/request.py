@@ -1,15 +1,15 @@
 """A request as the decode tier serves it: the engine's `Sequence` plus what scheduling and streaming need.
 
 The engine only knows tokens and blocks. Priority, tenant, arrival order, preemption count and the
-timings reported to the client belong to the tier that owns the queue, so they live here, with
-`EngineClient`, all the front door asks of the engine core that serves them.
+timings reported to the client belong to the tier that owns the queue, so they live here. These are
+the core's own objects: the front door never sees them, only the `engine_core.messages` made of them
+(`core_boundary`).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from decode_service.engine_core.messages import GrammarSource
 from engine.sequence import FinishReason, Sequence
@@ -107,14 +107,3 @@ class StreamDelta:
     @property
     def is_last(self) -> bool:
         return self.finish_reason is not None or self.error is not None
-
-
-class EngineClient(Protocol):
-    """What the front door asks of an engine core: `EngineLoop` in this process, `EngineProcess` in
-    another (`core_client`). Each call is queued and applied at the core's next step."""
-
-    def submit(self, request: ServedRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def stop_at_string(self, request_id: str, index: int, stop: str) -> None: ...

@@ -34,7 +34,6 @@ from decode_service.front_door.tool_parsers import (
 )
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.params import StoppingParams
-from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -84,9 +83,9 @@ class ChoiceText:
         self.num_tokens = 0
         self.stopped_at: str | None = None
 
-    def feed(self, token_ids: Sequence[int], finish: FinishReason | None) -> TextPiece:
+    def feed(self, token_ids: Sequence[int], finish: str | None) -> TextPiece:
         """The text of `token_ids`, this choice's next tokens from the engine (`finish`: why the engine
-        ended the choice with the last of them, if it did).
+        ended the choice with the last of them, if it did: "stop", "length" or "abort").
 
         Order as the engine's rules meet them: a stop token, EOS or a grammar's end (the engine's STOP)
         ends the choice without its own text; a stop string ends it with the text before the match
@@ -96,7 +95,7 @@ class ChoiceText:
         last = len(token_ids) - 1
         for position, token_id in enumerate(token_ids):
             self.num_tokens += 1
-            if position == last and finish is FinishReason.STOP:
+            if position == last and finish == "stop":
                 pieces.append(self._flush())
                 return TextPiece("".join(pieces), len(token_ids))
             text = self._detokenizer.add(token_id) if self._detokenizer is not None else ""
@@ -112,7 +111,7 @@ class ChoiceText:
                     self.stopped_at = matched
                     return TextPiece("".join(pieces), position + 1, matched)
             pieces.append(text)
-        if finish is FinishReason.LENGTH:
+        if finish == "length":
             pieces.append(self._flush())
         return TextPiece("".join(pieces), len(token_ids))
 

@@ -12,6 +12,7 @@ deadline, disconnect) aborts the request and frees its blocks at once.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ import grpc
 
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
-from decode_service.engine_core.request import EngineClient, ServedRequest, StreamDelta
+from decode_service.engine_core.messages import CoreClient, Delta, RequestState, Submit
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
 from decode_service.front_door.choice_text import (
     AnswerParser,
@@ -33,20 +34,16 @@ from decode_service.front_door.choice_text import (
 from decode_service.front_door.config import FrontDoorConfig
 from decode_service.front_door.constraints import Constraints, may_compile
 from decode_service.front_door.reasoning import ReasoningEnd
-from decode_service.front_door.streams import Mailbox, StreamHub, coalesce
-from decode_service.front_door.validation import ValidationPool, build_sequence, skips_special_tokens
+from decode_service.front_door.streams import Mailbox, StreamHub, choices_left_after, coalesce, is_last
+from decode_service.front_door.validation import ValidationPool, build_request, skips_special_tokens
 from engine.model_facts import ModelFacts
-from engine.sequence import FinishReason
 from protos.tandem.v1 import generation_pb2 as pb
+from serving.errors import RelayedStatusError
 from serving.status import status_for
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS = {
-    FinishReason.STOP: pb.STOP,
-    FinishReason.LENGTH: pb.LENGTH,
-    FinishReason.ABORT: pb.ABORT,
-}
+_FINISH_REASONS = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
 
 ParserFactory = Callable[[], AnswerParser]
 
@@ -55,62 +52,68 @@ def _since(start: float | None, end: float | None) -> float:
     return end - start if start is not None and end is not None else 0.0
 
 
-def to_response(delta: StreamDelta, piece: TextPiece, completion_tokens: int) -> pb.GenerateResponse:
-    """The stream message for one delta, whose tokens made `piece` (the client gets its first
+def to_response(
+    delta: Delta, piece: TextPiece, completion_tokens: int, request: Submit, state: RequestState | None
+) -> pb.GenerateResponse:
+    """The stream message for one delta of `request`, whose tokens made `piece` (the client gets its first
     `piece.num_tokens` of them); the last message (the engine's, or a stop string's) carries finish
-    reason, stop, usage (`completion_tokens`: the choice's tokens so far) and timings."""
-    request = delta.request
+    reason, stop, usage (`completion_tokens`: the choice's tokens so far) and timings, from `state`, the
+    choice's latest as the core reported it."""
     # Field by field: a quarter cheaper than keyword arguments, on the path every token takes.
     response = pb.GenerateResponse()
     response.request_id = request.request_id
     cut = piece.num_tokens < len(delta.token_ids)
     response.token_ids.extend(delta.token_ids[: piece.num_tokens] if cut else delta.token_ids)
     response.text = piece.text
-    response.index = request.index
-    for logprob in delta.logprobs[: piece.num_tokens] if cut else delta.logprobs:
+    response.index = delta.index
+    for token_id, logprob, top in delta.logprobs[: piece.num_tokens] if cut else delta.logprobs:
         response.logprobs.append(
             pb.TokenLogprob(
-                token_id=logprob.token_id,
-                logprob=logprob.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
+                token_id=token_id,
+                logprob=logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
             )
         )
-    finish = FinishReason.STOP if piece.stop is not None else delta.finish_reason
+    finish = "stop" if piece.stop is not None else delta.finish_reason
     if finish is None:
         return response
-    seq = request.seq
     response.finish_reason = _FINISH_REASONS[finish]
     if piece.stop is not None:
         response.stop_string = piece.stop
-    elif finish is FinishReason.STOP and isinstance(seq.matched_stop, int):
-        if seq.matched_stop in seq.stopping.stop_token_ids:
-            response.stop_token_id = seq.matched_stop
-    response.usage.prompt_tokens = seq.num_prompt_tokens
+    elif finish == "stop" and state is not None and isinstance(state.matched_stop, int):
+        if state.matched_stop in request.stopping.stop_token_ids:
+            response.stop_token_id = state.matched_stop
+    response.usage.prompt_tokens = len(request.prompt_token_ids)
     response.usage.completion_tokens = completion_tokens
-    response.usage.cached_tokens = seq.num_cached_tokens
-    response.timings.queue_seconds = _since(request.arrival_time, request.admitted_time)
-    response.timings.prefill_seconds = _since(request.admitted_time, request.prefill_done_time)
-    response.timings.first_token_seconds = _since(request.arrival_time, request.first_token_time)
+    if state is not None:
+        response.usage.cached_tokens = state.num_cached_tokens
+        response.timings.queue_seconds = _since(request.arrival_time, state.admitted_time)
+        response.timings.prefill_seconds = _since(state.admitted_time, state.prefill_done_time)
+        response.timings.first_token_seconds = _since(request.arrival_time, state.first_token_time)
     return response
 
 
-def _prompt_log_fields(request: pb.GenerateRequest, served: ServedRequest) -> dict[str, object]:
+def _prompt_log_fields(request: pb.GenerateRequest, submitted: Submit) -> dict[str, object]:
     """The prompt as the client sent it, for `--log-prompts` only (empty otherwise)."""
     return prompt_fields(
         prompt=request.prompt or None,
         messages=[{"role": m.role, "content": m.content} for m in request.messages] or None,
-        prompt_token_ids=served.seq.token_ids[: served.seq.num_prompt_tokens],
+        prompt_token_ids=submitted.prompt_token_ids,
     )
 
 
-def _finish_log_fields(request: ServedRequest, completion_tokens: int, now: float) -> dict[str, object]:
+def _finish_log_fields(
+    request: Submit, state: RequestState | None, completion_tokens: int, now: float
+) -> dict[str, object]:
     """Counts and timings of a request that just ended, for its `request finished` line."""
+    admitted = state.admitted_time if state is not None else None
+    first_token = state.first_token_time if state is not None else None
     return {
-        "prompt_tokens": request.seq.num_prompt_tokens,
+        "prompt_tokens": len(request.prompt_token_ids),
         "completion_tokens": completion_tokens,
-        "preemptions": request.num_preemptions,
-        "queue_s": _since(request.arrival_time, request.admitted_time),
-        "ttft_s": _since(request.arrival_time, request.first_token_time),
+        "preemptions": state.num_preemptions if state is not None else 0,
+        "queue_s": _since(request.arrival_time, admitted),
+        "ttft_s": _since(request.arrival_time, first_token),
         "e2e_s": _since(request.arrival_time, now),
     }
 
@@ -129,7 +132,7 @@ class Generations:
     def __init__(
         self,
         model: ModelFacts,
-        engine_loop: EngineClient,
+        engine_loop: CoreClient,
         hub: StreamHub,
         config: FrontDoorConfig,
         validation: ValidationPool,
@@ -142,6 +145,9 @@ class Generations:
         self._engine_loop = engine_loop
         self._hub = hub
         self._validation = validation
+        # Each submission's number, echoed in its deltas: a delta never reaches a newer request that
+        # reused the id.
+        self._submissions = itertools.count(1)
 
     async def start(
         self, request: pb.GenerateRequest, arrival: float, tenant: str, priority: int
@@ -170,9 +176,9 @@ class Generations:
             _log_refused(request_id, exc)
             raise
         try:
-            seq, grammar = await self._validation.run(
+            submitted = await self._validation.run(
                 prompt_bytes(request),
-                build_sequence,
+                build_request,
                 request,
                 request_id,
                 self.model,
@@ -183,10 +189,12 @@ class Generations:
                 constrained=may_compile(request)
                 and not (self._constraints is not None and self._constraints.is_warm(request)),
             )
-            served = ServedRequest(
-                seq, priority=priority, tenant=tenant, arrival_time=arrival, n=n, grammar=grammar
-            )
-            mailbox = self._hub.open(served)
+            submitted.submission = next(self._submissions)
+            submitted.priority = priority
+            submitted.tenant = tenant
+            submitted.arrival_time = arrival
+            submitted.n = n
+            mailbox = self._hub.open(submitted)
         except BaseException as exc:
             # Also when the client leaves while its prompt is tokenized (CancelledError): free the slot.
             self._hub.release(request_id)
@@ -198,27 +206,28 @@ class Generations:
             logging.INFO,
             "request accepted",
             request_id=request_id,
-            prompt_tokens=seq.num_prompt_tokens,
-            max_tokens=seq.stopping.max_tokens,
+            prompt_tokens=len(submitted.prompt_token_ids),
+            max_tokens=submitted.stopping.max_tokens,
             n=n,
             priority=priority,
             tenant=tenant or "-",
-            **_prompt_log_fields(request, served),
+            **_prompt_log_fields(request, submitted),
         )
-        self._engine_loop.submit(served)
+        self._engine_loop.submit(submitted)
         # A grammar waiting for the reasoning's end token: the reasoning parser splits where it wakes up.
+        grammar = submitted.grammar
         waits_for = grammar.activate_after if grammar is not None else None
         new_text = functools.partial(
             ChoiceText,
             self.model.tokenizer,
-            seq.token_ids[: seq.num_prompt_tokens],
-            seq.stopping,
+            submitted.prompt_token_ids,
+            submitted.stopping,
             skips_special_tokens(request, keeps_special_tokens(request, self.config.tool_call_parser)),
             waits_for,
         )
         if parsers is not None:
             parsers = functools.partial(parsers, None if grammar is None else waits_for is not None)
-        return Generation(served, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
+        return Generation(submitted, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request by id (the Abort RPC); False when no such request is live."""
@@ -234,22 +243,25 @@ class Generation:
 
     def __init__(
         self,
-        served: ServedRequest,
-        mailbox: Mailbox[StreamDelta],
+        request: Submit,
+        mailbox: Mailbox[Delta],
         hub: StreamHub,
-        engine_loop: EngineClient,
+        engine_loop: CoreClient,
         arrival: float,
         new_text: Callable[[], ChoiceText],
         new_parser: ParserFactory | None = None,
     ) -> None:
-        self.served = served
+        self.request = request
         self._mailbox = mailbox
         self._hub = hub
         self._engine_loop = engine_loop
         self._arrival = arrival
         self._finished = False
         self._closed = False
-        self._choices_left = served.n
+        self._choices_left = request.n
+        # Whether the core forked choices 1..n-1, and each choice's latest state, as its deltas said.
+        self._forked = False
+        self._states: dict[int, RequestState] = {}
         # An engine error met after other messages of the same batch: raised by the next call.
         self._failure: Exception | None = None
         self._completion: list[str] = []  # the text so far, for `--log-prompts` only
@@ -264,7 +276,11 @@ class Generation:
 
     @property
     def request_id(self) -> str:
-        return self.served.request_id
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
 
     @property
     def parses_answer(self) -> bool:
@@ -308,43 +324,46 @@ class Generation:
         finally:
             self.close()
 
-    def _respond(self, delta: StreamDelta) -> pb.GenerateResponse | None:
+    def _respond(self, delta: Delta) -> pb.GenerateResponse | None:
         """Account for one delta (text, choices left, logs) and build its message; None for tokens of a
         choice that already ended. Raises the delta's error."""
-        index = delta.request.index
+        index = delta.index
         if index in self._ended:
             return None
+        if delta.state is not None:
+            self._states[index] = delta.state
+            self._forked = self._forked or delta.state.forked
         text = self._texts.get(index)
         if text is None:
             text = self._texts[index] = self._new_text()
+        last = is_last(delta)
         piece = text.feed(delta.token_ids, delta.finish_reason)
-        if delta.is_last or piece.stop is not None:
+        if last or piece.stop is not None:
             self._ended.add(index)
-            # An error ends the stream; a request aborted before its prompt was prefilled never forked
-            # its other choices. The same rule as the hub's count of the engine's work (`streams`).
-            forked = self.served.forked and delta.error is None
-            self._choices_left = self._choices_left - 1 if forked else 0
-            if not delta.is_last:
+            # The same rule as the hub's count of the engine's work (`streams`).
+            self._choices_left = choices_left_after(self._choices_left, delta, self._forked)
+            if not last:
                 self._engine_loop.stop_at_string(self.request_id, index, piece.stop)
         self._finished = self._choices_left == 0
         if delta.error is not None:
-            code, _ = status_for(delta.error)
+            code = grpc.StatusCode[delta.error.code]
             log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
-            raise delta.error
+            raise RelayedStatusError(code, delta.error.message)
         if log_prompts_enabled():
             self._completion.append(piece.text)
-        finish = FinishReason.STOP if piece.stop is not None else delta.finish_reason
+        finish = "stop" if piece.stop is not None else delta.finish_reason
+        state = self._states.get(index)
         if self._finished and finish is not None:
             log_event(
                 logger,
                 logging.INFO,
                 "request finished",
                 request_id=self.request_id,
-                finish_reason=finish.value,
-                **_finish_log_fields(self.served, text.num_tokens, time.monotonic()),
+                finish_reason=finish,
+                **_finish_log_fields(self.request, state, text.num_tokens, time.monotonic()),
                 **prompt_fields(completion="".join(self._completion)),
             )
-        response = to_response(delta, piece, text.num_tokens)
+        response = to_response(delta, piece, text.num_tokens, self.request, state)
         if self._new_parser is not None:
             self._parse(piece.text, finish is not None, response, text.reasoning_end)
         return response
@@ -371,7 +390,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        self._hub.close(self.served)
+        self._hub.close(self.request)
         if not self._finished:
             self._engine_loop.abort(self.request_id)
             log_event(

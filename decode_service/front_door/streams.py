@@ -33,10 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import msgspec
+
 from base.errors import InvalidRequestError
-from decode_service.engine_core.request import ServedRequest, StreamDelta
+from decode_service.engine_core.messages import Delta, Failure, Submit
 from serving.errors import QueueFullError
 from serving.live_calls import LiveCallRegistry
+from serving.status import status_for
 
 ItemT = TypeVar("ItemT")
 
@@ -72,18 +75,31 @@ class Mailbox(Generic[ItemT]):
         return items
 
 
-def merge(earlier: StreamDelta, later: StreamDelta) -> StreamDelta:
-    """One delta carrying both, in order; the later one's end (finish or error) wins."""
-    return StreamDelta(
-        earlier.request,
+ChoiceKey = tuple[int, int]
+
+
+def choice_key(delta: Delta) -> ChoiceKey:
+    """Which choice of which submission `delta` belongs to (the choices of an `n` request share an id)."""
+    return delta.submission, delta.index
+
+
+def is_last(delta: Delta) -> bool:
+    """Whether `delta` ends its choice (finished, or failed)."""
+    return delta.finish_reason is not None or delta.error is not None
+
+
+def merge(earlier: Delta, later: Delta) -> Delta:
+    """One delta carrying both, in order; the later one's end (finish or error) wins, and its state
+    where it carries one."""
+    return msgspec.structs.replace(
+        later,
         token_ids=earlier.token_ids + later.token_ids,
         logprobs=earlier.logprobs + later.logprobs,
-        finish_reason=later.finish_reason,
-        error=later.error,
+        state=later.state if later.state is not None else earlier.state,
     )
 
 
-def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
+def coalesce(deltas: list[Delta]) -> list[Delta]:
     """`deltas` in arrival order with each choice's consecutive run merged into one delta.
 
     Costs no latency: only deltas that are already waiting merge. An error is never merged into the
@@ -91,54 +107,52 @@ def coalesce(deltas: list[StreamDelta]) -> list[StreamDelta]:
     """
     if len(deltas) < 2:
         return deltas
-    merged: list[StreamDelta] = []
-    open_at: dict[int, int] = {}  # id(request) -> index in `merged` of its delta still taking tokens
+    merged: list[Delta] = []
+    open_at: dict[ChoiceKey, int] = {}  # choice -> index in `merged` of its delta still taking tokens
     for delta in deltas:
-        at = open_at.get(id(delta.request))
+        key = choice_key(delta)
+        at = open_at.get(key)
         if at is not None and delta.error is None:
             merged[at] = merge(merged[at], delta)
         else:
-            open_at[id(delta.request)] = len(merged)
+            open_at[key] = len(merged)
             merged.append(delta)
-        if merged[open_at[id(delta.request)]].is_last:
-            del open_at[id(delta.request)]
+        if is_last(merged[open_at[key]]):
+            del open_at[key]
     return merged
 
 
 class StreamIntervalBuffer:
-    """Wraps the engine loop's `deliver`: holds each request's deltas until `interval` tokens are due.
+    """Wraps the streams' `deliver`: holds each choice's deltas until `interval` tokens are due.
 
-    Called on one thread only (the engine thread, or the one reading the engine core's messages), like
-    the `deliver` it wraps. What was sent is tracked here, not read from the request's sequence: with
-    the engine core in another process, the front door's copy of a sequence holds only its prompt.
+    Called on the event loop, with each step's deltas in the order the core made them.
     """
 
-    def __init__(self, interval: int, deliver: Callable[[list[StreamDelta]], None]) -> None:
+    def __init__(self, interval: int, deliver: Callable[[list[Delta]], None]) -> None:
         self.interval = interval
         self._deliver = deliver
-        # By request object, not id: the choices of an `n` request share their id.
-        self._held: dict[ServedRequest, StreamDelta] = {}
-        # Requests (choices) that got their first tokens and have not ended.
-        self._started: set[ServedRequest] = set()
+        self._held: dict[ChoiceKey, Delta] = {}
+        # Choices that got their first tokens and have not ended.
+        self._started: set[ChoiceKey] = set()
 
-    def __call__(self, deltas: list[StreamDelta]) -> None:
+    def __call__(self, deltas: list[Delta]) -> None:
         if self.interval == 1:
             self._deliver(deltas)
             return
         ready = []
         for delta in deltas:
-            request = delta.request
-            held = self._held.pop(request, None)
+            key = choice_key(delta)
+            held = self._held.pop(key, None)
             if held is not None:
                 delta = merge(held, delta)
-            if delta.is_last:
-                self._started.discard(request)
+            if is_last(delta):
+                self._started.discard(key)
                 ready.append(delta)
-            elif (delta.token_ids and request not in self._started) or len(delta.token_ids) >= self.interval:
-                self._started.add(request)
+            elif (delta.token_ids and key not in self._started) or len(delta.token_ids) >= self.interval:
+                self._started.add(key)
                 ready.append(delta)
             else:
-                self._held[request] = delta
+                self._held[key] = delta
         if ready:
             self._deliver(ready)
 
@@ -147,14 +161,22 @@ class StreamIntervalBuffer:
 class _LiveStream:
     """A reserved slot (`request` None until validated) or a live stream; `working` while it holds a slot."""
 
-    request: ServedRequest | None
-    mailbox: Mailbox[StreamDelta] = field(default_factory=Mailbox)
+    request: Submit | None
+    mailbox: Mailbox[Delta] = field(default_factory=Mailbox)
     working: bool = True
     # Choices whose last delta has not arrived yet (a request with n > 1 holds its slot until all end).
     choices_left: int = 1
+    # Whether the core forked choices 1..n-1 (as its deltas' state last said).
+    forked: bool = False
 
 
-class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
+def choices_left_after(choices_left: int, delta: Delta, forked: bool) -> int:
+    """Choices still to end once `delta`, a last delta, ended one: an error ends the stream, and a request
+    aborted before its prompt was prefilled never forked its other choices."""
+    return choices_left - 1 if forked and delta.error is None else 0
+
+
+class StreamHub(LiveCallRegistry[str, _LiveStream, Delta]):
     """Registry of live streams (at most `capacity` with engine work) and the mailbox of each."""
 
     def __init__(
@@ -173,6 +195,7 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         self.abort = abort
         self.num_working = 0
         self.num_overflowed = 0
+        self._by_submission: dict[int, _LiveStream] = {}
 
     def reserve(self, request_id: str) -> None:
         """Take a slot for a request about to be validated, or refuse it (draining, duplicate id, full)."""
@@ -188,19 +211,33 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         if stream is not None and stream.request is None:
             self._forget(request_id, stream)
 
-    def open(self, request: ServedRequest) -> Mailbox[StreamDelta]:
+    def open(self, request: Submit) -> Mailbox[Delta]:
         """Turn the request's reservation into a live stream; returns the mailbox its deltas arrive in."""
         stream = self._calls[request.request_id]
         stream.request = request
         stream.choices_left = request.n
+        self._by_submission[request.submission] = stream
         return stream.mailbox
 
-    def close(self, request: ServedRequest) -> None:
+    def close(self, request: Submit) -> None:
         stream = self._calls.get(request.request_id)
         if stream is not None and stream.request is request:
             self._forget(request.request_id, stream)
 
+    def request_of(self, submission: int) -> Submit | None:
+        """The request of submission number `submission` while the core still owes it deltas (its stream
+        may be closed already); None after its last."""
+        stream = self._by_submission.get(submission)
+        return stream.request if stream is not None else None
+
+    def fail_all(self, failure: Failure) -> None:
+        """End every request the core still owes deltas with `failure` (the core is gone)."""
+        self._dispatch(
+            [Delta(submission, 0, [], [], None, failure, None) for submission in self._by_submission]
+        )
+
     def _forget(self, request_id: str, stream: _LiveStream) -> None:
+        """The stream is closed; its submission stays known until the core's last delta for it."""
         self._stop_working(stream)
         self._remove(request_id, stream)
 
@@ -215,22 +252,29 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
                 f"the server already holds {self.num_working} requests, its limit; retry later"
             )
 
-    def _dispatch(self, deltas: list[StreamDelta]) -> None:
+    def deliver(self, deltas: list[Delta]) -> None:
+        """Hand a step's deltas to their streams (on the event loop)."""
+        self._dispatch(deltas)
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
         for delta in deltas:
-            owner = delta.request.stream_owner
-            stream = self._calls.get(owner.request_id)
-            # A stream whose client left, that overflowed, or a newer request reusing its id: not wanted.
-            if stream is None or stream.request is not owner or not stream.working:
+            stream = self._by_submission.get(delta.submission)
+            if stream is None or stream.request is None:
                 continue
-            if delta.is_last:
-                # A request aborted before its prompt was prefilled never forked its other choices.
-                stream.choices_left = stream.choices_left - 1 if owner.forked and delta.error is None else 0
+            # A stream whose client left, or that overflowed, still counts its choices down to the end.
+            wanted = stream.working
+            if delta.state is not None and delta.state.forked:
+                stream.forked = True
+            if is_last(delta):
+                stream.choices_left = choices_left_after(stream.choices_left, delta, stream.forked)
                 if stream.choices_left == 0:
+                    del self._by_submission[delta.submission]
                     self._stop_working(stream)
-            elif len(stream.mailbox) >= self.max_buffer:
-                self._overflow(stream, owner)
+            elif wanted and len(stream.mailbox) >= self.max_buffer:
+                self._overflow(stream, stream.request)
                 continue
-            stream.mailbox.put(delta)
+            if wanted:
+                stream.mailbox.put(delta)
         if self._built.is_set():
             # The writers just woken run before this callback: each builds its messages, then waits.
             self._built = asyncio.Event()
@@ -248,7 +292,7 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
         if not self._built.is_set():
             await self._built.wait()
 
-    def _overflow(self, stream: _LiveStream, request: ServedRequest) -> None:
+    def _overflow(self, stream: _LiveStream, request: Submit) -> None:
         self._stop_working(stream)
         self.num_overflowed += 1
         self.abort(request.request_id)
@@ -256,4 +300,5 @@ class StreamHub(LiveCallRegistry[str, _LiveStream, StreamDelta]):
             f"the client fell {self.max_buffer} messages behind, this server's limit (--max-stream-buffer); "
             "the request was cancelled"
         )
-        stream.mailbox.put(StreamDelta(request, error=error))
+        code, message = status_for(error)
+        stream.mailbox.put(Delta(request.submission, 0, [], [], None, Failure(code.name, message), None))

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from base.errors import ConfigError, InvalidRequestError
 from decode_service.chat_template import read_chat_template
-from decode_service.engine_core.messages import GrammarSource
+from decode_service.engine_core.messages import Submit
 from decode_service.front_door import json_text
 from decode_service.front_door.constraints import (
     ConstraintError,
@@ -41,7 +41,6 @@ from decode_service.front_door.constraints import (
 )
 from engine.model_facts import ModelFacts
 from engine.params import StoppingParams
-from engine.sequence import Sequence
 from engine.tokenizer import RESERVED_TEMPLATE_KWARGS
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.errors import QueueFullError
@@ -174,7 +173,7 @@ def skips_special_tokens(request: pb.GenerateRequest, keep_special_tokens: bool)
     return asked and not keep_special_tokens
 
 
-def build_sequence(
+def build_request(
     request: pb.GenerateRequest,
     request_id: str,
     model: ModelFacts,
@@ -182,9 +181,10 @@ def build_sequence(
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
     tenant: str = "",
-) -> tuple[Sequence, GrammarSource | None]:
-    """Validate a public request against the served model and return its engine sequence, and the
-    constraint the engine compiles for it (None: unconstrained).
+) -> Submit:
+    """Validate a public request against the served model and return what the engine core is sent for it
+    (the caller numbers the submission and adds its scheduling fields), with the constraint the core
+    compiles for it (None: unconstrained).
 
     Tokenizes text and chat prompts and checks constraints compile (cached; bounded by the compiler's
     timeout; `tenant` waits its turn), so call it off the event loop. Without `constraints` a constrained
@@ -196,22 +196,34 @@ def build_sequence(
     ids = prompt_token_ids(request, model, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), model, max_tokens_cap)
     grammar = (constraints or Constraints(None)).compile(spec, request, ids, tenant)
-    seq = model.make_sequence(ids, sampling, stopping, request_id, cache_salt(request, salt_tenant))
-    check_fits_pool(model, seq)
-    return seq, grammar
+    model.check_request(ids, sampling, stopping)
+    check_fits_pool(model, len(ids), stopping.max_tokens)
+    return Submit(
+        submission=0,
+        request_id=request_id,
+        prompt_token_ids=list(ids),
+        sampling=sampling,
+        stopping=stopping,
+        cache_salt=cache_salt(request, salt_tenant),
+        grammar=grammar,
+        priority=0,
+        tenant="",
+        arrival_time=None,
+        n=1,
+    )
 
 
-def check_fits_pool(model: ModelFacts, seq: Sequence) -> None:
+def check_fits_pool(model: ModelFacts, num_prompt_tokens: int, max_tokens: int) -> None:
     """Refuse a request that could not finish even with the whole KV pool to itself.
 
     Preemption only helps when the victim can eventually run alone; a request longer than the pool
     would preempt everyone and then itself, forever.
     """
-    needed = model.blocks_for_tokens(seq.num_prompt_tokens + seq.stopping.max_tokens)
+    needed = model.blocks_for_tokens(num_prompt_tokens + max_tokens)
     total = model.num_blocks
     if needed > total:
         raise InvalidRequestError(
-            f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) needs "
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs "
             f"{needed} KV blocks but the server's pool has {total}; lower max_tokens"
         )
 

@@ -193,7 +193,7 @@ class OpenAIRoutes:
             generation.request_id,
             self.model,
             self._token_text,
-            prompt_tokens=generation.served.seq.num_prompt_tokens,
+            prompt_tokens=generation.num_prompt_tokens,
             parsed=generation.parses_answer,
             token_bytes=self._token_bytes,
         )
