@@ -20,7 +20,7 @@ from base.errors import ConfigError
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.config import CoreSpec
 from decode_service.engine_core.core import EngineCore
-from decode_service.engine_core.core_client import EngineProcess, lost_failure
+from decode_service.engine_core.core_client import CoreProcess, lost_failure
 from decode_service.engine_core.in_process import InProcessCore
 from decode_service.engine_core.messages import StepOut
 from decode_service.engine_core.remote_prefill.stage import RemotePrefill
@@ -90,14 +90,14 @@ class DecodeServer(TierServer):
         self.scheduler: ContinuousScheduler | None = None
         self.events: EventLog[StepRecord] | None = None
         self.remote_prefill: RemotePrefill | None = None
-        self.engine_loop: InProcessCore | EngineProcess
+        self.engine_loop: InProcessCore | CoreProcess
         if isinstance(engine, Engine):
             self.engine_loop = InProcessCore(engine, config.core, self._on_step, model_fingerprint)
             self.core = self.engine_loop.core
             self.scheduler, self.events = self.core.scheduler, self.core.events
             self.remote_prefill = self.core.remote_prefill
         else:
-            self.engine_loop = EngineProcess(
+            self.engine_loop = CoreProcess(
                 replace(engine, model_fingerprint=model_fingerprint), self._on_step, self._core_lost
             )
         self.registry.abort = self.engine_loop.abort

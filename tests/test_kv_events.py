@@ -27,8 +27,8 @@ import pytest
 import zmq
 from conftest import engine_for, free_ports, random_prompts, save_tiny_model, tiny_hf_model, wait_until
 from prometheus_client import generate_latest
+from test_core_process import ProcessServer, greedy
 from test_disagg_serving import RunningDecode, RunningPrefill, prompts_of
-from test_engine_process import ProcessServer, greedy
 from test_kv_groups import windowed_hf_model
 
 from base.errors import ConfigError

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decode_service.engine_core.messages import Delta, Failure, RequestState
+from decode_service.engine_core.messages import ChoiceState, Delta, Failure
 from decode_service.front_door.streams import StreamIntervalBuffer, coalesce
 
-STATE = RequestState(3, None, 1.0, 2.0, 3.0, 0, False)
+STATE = ChoiceState(3, None, 1.0, 2.0, 3.0, 0, False)
 BOOM = Failure("INVALID_ARGUMENT", "boom")
 
 
@@ -21,7 +21,7 @@ class Choice:
 
 
 def token(
-    choice: Choice, token_id: int, finish: str | None = None, state: RequestState | None = None
+    choice: Choice, token_id: int, finish: str | None = None, state: ChoiceState | None = None
 ) -> Delta:
     """The delta of one engine step for `choice`."""
     return Delta(choice.submission, choice.index, [token_id], [], finish, None, state)

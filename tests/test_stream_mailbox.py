@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from decode_service.engine_core.messages import Delta, Failure, RequestState, Submit
+from decode_service.engine_core.messages import ChoiceState, Delta, Failure, Submit
 from decode_service.front_door.choice_text import ChoiceText
 from decode_service.front_door.generation import Generation
 from decode_service.front_door.streams import Mailbox, StreamHub
@@ -61,7 +61,7 @@ def test_a_reader_cancelled_while_waiting_loses_nothing():
 
 _SUBMISSIONS = iter(range(1, 1_000_000))
 # The state the core sends on a choice's first delta once it forked the request's other choices.
-FORKED = RequestState(0, None, None, None, None, 0, True)
+FORKED = ChoiceState(0, None, None, None, None, 0, True)
 
 
 def served(request_id: str, n: int = 1, stop: tuple[str, ...] = ()) -> Submit:
@@ -86,7 +86,7 @@ def delta(
     index: int = 0,
     finish: str | None = None,
     error: Failure | None = None,
-    state: RequestState | None = None,
+    state: ChoiceState | None = None,
 ) -> Delta:
     return Delta(request.submission, index, token_ids or [], [], finish, error, state)
 

@@ -17,13 +17,13 @@ from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.grammar_gate import GrammarGate
 from decode_service.engine_core.messages import (
     Abort,
+    ChoiceState,
     Command,
     CoreStats,
     Delta,
     Failure,
     Ping,
     Pong,
-    RequestState,
     Shutdown,
     StepOut,
     StopAt,
@@ -71,7 +71,7 @@ def to_delta(delta: StreamDelta) -> Delta:
     seq = request.seq
     state = None
     if delta.is_last or seq.num_output_tokens == len(delta.token_ids):
-        state = RequestState(
+        state = ChoiceState(
             seq.num_cached_tokens,
             seq.matched_stop,
             request.admitted_time,
@@ -147,6 +147,6 @@ class CoreBoundary:
         self._send(StepOut([to_delta(d) for d in deltas], self.stats(), fills))
 
     def _refuse(self, command: Submit, error: Exception) -> None:
-        state = RequestState(0, None, None, None, None, 0, False)
+        state = ChoiceState(0, None, None, None, None, 0, False)
         delta = Delta(command.submission, 0, [], [], None, failure(error), state)
         self._send(StepOut([delta], self.stats(), []))

@@ -1,4 +1,4 @@
-"""The front door's end of the pipe to an engine core in a process of its own: `EngineProcess`.
+"""The front door's end of the pipe to an engine core in a process of its own: `CoreProcess`.
 
 The server process keeps gRPC, HTTP, validation, tokenization, the streams and their text; the core
 process (`core_main`) loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill)
@@ -7,7 +7,7 @@ submissions and aborts, one `StepOut` per engine step with every request's new t
 the server's side alone: nothing in it runs in the core process, and the core's code runs here only to
 be named as the spawn target (`core_main.run_core`, imported when the core is started).
 
-`EngineProcess` is a `messages.CoreClient` (`submit`, `abort`, `stop_at_string`; and `start`,
+`CoreProcess` is a `messages.CoreClient` (`submit`, `abort`, `stop_at_string`; and `start`,
 `wait_ready`, `stop`), as `in_process.InProcessCore` is, so the front door and the server shell use
 either alike. Its commands and
 replies run on the server's event loop: commands gathered during one loop iteration leave in one
@@ -58,7 +58,7 @@ from serving.errors import RelayedStatusError
 logger = logging.getLogger(__name__)
 
 
-class EngineProcess:
+class CoreProcess:
     """The front door's handle on an engine core process; use it on the server's event loop.
 
     `on_step` gets each step's `StepOut` (on the event loop); `on_exit` a reason when the core dies while

@@ -2,7 +2,7 @@
 
 The core process loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill) with
 its own GIL; the server process keeps everything else and talks to it through `core_client`'s
-`EngineProcess`. This module is the core's side alone: it reads the server's `Commands` (submissions,
+`CoreProcess`. This module is the core's side alone: it reads the server's `Commands` (submissions,
 aborts, stop strings, heartbeat pings) and applies them through `CoreBoundary`, whose one `StepOut` per
 engine step is written on `StepWriter`'s thread. Only `engine_core.messages` (and `config.CoreSpec`,
 received once at spawn) are shared with the server's end.

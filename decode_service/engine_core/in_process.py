@@ -1,7 +1,7 @@
 """The front door's client for an engine core on a thread of its own process: `InProcessCore`.
 
 `--engine-in-process`, tests and in-process benchmarks run the core here; `tandem serve decode` runs it
-in a process of its own (`core_client.EngineProcess`). Both take the same `Submit`, `Abort` and `StopAt`
+in a process of its own (`core_client.CoreProcess`). Both take the same `Submit`, `Abort` and `StopAt`
 and answer with the same `StepOut`s on the server's event loop, through the same `CoreBoundary`: here the
 messages are handed over as objects instead of being encoded onto a pipe, so the two shapes differ only
 in where the core runs.

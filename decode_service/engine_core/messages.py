@@ -82,9 +82,9 @@ class Failure(msgspec.Struct, array_like=True, frozen=True):
     message: str
 
 
-class RequestState(msgspec.Struct, array_like=True):
-    """What the front door reports about a request, as the core last saw it (timings are monotonic
-    seconds: both processes read the same clock)."""
+class ChoiceState(msgspec.Struct, array_like=True):
+    """One choice's state as the core last saw it, for the front door's usage, timings and logs
+    (timings are monotonic seconds: both processes read the same clock)."""
 
     num_cached_tokens: int
     matched_stop: int | str | None
@@ -105,7 +105,7 @@ class Delta(msgspec.Struct, array_like=True):
     error: Failure | None
     # Only on a choice's first and last deltas, the ones whose readers need it (time to first token,
     # usage, timings, stop, the finish log): the steps between carry tokens alone.
-    state: RequestState | None
+    state: ChoiceState | None
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -168,7 +168,7 @@ core_message_decoder = msgspec.msgpack.Decoder(CoreMessage)
 
 class CoreClient(Protocol):
     """What the front door asks of an engine core: `InProcessCore` on a thread of this process,
-    `EngineProcess` in another. Each call is queued and applied at the core's next step; the answers come
+    `CoreProcess` in another. Each call is queued and applied at the core's next step; the answers come
     back as `StepOut`s."""
 
     def submit(self, request: Submit) -> None: ...

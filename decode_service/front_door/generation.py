@@ -22,7 +22,7 @@ import grpc
 
 from base.errors import InvalidRequestError
 from base.logs import bind_request_id, log_event, log_prompts_enabled, prompt_fields
-from decode_service.engine_core.messages import CoreClient, Delta, RequestState, Submit
+from decode_service.engine_core.messages import ChoiceState, CoreClient, Delta, Submit
 from decode_service.front_door.admission import check_limits, check_max_tokens_cap, num_choices, prompt_bytes
 from decode_service.front_door.choice_text import (
     AnswerParser,
@@ -53,7 +53,7 @@ def _since(start: float | None, end: float | None) -> float:
 
 
 def to_response(
-    delta: Delta, piece: TextPiece, completion_tokens: int, request: Submit, state: RequestState | None
+    delta: Delta, piece: TextPiece, completion_tokens: int, request: Submit, state: ChoiceState | None
 ) -> pb.GenerateResponse:
     """The stream message for one delta of `request`, whose tokens made `piece` (the client gets its first
     `piece.num_tokens` of them); the last message (the engine's, or a stop string's) carries finish
@@ -103,7 +103,7 @@ def _prompt_log_fields(request: pb.GenerateRequest, submitted: Submit) -> dict[s
 
 
 def _finish_log_fields(
-    request: Submit, state: RequestState | None, completion_tokens: int, now: float
+    request: Submit, state: ChoiceState | None, completion_tokens: int, now: float
 ) -> dict[str, object]:
     """Counts and timings of a request that just ended, for its `request finished` line."""
     admitted = state.admitted_time if state is not None else None
@@ -261,7 +261,7 @@ class Generation:
         self._choices_left = request.n
         # Whether the core forked choices 1..n-1, and each choice's latest state, as its deltas said.
         self._forked = False
-        self._states: dict[int, RequestState] = {}
+        self._states: dict[int, ChoiceState] = {}
         # An engine error met after other messages of the same batch: raised by the next call.
         self._failure: Exception | None = None
         self._completion: list[str] = []  # the text so far, for `--log-prompts` only

@@ -25,7 +25,7 @@ from tiny_tokenizer import TINY_VOCAB_SIZE
 
 from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.config import CoreSpec
-from decode_service.engine_core.core_client import EngineProcess
+from decode_service.engine_core.core_client import CoreProcess
 from decode_service.server import DecodeServer
 from engine.config import CacheConfig, EngineConfig
 from protos.tandem.v1 import generation_pb2 as pb
@@ -61,8 +61,8 @@ class ProcessServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     @property
-    def core(self) -> EngineProcess:
-        assert isinstance(self.server.engine_loop, EngineProcess)
+    def core(self) -> CoreProcess:
+        assert isinstance(self.server.engine_loop, CoreProcess)
         return self.server.engine_loop
 
     def idle(self) -> bool:
@@ -79,7 +79,7 @@ class ProcessServer:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("engine_process_model")
+    directory = tmp_path_factory.mktemp("core_process_model")
     return directory, save_tiny_model(directory, 31)
 
 
