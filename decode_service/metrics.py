@@ -81,6 +81,12 @@ class _LiveStateCollector(Collector):
             "Preemptions: requests whose blocks were freed to make room.",
             value=stats.num_preemptions,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}structured_output_core_compiles",
+            "Grammars the engine core compiled (its cache's misses). The front door's checks compile "
+            "each new constraint once more, counted by structured_output_compile_seconds.",
+            value=stats.grammar_compiles,
+        )
         yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
         yield from kv_event_metrics(stats.kv_events_published, stats.kv_events_dropped)
         yield from _transfer_metrics(stats)

@@ -153,14 +153,21 @@ def test_choices_and_stop_strings_cross_the_boundary(server, model):
 
 
 def test_constrained_answers_are_enforced_by_the_core(server):
-    """The core compiles the front door's constraint again from its source (its own cache)."""
+    """The core compiles the front door's constraint again from its source (its own cache): a new
+    constraint costs two compiles, the front door's check and the core's, and a repeated one none."""
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(server.spec.model_dir)
-    fills = server.server.metrics.structured_output_fill_seconds
-    fills_before = sample_count(fills)
+    metrics = server.server.metrics
+    fills = metrics.structured_output_fill_seconds
+
+    def compiles() -> tuple[float, float | None]:
+        core = metrics.registry.get_sample_value("tandem:structured_output_core_compiles_total")
+        return sample_count(metrics.structured_output_compile_seconds), core
+
+    fills_before, compiles_before = sample_count(fills), compiles()
     constrained_tokens = 0
-    for regex in (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)"):
+    for regex in (r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)", r"[0-9]{3}-[a-z]{2,4}"):
         request = pb.GenerateRequest(
             messages=[pb.ChatMessage(role="user", content="Answer.")],
             sampling=pb.SamplingParams(temperature=1.0, seed=3),
@@ -174,6 +181,8 @@ def test_constrained_answers_are_enforced_by_the_core(server):
     assert wait_until(server.idle)
     # Every step that masked a token reached the front door's metric, not only the first message's.
     assert sample_count(fills) - fills_before >= constrained_tokens
+    (front_before, core_before), (front, core) = compiles_before, compiles()
+    assert (front - front_before, core - core_before) == (2, 2)
 
 
 def test_a_cancelled_stream_frees_the_core_blocks(server):

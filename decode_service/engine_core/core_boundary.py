@@ -115,7 +115,9 @@ class CoreBoundary:
         self.grammars = GrammarGate.for_engine(self.core.loop, engine, config.grammar)
 
     def stats(self) -> CoreStats:
-        return self.core.stats()
+        stats = self.core.stats()
+        stats.grammar_compiles = self.grammars.num_compiles
+        return stats
 
     def apply(self, command: Command) -> bool:
         """Hand `command` to the engine loop; False for `Shutdown` (the caller stops the core)."""

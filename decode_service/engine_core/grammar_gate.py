@@ -125,6 +125,8 @@ class GrammarGate:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[ServedRequest, GrammarSource] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # Real compiles (cache misses), for the core's stats.
+        self.num_compiles = 0
 
     @classmethod
     def for_engine(cls, loop: EngineLoop, engine: Engine, config: GrammarConfig) -> GrammarGate:
@@ -219,6 +221,7 @@ class GrammarGate:
         if compiled is None:
             started = time.perf_counter()
             compiled = compile_in_process(self._vocab().compiler, source.kind, source.source)
+            self.num_compiles += 1
             logger.debug(
                 "compiled a %s grammar of %d bytes in %.3f s",
                 source.kind,

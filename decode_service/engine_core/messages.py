@@ -126,6 +126,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     remote_prefills_failed: int = 0
     prefill_retries: int = 0
     prefill_local_fallbacks: int = 0
+    # Grammars the core compiled (its grammar cache's misses; the front door's checks are not counted).
+    grammar_compiles: int = 0
     # Speculative decoding (`engine.speculation.SpeculationStats`).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
