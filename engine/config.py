@@ -226,11 +226,17 @@ LAYER_TYPED_WINDOWS = ("qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Size of the paged KV pool: either a block count or a memory budget for all layers' K and V."""
+    """Size of the paged KV pool: either a block count or a memory budget for all layers' K and V.
+
+    With `fit_to_sequences` (the flags' default budget) the pool holds no more tokens than its running
+    sequences can fill, `max_model_len` x `max_num_seqs`, as llama.cpp's `-c` sizes its cache: a server
+    started for 16 sequences of 2,048 tokens does not hold a 2 GiB pool resident.
+    """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int = 1 << 30
+    fit_to_sequences: bool = False
 
     def block_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes of one block: K and V of every layer slot (`engine.kv_layout`; all layers when the model
@@ -238,11 +244,17 @@ class CacheConfig:
         per_token_head = kv_bytes_per_token_head(model.head_dim, dtype)
         return 2 * model.kv_layout.num_slots * self.block_size * model.num_kv_heads * per_token_head
 
-    def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """Blocks of a cache of `dtype` (the KV dtype): the count given, or as many as the budget holds."""
+    def resolve_num_blocks(
+        self, model: ModelConfig, dtype: torch.dtype, sequence_tokens: int | None = None
+    ) -> int:
+        """Blocks of a cache of `dtype` (the KV dtype): the count given, or as many as the budget holds
+        (with `fit_to_sequences`, no more than the running sequences' `sequence_tokens` fill)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        return max(1, self.memory_bytes // self.block_bytes(model, dtype))
+        blocks = max(1, self.memory_bytes // self.block_bytes(model, dtype))
+        if self.fit_to_sequences and sequence_tokens is not None:
+            blocks = min(blocks, -(-sequence_tokens // self.block_size))
+        return blocks
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,15 @@ class ModelFacts:
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
         positions = model_config.max_position_embeddings
+        max_model_len = min(config.max_model_len or positions, positions)
+        sequence_tokens = max_model_len * config.max_num_seqs
         return cls(
             model_name=model_name,
             vocab_size=model_config.vocab_size,
-            max_model_len=min(config.max_model_len or positions, positions),
+            max_model_len=max_model_len,
             eos_token_ids=frozenset(eos),
             block_size=config.cache.block_size,
-            num_blocks=config.cache.resolve_num_blocks(model_config, config.kv_dtype),
+            num_blocks=config.cache.resolve_num_blocks(model_config, config.kv_dtype, sequence_tokens),
             dtype=config.dtype,
             kv_dtype=config.kv_dtype,
             quantization=config.quantization,

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # Per connection: generous for a real caller's concurrency (a decode replica multiplexes all its
 # Prefill calls over one connection), a wall against one caller opening thousands.
 DEFAULT_MAX_CONCURRENT_STREAMS = 256
+# The KV pool's budget when `--kv-cache-memory` is not given (the pool may hold less: see CacheConfig).
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +53,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-cache-memory",
-        default="2GiB",
-        help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: 2GiB)",
+        default=None,
+        help="memory for the KV pool, all layers' K and V (e.g. 2GiB, 512MiB; default: what "
+        f"--max-model-len x --max-num-seqs tokens fill, at most {DEFAULT_KV_CACHE_MEMORY})",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -147,7 +150,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         dtype=parse_dtype(args.dtype),
         device=args.device,
-        cache=CacheConfig(block_size=args.block_size, memory_bytes=parse_memory_size(args.kv_cache_memory)),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            memory_bytes=parse_memory_size(args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY),
+            fit_to_sequences=args.kv_cache_memory is None,
+        ),
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

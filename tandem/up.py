@@ -162,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV pool of each tier, e.g. 512MiB (default: the tiers' own, 2GiB each)",
+        help="KV pool of each tier, e.g. 512MiB (default: the tiers' own)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

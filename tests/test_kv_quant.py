@@ -124,6 +124,28 @@ def test_int8_fits_at_least_3_5x_the_blocks_of_float32_in_a_memory_budget():
     assert budget.block_bytes(model, torch.int8) == 2 * 30 * 16 * 3 * (64 + 4)
 
 
+def test_the_default_pool_holds_what_the_running_sequences_can_fill():
+    """Without --kv-cache-memory the pool is the 2 GiB budget capped at --max-model-len x --max-num-seqs
+    tokens (as llama.cpp's -c); a budget given is taken whole, and a large context keeps the budget."""
+    from engine.model_facts import ModelFacts
+
+    model = smollm2()
+
+    def blocks(*argv: str) -> int:
+        return ModelFacts.of(model, parse_engine_flags(*argv), None, "m").num_blocks
+
+    fit = ("--max-model-len", "2048", "--max-num-seqs", "16")
+    assert blocks(*fit, "--kv-cache-dtype", "int8") == 2048 * 16 // 16
+    assert blocks(*fit) == 2048
+    assert blocks("--max-model-len", "100", "--max-num-seqs", "3") == 19  # 300 tokens: 18.75 blocks
+    budget_only = (2 << 30) // CacheConfig().block_bytes(model, torch.float32)
+    assert blocks("--max-num-seqs", "16") == budget_only  # 8,192 x 16 fp32 tokens pass 2 GiB
+    assert blocks(*fit, "--kv-cache-memory", "2GiB") == budget_only
+    assert blocks(*fit, "--kv-cache-memory", "64MiB") == (64 << 20) // CacheConfig().block_bytes(
+        model, torch.float32
+    )
+
+
 def test_an_engine_allocates_what_the_budget_counts(hf_model):
     config = ModelConfig.from_hf(hf_model.config)
     budget = CacheConfig(block_size=16, memory_bytes=8 << 20)
