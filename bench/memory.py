@@ -3,8 +3,9 @@
     tandem bench memory [--kv-cache-dtype auto] [--tokens 32768 --slots 16] [--no-llama-server]
 
 Starts one `tandem serve decode` (aggregated: no prefill tier) on the default model with
-`--quantization int8`, `--max-num-seqs` = `--slots` and a KV pool of exactly `--tokens` tokens (the
-defaults hold what llama-server's `-c 32768 -np 16` holds: 32,768 tokens over 16 slots), waits until it
+`--quantization int8`, `--max-num-seqs` = `--slots`, `--max-model-len` = `--tokens / --slots` and no
+`--kv-cache-memory`, so that its default pool holds exactly `--tokens` tokens (the defaults hold what
+llama-server's `-c 32768 -np 16` holds: 32,768 tokens over 16 slots of 2,048), waits until it
 is healthy, sends one warm-up chat request, waits `--settle` seconds idle, then reads
 `/proc/<pid>/smaps` of the server (the front door) and of each of its children (the engine core, found
 by its parent pid and named by the server's log; multiprocessing's resource tracker) and splits each
@@ -241,16 +242,6 @@ def kv_block_bytes(model_dir: Path, block_size: int, kv_dtype: str) -> int:
     return CacheConfig(block_size=block_size).block_bytes(model_config(model_dir), dtype)
 
 
-def kv_pool_bytes_for(model_dir: Path, tokens: int, block_size: int, kv_cache_dtype: str) -> int:
-    """The `--kv-cache-memory` that holds exactly ceil(tokens / block_size) blocks."""
-    import torch
-
-    from kernels.kv_quant import resolve_kv_cache_dtype
-
-    dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
-    return -(-tokens // block_size) * kv_block_bytes(model_dir, block_size, str(dtype))
-
-
 def engine_ready(log_text: str) -> dict:
     """The fields of the server's (JSON-format) "engine ready" log line, and the engine core's pid from
     "engine core process started (pid N)"."""
@@ -354,17 +345,19 @@ def _post_json(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 @contextlib.contextmanager
-def tandem_server(
-    args: argparse.Namespace, model_dir: Path, kv_bytes: int
-) -> Iterator[tuple[ServerProcess, dict]]:
-    """`tandem serve decode` sized as asked, warmed up and idle; yields it and its server arguments."""
+def tandem_server(args: argparse.Namespace, model_dir: Path) -> Iterator[tuple[ServerProcess, dict]]:
+    """`tandem serve decode` sized as asked, warmed up and idle; yields it and its server arguments.
+
+    The pool is the flags' default: `--slots` sequences of `--tokens / --slots` tokens each (llama-server's
+    per-slot context), which without `--kv-cache-memory` is exactly the tokens they can fill."""
     from bench import servers
     from tandem.client import TandemClient
 
     server_args = [
         "--quantization", args.quantization,
         "--kv-cache-dtype", args.kv_cache_dtype,
-        "--kv-cache-memory", str(kv_bytes),
+        "--max-model-len", str(args.tokens // args.slots),
+        "--block-size", str(args.block_size),
         "--max-num-seqs", str(args.slots),
         "--log-format", "json",
     ]  # fmt: skip
@@ -381,9 +374,8 @@ def measure_tandem(args: argparse.Namespace, model_dir: Path) -> dict:
     """The tandem server's accounting, with what was computed for it and how it was started."""
     config = json.loads((model_dir / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
-    kv_bytes = kv_pool_bytes_for(model_dir, args.tokens, args.block_size, args.kv_cache_dtype)
     weights = weight_bytes(checkpoint_shapes(model_dir), args.quantization, tied)
-    with tandem_server(args, model_dir, kv_bytes) as (server, description):
+    with tandem_server(args, model_dir) as (server, description):
         ready = engine_ready(server.log_path.read_text())
         if "num_blocks" not in ready:
             raise SystemExit(f"no 'engine ready' line with num_blocks in {server.log_path}")
