@@ -228,13 +228,15 @@ def test_machine_info_has_the_cpu_flags_and_a_probed_bandwidth() -> None:
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_bench_memory_accounts_for_a_real_server(real_model_dir: Path) -> None:
-    """One real int8 server, a small KV pool: each process's rows sum to its RSS, the engine core holds
-    the computed weights and KV pool, the front door holds neither."""
+    """One real int8 server, a small KV pool (4 slots of 256 tokens, sized by the flags' default): each
+    process's rows sum to its RSS, the engine core holds the computed weights and KV pool, the front
+    door holds neither."""
     parser = argparse.ArgumentParser()
     memory.add_arguments(parser)
     args = parser.parse_args(
-        ["--tokens", "1024", "--threads", "1", "--settle", "0.5", "--no-malloc-trim", "--no-llama-server"]
-    )
+        ["--tokens", "1024", "--slots", "4", "--threads", "1", "--settle", "0.5", "--no-malloc-trim",
+         "--no-llama-server"]
+    )  # fmt: skip
     run = memory.measure_tandem(args, real_model_dir)
     assert {"front door", "engine core"} <= set(run["processes"])
     assert run["kv_pool_tokens"] == 1024
