@@ -169,6 +169,11 @@ class Engine:
                 "model": model_name,
                 "num_blocks": num_blocks,
                 "block_size": self.block_size,
+                # What the pool holds against what the running sequences can fill (a default pool is
+                # capped there: `CacheConfig.fit_to_sequences`).
+                "kv_pool_tokens": num_blocks * self.block_size,
+                "max_model_len": self.max_model_len,
+                "max_num_seqs": config.max_num_seqs,
                 "dtype": str(config.dtype),
                 "kv_dtype": str(self.kv_dtype),
                 "quantization": config.quantization,

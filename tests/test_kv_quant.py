@@ -146,6 +146,21 @@ def test_the_default_pool_holds_what_the_running_sequences_can_fill():
     )
 
 
+def test_an_engine_allocates_the_fitted_pool_and_says_so(hf_model, caplog):
+    """The engine holds the blocks a fitted default pool resolves to, and its ready line names the pool's
+    tokens beside what the sequences can fill, so an operator sees why the pool is that size."""
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, memory_bytes=64 << 20, fit_to_sequences=True),
+        max_model_len=40,
+        max_num_seqs=3,
+    )
+    with caplog.at_level("INFO", logger="engine.engine"):
+        engine = Engine(ModelConfig.from_hf(hf_model.config), hf_model.state_dict(), None, config)
+    assert engine.block_manager.num_blocks == 30  # 40 x 3 tokens over blocks of 4
+    [ready] = [record for record in caplog.records if record.getMessage() == "engine ready"]
+    assert (ready.kv_pool_tokens, ready.max_model_len, ready.max_num_seqs) == (120, 40, 3)
+
+
 def test_an_engine_allocates_what_the_budget_counts(hf_model):
     config = ModelConfig.from_hf(hf_model.config)
     budget = CacheConfig(block_size=16, memory_bytes=8 << 20)
