@@ -374,6 +374,14 @@ def quantized_table(document: dict) -> str:
             f"multi-turn throughput {found['multi_turn_throughput']:.2f}x and median TTFT "
             f"{found['multi_turn_median_ttft']:.2f}x, all-at-once {found['headline_throughput']:.2f}x."
         )
+    alternated = document.get("single_alternated")
+    if alternated:
+        lines.append(
+            f"Single-stream decode with both servers up, the workload sent to each in turn "
+            f"{len(alternated['rounds'])} times: tandem int8 / llama-server Q8_0 median "
+            f"{alternated['median_ratio']:.2f}x (rounds {alternated['min_ratio']:.2f}-"
+            f"{alternated['max_ratio']:.2f}x)."
+        )
     workloads = document["workloads"]
     chat, single, headline = workloads["chat"], workloads["single"], workloads["headline"]
     machine = document["machine"]

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of each system (default: 2)")
     parser.add_argument("--quick", action="store_true", help="smoke-sized workloads")
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
+    parser.add_argument(
+        "--alternate-single",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="then, with tandem int8 and llama-server Q8_0 up together, alternate the single-stream "
+        "workload between them ROUNDS times: a ratio per round that host noise hits on both sides",
+    )
     parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
@@ -134,6 +143,34 @@ def measure_system(name: str, args: argparse.Namespace, model_dir: Path, workloa
     return result
 
 
+def alternate_single(args: argparse.Namespace, model_dir: Path, workload, rounds: int) -> dict:
+    """Single-stream decode of tandem int8 and llama-server Q8_0, both servers up, the workload sent to
+    each in turn `rounds` times. On a host whose memory bandwidth moves with its neighbours (the
+    same server's rate swings 20% within minutes), a pair measured seconds apart shares the swing, where
+    fresh servers measured one after another do not."""
+    from bench import session
+    from bench.serve import make_backend
+
+    with contextlib.ExitStack() as stack:
+        served = {name: stack.enter_context(serving(name, args, str(model_dir))) for name in (TANDEM, PEER)}
+        per_round = []
+        for _ in range(rounds):
+            rates = {}
+            for name, (kind, target, extra) in served.items():
+                metrics = session.at_once(make_backend(kind, target, name), workload, extra, 1)
+                rates[name] = 1000.0 / metrics["tpot_ms"]["p50"]
+            per_round.append({"tandem_tok_s": rates[TANDEM], "peer_tok_s": rates[PEER]})
+            per_round[-1]["ratio"] = rates[TANDEM] / rates[PEER]
+            logger.info("alternated single stream: %s", per_round[-1])
+    found = [row["ratio"] for row in per_round]
+    return {
+        "rounds": per_round,
+        "median_ratio": statistics.median(found),
+        "min_ratio": min(found),
+        "max_ratio": max(found),
+    }
+
+
 def ratios(runs: list[dict]) -> dict | None:
     """tandem int8 over llama-server Q8_0 on each figure, where both ran."""
     by_name = {run["system"]: run for run in runs}
@@ -174,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     from bench import session
     from bench.plots import draw_quantized, quantized_table
     from bench.roofline import ModelShape
+    from bench.servers import ServerStartError
     from engine.model_store import resolve_model
 
     names = session.systems(args.systems, SYSTEMS + OPTIONAL_SYSTEMS)
@@ -196,5 +234,13 @@ def run(args: argparse.Namespace) -> int:
         names, lambda name: measure_system(name, args, model_dir, workloads)
     )
     document["ratios"] = ratios(document["runs"])
+    if args.alternate_single > 0:
+        try:
+            document["single_alternated"] = alternate_single(
+                args, model_dir, workloads["single"], args.alternate_single
+            )
+        except (session.SystemSkipped, ServerStartError) as exc:
+            logger.warning("skipping the alternated single stream: %s", exc)
+            document["skipped"]["single_alternated"] = str(exc)
     session.finish(document, args.out_dir, quantized_table, draw_quantized)
     return 0 if not document["skipped"] else 1

@@ -140,3 +140,44 @@ def test_each_server_runs_single_one_at_a_time_and_the_headline_all_at_once(monk
     result = quantized.measure_system("tandem-aggregated", None, Path("model"), workloads)
     assert calls == [("single", 1, math.inf), ("headline", None, math.inf)]
     assert result["single_decode_tok_s"] == 50.0 and result["headline_tok_s"] == 9.0
+
+
+def test_alternated_single_stream_sends_the_workload_to_each_server_in_turn(monkeypatch) -> None:
+    """Both servers stay up; each round measures tandem, then llama-server, and keeps their ratio."""
+    started, sent = [], []
+
+    @contextlib.contextmanager
+    def serving(name, args, model):
+        started.append(name)
+        yield name, f"target-{name}", {}
+
+    tpot = iter([10.0, 12.5, 20.0, 20.0, 8.0, 10.0])
+
+    def at_once(backend, workload, extra, max_concurrency=None):
+        sent.append((backend, workload, max_concurrency))
+        return {"tpot_ms": {"p50": next(tpot)}}
+
+    monkeypatch.setattr(quantized, "serving", serving)
+    monkeypatch.setattr(session, "at_once", at_once)
+    monkeypatch.setattr("bench.serve.make_backend", lambda kind, target, label: target)
+    found = quantized.alternate_single(None, Path("model"), "single", 3)
+    assert started == [quantized.TANDEM, quantized.PEER]
+    pair = [f"target-{quantized.TANDEM}", f"target-{quantized.PEER}"]
+    assert [backend for backend, _, _ in sent] == pair * 3
+    assert {(workload, concurrency) for _, workload, concurrency in sent} == {("single", 1)}
+    assert [round(row["ratio"], 3) for row in found["rounds"]] == [1.25, 1.0, 1.25]
+    assert found["median_ratio"] == pytest.approx(1.25) and found["min_ratio"] == pytest.approx(1.0)
+
+
+def test_the_table_reports_the_alternated_single_stream_when_measured() -> None:
+    runs = [_run("tandem-aggregated-int8", 80, 60, 350, 180), _run("llama-server-q8_0", 100, 50, 800, 140)]
+    document = _document(runs)
+    assert "in turn" not in plots.quantized_table(document)
+    document["single_alternated"] = {
+        "rounds": [{"ratio": 0.93}, {"ratio": 0.97}, {"ratio": 0.95}],
+        "median_ratio": 0.95,
+        "min_ratio": 0.93,
+        "max_ratio": 0.97,
+    }
+    table = plots.quantized_table(document)
+    assert "each in turn 3 times: tandem int8 / llama-server Q8_0 median 0.95x (rounds 0.93-0.97x)" in table
