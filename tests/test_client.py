@@ -252,6 +252,38 @@ def test_build_request_maps_every_option():
     assert (request.request_id, request.priority, request.tenant) == ("r", -3, "acme")
 
 
+def test_request_options_are_exactly_build_requests_keywords():
+    """Both clients' generate() take RequestOptions and pass them on whole: the two lists cannot drift."""
+    import inspect
+
+    from tandem.client import RequestOptions
+
+    keywords = [
+        name
+        for name, parameter in inspect.signature(build_request).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    assert list(RequestOptions.__annotations__) == keywords
+
+
+def test_a_misspelt_option_is_refused_when_generate_is_called():
+    """Before any call is made, as the explicit signatures refused it."""
+    client = TandemClient("127.0.0.1:1")
+    with pytest.raises(TypeError, match="temprature"):
+        client.generate("hi", temprature=0.5)
+    client.close()
+
+    async def misspelt() -> None:
+        async_client = AsyncTandemClient("127.0.0.1:1")
+        try:
+            with pytest.raises(TypeError, match="max_token"):
+                async_client.generate("hi", max_token=4)
+        finally:
+            await async_client.close()
+
+    asyncio.run(misspelt())
+
+
 def test_build_request_accepts_chat_messages_in_three_forms():
     request = build_request(
         messages=[{"role": "system", "content": "be brief"}, ("user", "hi"), pb.ChatMessage(role="assistant")]

@@ -27,6 +27,7 @@ from tandem.client.errors import (
     Unimplemented,
     Unknown,
 )
+from tandem.client.requests import RequestOptions
 from tandem.client.results import (
     Completion,
     FinishReason,
@@ -59,6 +60,7 @@ __all__ = [
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
+    "RequestOptions",
     "ResourceExhausted",
     "ServerTimings",
     "ServingMode",

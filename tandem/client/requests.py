@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -106,6 +106,44 @@ def structured_output(
     if json_object:
         return pb.StructuredOutput(json_object=True)
     return None
+
+
+class RequestOptions(TypedDict, total=False):
+    """`build_request`'s keyword arguments, which both clients' `generate()` take and pass on whole."""
+
+    token_ids: Sequence[int] | None
+    messages: Iterable[ChatMessageLike] | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    seed: int | None
+    logprobs: int
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
+    disable_speculation: bool
+    n: int
+    max_tokens: int | None
+    stop: Iterable[str]
+    stop_token_ids: Iterable[int]
+    ignore_eos: bool
+    min_tokens: int
+    request_id: str | None
+    priority: int
+    tenant: str
+    cache_salt: str
+    json_schema: Mapping[str, Any] | str | None
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
+    json_object: bool
+    tools: Iterable[ToolLike] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
+    chat_template_kwargs: Mapping[str, Any] | None
+    skip_special_tokens: bool | None
 
 
 def build_request(

@@ -7,8 +7,8 @@ request and free its KV blocks at once instead of generating into the void.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,8 +19,11 @@ from protos.tandem.v1 import generation_pb2_grpc
 from tandem.client.affinity import Replica, ReplicaAttempts, ReplicaPicker
 from tandem.client.connection import ConnectionSettings, Metadata
 from tandem.client.errors import error_from_rpc
-from tandem.client.requests import ChatMessageLike, ToolLike, build_request
+from tandem.client.requests import RequestOptions, build_request
 from tandem.client.results import Completion, CompletionBuilder, GenerationDelta, ModelInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class TandemClient:
@@ -84,85 +87,17 @@ class TandemClient:
         self,
         prompt: str | None = None,
         *,
-        token_ids: Sequence[int] | None = None,
-        messages: Iterable[ChatMessageLike] | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-        logprobs: int = 0,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        repetition_penalty: float | None = None,
-        logit_bias: Mapping[int, float] | None = None,
-        disable_speculation: bool = False,
-        n: int = 0,
-        max_tokens: int | None = None,
-        stop: Iterable[str] = (),
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        min_tokens: int = 0,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "",
-        cache_salt: str = "",
-        json_schema: Mapping[str, Any] | str | None = None,
-        regex: str | None = None,
-        choice: Sequence[str] | None = None,
-        grammar: str | None = None,
-        json_object: bool = False,
-        tools: Iterable[ToolLike] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        skip_special_tokens: bool | None = None,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Iterator[GenerationDelta]:
         """Stream a completion; give exactly one of `prompt`, `token_ids`, `messages`.
 
-        Parameters mean what the fields of the same name in generation.proto mean; None leaves a
-        field unset so the server's default applies. Constraints and tools: see `build_request`.
-        The call starts on the first `next()`.
+        The keyword options are `build_request`'s (`RequestOptions`): each means what the field of the
+        same name in generation.proto means, and None leaves it unset so the server's default applies.
+        `timeout` and `metadata` are this call's. The call starts on the first `next()`.
         """
-        request = build_request(
-            prompt,
-            token_ids=token_ids,
-            messages=messages,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            seed=seed,
-            logprobs=logprobs,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            logit_bias=logit_bias,
-            disable_speculation=disable_speculation,
-            n=n,
-            max_tokens=max_tokens,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            min_tokens=min_tokens,
-            request_id=request_id,
-            priority=priority,
-            tenant=tenant,
-            cache_salt=cache_salt,
-            json_schema=json_schema,
-            regex=regex,
-            choice=choice,
-            grammar=grammar,
-            json_object=json_object,
-            tools=tools,
-            tool_choice=tool_choice,
-            parallel_tool_calls=parallel_tool_calls,
-            chat_template_kwargs=chat_template_kwargs,
-            skip_special_tokens=skip_special_tokens,
-        )
-        return self._stream(request, timeout, metadata)
+        return self._stream(build_request(prompt, **options), timeout, metadata)
 
     def _stream(
         self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata | None
