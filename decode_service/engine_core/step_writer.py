@@ -49,19 +49,40 @@ class StepWriter:
     ) -> None:
         self._replies = replies
         self._encode = encode
-        # None: the end (`close`), put after every message to write.
-        self._queue: queue.Queue[Reply | None] = queue.Queue(max_queued)
+        self._max_queued = max_queued
+        # None: the end (`close`), put after every message to write. A SimpleQueue's put and get are
+        # single C calls, where `queue.Queue`'s take its Python condition on both sides: on the engine
+        # thread, once per step.
+        self._queue: queue.SimpleQueue[Reply | None] = queue.SimpleQueue()
+        # Messages put and taken. `_put` is counted under `_putting` (the engine thread puts steps, the
+        # command reader pongs); `_taken` only by the writer thread. `_room` is waited on only by a
+        # producer that found the queue full; the writer notifies it as it takes a message.
+        self._put = 0
+        self._taken = 0
+        self._putting = threading.Lock()
+        self._room = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="tandem-core-writer", daemon=True)
         self._thread.start()
 
     @property
     def queued(self) -> int:
         """Messages put and not yet taken by the writer thread."""
-        return self._queue.qsize()
+        return self._put - self._taken
 
     def put(self, message: Reply) -> None:
         """Queue `message` after those put before; blocks while the queue is full."""
-        self._queue.put(message)
+        self._wait_for_room(None)
+        with self._putting:
+            self._put += 1
+            self._queue.put(message)
+
+    def _wait_for_room(self, timeout: float | None) -> bool:
+        """True once fewer than `max_queued` messages wait; False if `timeout` passed first. A stale read
+        of `_taken` can only make the queue look fuller, which the locked check below then corrects."""
+        if self._put - self._taken < self._max_queued:
+            return True
+        with self._room:
+            return self._room.wait_for(lambda: self._put - self._taken < self._max_queued, timeout)
 
     def close(self, timeout: float = 10.0) -> bool:
         """Write every message put before, then end the thread; True when it ended within `timeout`.
@@ -69,19 +90,24 @@ class StepWriter:
         A front door that never reads again must not keep the core from exiting: after `timeout` this
         returns anyway (the thread is a daemon)."""
         deadline = time.monotonic() + timeout
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            pass
+        if self._wait_for_room(timeout):
+            self._queue.put(None)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log_event(logger, logging.WARNING, "core replies unflushed", queued=self.queued, waited_s=timeout)
             return False
         return True
 
+    def _take(self) -> Reply | None:
+        message = self._queue.get()
+        with self._room:
+            self._taken += 1
+            self._room.notify()
+        return message
+
     def _run(self) -> None:
         broken = False
-        while (message := self._queue.get()) is not None:
+        while (message := self._take()) is not None:
             if broken:
                 continue
             try:
