@@ -71,8 +71,9 @@ class StepWriter:
 
     def put(self, message: Reply) -> None:
         """Queue `message` after those put before; blocks while the queue is full."""
-        self._wait_for_room(None)
         with self._putting:
+            # Under the lock, so that two producers cannot both take the last free place.
+            self._wait_for_room(None)
             self._put += 1
             self._queue.put(message)
 
