@@ -17,10 +17,12 @@ def quantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     """Rows `[..., head_dim]` as `dtype` elements and one fp32 scale per row (`kernels.kv_quant`).
 
     scale = max|row| / QMAX and stored = row / scale, rounded half to even for int8 (fp8's cast rounds
-    to nearest even itself), clamped to ±QMAX; an all-zero row gets scale 0 and zeros.
+    to nearest even itself), clamped to ±QMAX; an all-zero row gets scale 0 and zeros. Both divisions
+    are IEEE-rounded on every device: QMAX is a tensor on the rows' device, because CUDA torch divides
+    by a Python number as a multiply by its rounded reciprocal, a bit off in some rows.
     """
-    qmax = quant_max(dtype)
     x = rows.float()
+    qmax = torch.tensor(float(quant_max(dtype)), device=x.device)
     scale = x.abs().amax(dim=-1) / qmax
     scaled = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-qmax, qmax)
     if dtype == torch.int8:
@@ -120,8 +122,8 @@ def attend_one_sequence(
     k = key.permute(1, 0, 2).float()
     v = value.permute(1, 0, 2).float()
     scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [kvh, g, q_len, ctx]
-    query_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-    key_pos = torch.arange(ctx_len).unsqueeze(0)
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device).unsqueeze(1)
+    key_pos = torch.arange(ctx_len, device=query.device).unsqueeze(0)
     hidden = key_pos > query_pos
     if window is not None:
         hidden |= key_pos <= query_pos - window
@@ -189,12 +191,12 @@ def paged_decode_attention(
     last_block = (lens - 1).clamp(min=0) // block_size
     num_blocks = int((last_block - first_block).max()) + 1
     span = num_blocks * block_size
-    index = torch.minimum(first_block + torch.arange(num_blocks), last_block)
+    index = torch.minimum(first_block + torch.arange(num_blocks, device=lens.device), last_block)
     table = block_tables.gather(1, index)
     k = gather_dequantized(k_cache, table, k_scales).view(batch, span, num_kv_heads, head_dim).float()
     v = gather_dequantized(v_cache, table, v_scales).view(batch, span, num_kv_heads, head_dim).float()
     q = query.view(batch, num_kv_heads, group, head_dim).float()
-    positions = first_block * block_size + torch.arange(span)  # [B, S]
+    positions = first_block * block_size + torch.arange(span, device=lens.device)  # [B, S]
     padding = ((positions >= lens) | (positions < lowest)).unsqueeze(1)  # [B, 1, S]
     out = torch.empty(batch, num_kv_heads, group, head_dim, device=query.device)
     for head in range(num_kv_heads):
@@ -228,8 +230,8 @@ def decode_attention_partials(
     batch, num_heads, head_dim = query.shape
     block_size = k_cache.shape[1]
     group = num_heads // k_cache.shape[2]
-    partial = torch.zeros((batch, num_heads, num_splits, head_dim), dtype=torch.float32)
-    lse = torch.full((batch, num_heads, num_splits), float("-inf"))
+    partial = torch.zeros((batch, num_heads, num_splits, head_dim), device=query.device)
+    lse = torch.full((batch, num_heads, num_splits), float("-inf"), device=query.device)
     for i in range(batch):
         seq_len = int(seq_lens[i])
         lowest = first_visible(seq_len, 1, window)

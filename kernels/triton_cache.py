@@ -24,20 +24,26 @@ def _round_to_fp8_e4m3(x):
     The cast to fp8 would round by itself on a GPU, but Triton's interpreter drops the carry when a
     value rounds up into the next power of two (1.97 becomes 1.0, not 2.0); rounding here leaves the
     cast exact everywhere. The grid's step is 2**(exponent - 3) for normal values and 2**-9 below
-    2**-6 (subnormals); dividing by a power of two is exact, so only the integer rounding rounds.
+    2**-6 (subnormals); scaling by a power of two is exact, so only the integer rounding rounds. It
+    multiplies by the step's reciprocal (also a power of two) rather than dividing: CUDA's `/` is
+    approximate.
     """
     biased_exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    step_bits = (tl.maximum(biased_exponent, 127 - 6) - 3) << 23
-    step = step_bits.to(tl.float32, bitcast=True)
-    return round_half_even(x / step) * step
+    step_exponent = tl.maximum(biased_exponent, 127 - 6) - 3
+    step = (step_exponent << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((254 - step_exponent) << 23).to(tl.float32, bitcast=True)
+    return round_half_even(x * inverse_step) * step
 
 
 @triton.jit
 def _quantize_rows(rows, QMAX: tl.constexpr, TO_INT8: tl.constexpr):
     """(stored values, scale) per row of `[heads, dims]` fp32: scale = max|row| / QMAX, stored =
-    row / scale clamped to ±QMAX and rounded half to even onto the int8 (TO_INT8) or fp8 e4m3 grid."""
-    scale = tl.max(tl.abs(rows), 1) / QMAX
-    scaled = rows / tl.where(scale > 0, scale, 1.0)[:, None]
+    row / scale clamped to ±QMAX and rounded half to even onto the int8 (TO_INT8) or fp8 e4m3 grid.
+
+    Both divisions are IEEE-rounded (`div_rn`): a plain `/` compiles to CUDA's approximate division,
+    whose last-bit errors move values across a rounding boundary and off the torch reference's."""
+    scale = tl.math.div_rn(tl.max(tl.abs(rows), 1), QMAX)
+    scaled = tl.math.div_rn(rows, tl.where(scale > 0, scale, 1.0)[:, None])
     scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
     if TO_INT8:
         scaled = round_half_even(scaled)
