@@ -147,6 +147,9 @@ class Result:
     max_shared_bytes: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    # Divisions compiled to CUDA's approximate `div.full`/`div.approx`: harmless in attention, wrong
+    # where a kernel must round exactly as its reference does (the quantizing KV write).
+    approximate_divisions: int | None = None
     error: str | None = None
 
     @property
@@ -334,6 +337,7 @@ def specialise(launch: KernelLaunch, target: GPUTarget) -> Specialisation:
 
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_APPROXIMATE_DIVISION = re.compile(r"\bdiv\.(?:full|approx)\.f32\b")
 
 
 def ptxas_usage(ptx: str, arch: int, options: dict[str, object]) -> tuple[int, int, int, int]:
@@ -378,7 +382,8 @@ def compile_one(spec: Specialisation, arch: int, config: str) -> Result:
     try:
         source = ASTSource(spec.kernel, spec.signature, spec.constexprs, spec.attrs)
         compiled = triton.compile(source, target=target, options=spec.options)
-        registers, stack, stores, loads = ptxas_usage(compiled.asm["ptx"], arch, spec.options)
+        ptx = compiled.asm["ptx"]
+        registers, stack, stores, loads = ptxas_usage(ptx, arch, spec.options)
     except Exception as exc:  # every compiler failure is a finding to report, not a crash
         result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         return result
@@ -387,6 +392,7 @@ def compile_one(spec: Specialisation, arch: int, config: str) -> Result:
     result.spill_stores, result.spill_loads, result.spills = stores, loads, stores + loads
     result.shared_bytes = compiled.metadata.shared
     result.num_warps, result.num_stages = compiled.metadata.num_warps, compiled.metadata.num_stages
+    result.approximate_divisions = len(_APPROXIMATE_DIVISION.findall(ptx))
     return result
 
 
