@@ -58,7 +58,7 @@ def test_quantizer_error_is_at_most_half_a_step_and_codes_stay_within_127():
     assert torch.equal(qweight.float(), expected)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 31, 32])
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_gemv_matches_the_reference(extension, rows, out_features, in_features):
     x, qweight, scale, bias = int8_case(

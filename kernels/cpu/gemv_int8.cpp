@@ -9,8 +9,9 @@
 // Few rows (`linear_int8_gemv`): the fp32 GEMV's shape — each thread streams a contiguous slice of W,
 // a register tile of 4 W rows x up to 4 x rows, the next group's lines prefetched — with each 16
 // (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
-// once to the finished dot product. Past 4 x rows the widened rows are kept for the later x tiles (see
-// rows_of_w). For one or two rows of x (single-stream decode) each thread instead reads its slice one W
+// once to the finished dot product. Past 4 x rows AVX-512 tiles 2 W rows x up to 8 x rows (the widening
+// shares the FMA pipes, so each widened weight should feed as many FMAs as registers allow), and past one
+// x tile the widened rows are kept for the later tiles (see rows_of_w). For one or two rows of x (single-stream decode) each thread instead reads its slice one W
 // row after another, asking for the line 4 KiB ahead as it goes, with 4 FMA chains per tile: a single
 // sequential stream the prefetchers follow, where 4 interleaved rows left the GEMV short of the
 // bandwidth the same bytes read at. Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
@@ -188,42 +189,53 @@ void tile_portable(const Problem& p, const T* w0, float* widened, int64_t n0, in
 
 template <int NR, int MR, typename T, bool kWiden = false>
 void tile(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
-  switch (current_gemv_isa()) {
-    case GemvIsa::kAvx512: return tile_avx512<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
-    case GemvIsa::kAvx2: return tile_avx2<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
-    case GemvIsa::kPortable: return tile_portable<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+  if constexpr (MR > 4) {  // only AVX-512 runs tiles this wide (x_tile)
+    tile_avx512<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+  } else {
+    switch (current_gemv_isa()) {
+      case GemvIsa::kAvx512: return tile_avx512<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+      case GemvIsa::kAvx2: return tile_avx2<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+      case GemvIsa::kPortable: return tile_portable<NR, MR, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    }
   }
 }
 
-// All x rows against NR rows of W, in x tiles of up to 4 rows. The first tile streams the int8 rows from
-// memory (prefetching the next group); with more than 4 x rows it also writes the rows it widened to an
-// fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is widened once
-// however many rows x has, which beats widening again per tile from 24 rows on. (A separate widening
-// pass before the first tile was slower than neither: it stalls on memory where the first tile's
-// arithmetic hides it.)
-template <int NR>
-void rows_of_w(const Problem& p, int64_t n0) {
-  const int8_t* w0 = p.w + n0 * p.k;
-  switch (p.m) {
-    case 1: return tile<NR, 1>(p, w0, nullptr, n0, 0, true);
-    case 2: return tile<NR, 2>(p, w0, nullptr, n0, 0, true);
-    case 3: return tile<NR, 3>(p, w0, nullptr, n0, 0, true);
-    case 4: return tile<NR, 4>(p, w0, nullptr, n0, 0, true);
+// One x tile of `mr` rows (1..kMaxTileRows) against NR rows of W: the runtime row count picks the
+// template. Wide tiles are AVX-512's alone, whose 32 registers hold NR x 8 sums (AVX2 has 16).
+constexpr int kMaxTileRows = 8;
+
+template <int NR, typename T, bool kWiden = false>
+void x_tile(int64_t mr, const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0, bool prefetch) {
+  switch (mr) {
+    case 1: return tile<NR, 1, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case 2: return tile<NR, 2, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case 3: return tile<NR, 3, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case 4: return tile<NR, 4, T, kWiden>(p, w0, widened, n0, m0, prefetch);
     default: break;
   }
+  if constexpr (NR <= 2) switch (mr) {
+    case 5: return tile<NR, 5, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case 6: return tile<NR, 6, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    case 7: return tile<NR, 7, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    default: return tile<NR, 8, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+  }
+}
+
+// All x rows against NR rows of W, in x tiles of up to `tile_rows` rows. The first tile streams the int8
+// rows from memory (prefetching the next group); when more tiles follow it also writes the rows it
+// widened to an fp32 copy (NR * K floats, in L1 or L2) that the later tiles read, so each weight is
+// widened once however many rows x has. (A separate widening pass before the first tile was slower than
+// neither: it stalls on memory where the first tile's arithmetic hides it.)
+template <int NR>
+void rows_of_w(const Problem& p, int64_t n0, int64_t tile_rows) {
+  const int8_t* w0 = p.w + n0 * p.k;
+  if (p.m <= tile_rows) return x_tile<NR, int8_t>(p.m, p, w0, nullptr, n0, 0, true);
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(NR * p.k));
   float* widened = buffer.data();
-  tile<NR, 4, int8_t, true>(p, w0, widened, n0, 0, true);
-  const float* rows = widened;
-  int64_t m0 = 4;
-  for (; m0 + 4 <= p.m; m0 += 4) tile<NR, 4>(p, rows, nullptr, n0, m0, false);
-  switch (p.m - m0) {
-    case 3: return tile<NR, 3>(p, rows, nullptr, n0, m0, false);
-    case 2: return tile<NR, 2>(p, rows, nullptr, n0, m0, false);
-    case 1: return tile<NR, 1>(p, rows, nullptr, n0, m0, false);
-    default: return;
-  }
+  x_tile<NR, int8_t, true>(tile_rows, p, w0, widened, n0, 0, true);
+  for (int64_t m0 = tile_rows; m0 < p.m; m0 += tile_rows)
+    x_tile<NR, float>(std::min(tile_rows, p.m - m0), p, widened, nullptr, n0, m0, false);
 }
 
 }  // namespace
@@ -252,11 +264,19 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
   const Problem p{x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr,
                   y.data_ptr<float>(), m, n, k, x.stride(0)};
   // One or two rows of x (a decode step of one or two sequences) stream W one row after another, which
-  // read it faster than interleaving 4 rows; more rows of x share each group of 4 W rows' loads.
+  // read it faster than interleaving 4 rows; 3-4 rows of x share each group of 4 W rows' loads. Past 4
+  // rows, AVX-512 takes W rows two at a time against tiles of up to 8 x rows: each widened weight (whose
+  // int -> float conversion shares the FMA pipes) then feeds 8 FMAs rather than 4.
+  const bool wide = m > 4 && current_gemv_isa() == GemvIsa::kAvx512;
+  const int64_t tile_rows = wide ? kMaxTileRows : 4;
   const auto group = [&](int64_t n0) {
-    if (m > 2) return rows_of_w<4>(p, n0);
-    for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r);
+    if (wide) {
+      rows_of_w<2>(p, n0, tile_rows);
+      return rows_of_w<2>(p, n0 + 2, tile_rows);
+    }
+    if (m > 2) return rows_of_w<4>(p, n0, tile_rows);
+    for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r, tile_rows);
   };
-  gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r); });
+  gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r, tile_rows); });
   return y;
 }
