@@ -57,6 +57,7 @@ def test_memory_size_rejects_nonsense(text):
         {"max_tokens_cap": 0},
         {"stream_interval": 0},
         {"admission_watermark": 1.0},
+        {"max_prefills_per_step": -1},
         {"drain_grace_seconds": -1},
         {"event_log_size": 0},
         {"engine_heartbeat_timeout_s": 0},

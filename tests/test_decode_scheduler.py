@@ -142,6 +142,23 @@ def test_long_prompt_is_chunked_while_decodes_keep_going(hf_model):
     assert harness.tokens["short0"] == hf_greedy(hf_model, short[0], 60)
 
 
+@pytest.mark.parametrize("max_prefills", [0, 1, 2])
+def test_max_prefills_per_step_spreads_prompts_that_arrive_together(hf_model, max_prefills):
+    """Four short prompts at once: without a cap one step prefills them all; with a cap of k each step
+    prefills at most k, so the first k get their first token a step or more before the last."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=64)
+    harness = Harness(engine, max_prefills_per_step=max_prefills)
+    prompts = random_prompts(4, 24, min_len=6, max_len=12)
+    for i, prompt in enumerate(prompts):
+        harness.submit(f"r{i}", prompt, 4)
+    events = harness.run()
+
+    per_step = [len(e.prefill_ids) for e in events if e.prefill_ids]
+    assert per_step == ([4] if max_prefills == 0 else [max_prefills] * (4 // max_prefills))
+    for i, prompt in enumerate(prompts):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
+
+
 def test_preemption_recomputes_and_outputs_match_hf(hf_model):
     # 8 requests of up to 44 tokens need 6 blocks each at full length: 48 blocks, the pool has 16.
     engine = engine_for(

@@ -152,7 +152,8 @@ class ContinuousScheduler:
         budget = self._schedule_decodes(plan, now)
         if not plan.preempted:
             self._admit(now)
-        for chunk in self.prefill_stage.plan_chunks(budget):
+        chunks = self.prefill_stage.plan_chunks(budget)
+        for chunk in chunks[: self.config.max_prefills_per_step or len(chunks)]:
             if self._grows_chunks:
                 self.engine.allocate(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_tokens)
             plan.add(chunk, "prefill")
