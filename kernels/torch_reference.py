@@ -18,11 +18,12 @@ def quantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
     scale = max|row| / QMAX and stored = row / scale, rounded half to even for int8 (fp8's cast rounds
     to nearest even itself), clamped to ±QMAX; an all-zero row gets scale 0 and zeros. Both divisions
-    are IEEE-rounded on every device: QMAX is a tensor on the rows' device, because CUDA torch divides
-    by a Python number as a multiply by its rounded reciprocal, a bit off in some rows.
+    are IEEE-rounded on every device: QMAX is a tensor on the rows' device (filled there, no host copy),
+    because CUDA torch divides by a Python number as a multiply by its rounded reciprocal, a bit off in
+    some rows.
     """
     x = rows.float()
-    qmax = torch.tensor(float(quant_max(dtype)), device=x.device)
+    qmax = torch.full((), float(quant_max(dtype)), device=x.device)
     scale = x.abs().amax(dim=-1) / qmax
     scaled = (x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp(-qmax, qmax)
     if dtype == torch.int8:

@@ -11,8 +11,8 @@
 // (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
 // once to the finished dot product. Past 4 x rows AVX-512 tiles 2 W rows x up to 8 x rows (the widening
 // shares the FMA pipes, so each widened weight should feed as many FMAs as registers allow), and past one
-// x tile the widened rows are kept for the later tiles (see rows_of_w). For one or two rows of x (single-stream decode) each thread instead reads its slice one W
-// row after another, asking for the line 4 KiB ahead as it goes, with 4 FMA chains per tile: a single
+// x tile the widened rows are kept for the later tiles (see rows_of_w). For one or two rows of x
+// (single-stream decode) each thread instead reads its slice one W row after another, asking for the line 4 KiB ahead as it goes, with 4 FMA chains per tile: a single
 // sequential stream the prefetchers follow, where 4 interleaved rows left the GEMV short of the
 // bandwidth the same bytes read at. Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
 #include <ATen/Parallel.h>
@@ -213,11 +213,15 @@ void x_tile(int64_t mr, const Problem& p, const T* w0, float* widened, int64_t n
     case 4: return tile<NR, 4, T, kWiden>(p, w0, widened, n0, m0, prefetch);
     default: break;
   }
-  if constexpr (NR <= 2) switch (mr) {
-    case 5: return tile<NR, 5, T, kWiden>(p, w0, widened, n0, m0, prefetch);
-    case 6: return tile<NR, 6, T, kWiden>(p, w0, widened, n0, m0, prefetch);
-    case 7: return tile<NR, 7, T, kWiden>(p, w0, widened, n0, m0, prefetch);
-    default: return tile<NR, 8, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+  if constexpr (NR <= 2) {
+    switch (mr) {
+      case 5: return tile<NR, 5, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+      case 6: return tile<NR, 6, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+      case 7: return tile<NR, 7, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+      default: return tile<NR, 8, T, kWiden>(p, w0, widened, n0, m0, prefetch);
+    }
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "an x tile of ", mr, " rows against ", NR, " W rows");  // 4 W rows: <= 4
   }
 }
 
