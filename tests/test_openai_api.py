@@ -11,6 +11,7 @@ import ssl
 import threading
 
 import grpc
+import jsonschema
 import openai
 import pytest
 from conftest import save_tiny_model, wait_until
@@ -130,6 +131,41 @@ MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
 def test_models_list_names_the_served_model(server):
     (model,) = server.client.models.list().data
     assert model.id == MODEL and model.owned_by == "tandem"
+
+
+def test_openapi_publishes_the_typed_request_models(server):
+    """/openapi.json describes the bodies the server takes: what it accepts passes the schema, and a
+    body the schema refuses the server refuses too, naming the same field."""
+    status, document = http_call(server, "GET", "/openapi.json")
+    assert status == 200
+    for path, model in (
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/completions", "CompletionRequest"),
+    ):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+    chat = jsonschema.Draft202012Validator(
+        {"$ref": "#/components/schemas/ChatCompletionRequest", "components": document["components"]}
+    )
+    good = {
+        "model": MODEL,
+        "messages": [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}],
+        "max_tokens": 2,
+        "stop": ["\n"],
+        "tool_choice": "none",
+        "response_format": {"type": "json_object"},
+    }
+    chat.validate(good)
+    assert http_call(server, "POST", "/v1/chat/completions", good)[0] == 200
+    for field, value in (
+        ("temperature", "hot"),
+        ("messages", "hi"),
+        ("stream", 1),
+        ("audio", {"voice": "x"}),
+    ):
+        assert not chat.is_valid({**good, field: value}), field
+        status, refused = http_call(server, "POST", "/v1/chat/completions", {**good, field: value})
+        assert status == 400 and refused["error"]["param"] == field, refused
 
 
 def test_chat_plain_and_streamed_equal_the_grpc_answer(server):

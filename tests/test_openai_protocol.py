@@ -9,11 +9,12 @@ import pytest
 from base.errors import InvalidRequestError, OutOfBlocksError
 from decode_service.front_door.openai_http.errors import (
     BodyTooLargeError,
+    FieldError,
     ModelNotServedError,
     UnauthorizedError,
+    UnsupportedFieldError,
     http_error,
 )
-from decode_service.front_door.openai_http.fields import FieldError, UnsupportedFieldError
 from decode_service.front_door.openai_http.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, Endpoint, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder
 from protos.tandem.v1 import generation_pb2 as pb
@@ -199,7 +200,7 @@ def test_each_output_constraint_translates_and_remembers_its_param(fields, expec
     [
         ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-        ({"structured_outputs": {"regex": "a", "json": SCHEMA}}, "structured_outputs.json"),
+        ({"structured_outputs": {"regex": "a", "json": SCHEMA}}, "structured_outputs.regex"),
         (
             {
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
@@ -283,11 +284,11 @@ def test_conflicting_constraints_are_refused_naming_both(fields, param):
             },
             "messages[0].tool_calls[0].function.arguments",
         ),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}, "tool_call_id"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         (
             {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
-            "continuous_usage_stats",
+            "stream_options.continuous_usage_stats",
         ),
     ],
 )

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of the decode tier: the same requests and deltas as the gRPC API.
 
-`protocol` turns OpenAI request bodies into `GenerateRequest`s, `responses` turns the stream's
-`GenerateResponse`s into OpenAI bodies and SSE chunks, `errors` maps failures to OpenAI error bodies,
-and `app` serves it all with FastAPI on the decode server's own event loop.
+`models` types the OpenAI request bodies, `protocol` turns them into `GenerateRequest`s, `responses`
+turns the stream's `GenerateResponse`s into OpenAI bodies and SSE chunks, `errors` maps failures to
+OpenAI error bodies, and `app` serves it all with FastAPI on the decode server's own event loop.
 """

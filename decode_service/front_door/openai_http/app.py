@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.background import BackgroundTask
@@ -28,11 +29,12 @@ from decode_service.front_door.admission import RequestLimits, tenant_and_priori
 from decode_service.front_door.generation import Generation, Generations
 from decode_service.front_door.openai_http.errors import (
     BodyTooLargeError,
+    FieldError,
     ModelNotServedError,
     UnauthorizedError,
     http_error,
 )
-from decode_service.front_door.openai_http.fields import FieldError
+from decode_service.front_door.openai_http.models import ChatCompletionRequest, CompletionRequest
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
 
@@ -96,6 +98,19 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes, with the request models' schemas as components."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            models = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(models.pop("$defs", {}))
+            components[model.__name__] = models
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 class OpenAIRoutes:
     """The handlers, bound to one decode server's `Generations`."""
 
@@ -125,11 +140,22 @@ class OpenAIRoutes:
         self._token_bytes = tokenizer.token_bytes if tokenizer is not None else None
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="tandem", redoc_url=None)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        # The handlers read their bodies themselves (size, nesting and object limits first), so the typed
+        # models are published as the bodies' schemas rather than parsed by FastAPI.
+        for path, handler, model in (
+            ("/v1/completions", self.completions, CompletionRequest),
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+        ):
+            schema = {
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+                }
+            }
+            app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": schema})
+        app.openapi = lambda: _openapi(app)
         if self._metrics is not None:
             app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from base.errors import TandemError
+from base.errors import InvalidRequestError, TandemError
 from serving.status import status_for
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,30 @@ class UnauthorizedError(TandemError):
 
 class BodyTooLargeError(TandemError):
     """The request body exceeds the server's message size limit (413)."""
+
+
+class FieldError(InvalidRequestError):
+    """A request field of the wrong JSON type or shape; `param` names it for the error body, and the
+    message starts with it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def under(self, parent: str) -> FieldError:
+        """This error for the same field inside `parent` (e.g. `content` inside `messages[2]`)."""
+        if not parent:
+            return self
+        joined = f"{parent}{self.param}" if self.param.startswith("[") else f"{parent}.{self.param}"
+        return type(self)(joined, joined + str(self)[len(self.param) :])
+
+
+class UnsupportedFieldError(FieldError):
+    """A request field tandem does not implement (a 400 naming it, as OpenAI clients expect)."""
+
+    @classmethod
+    def of(cls, param: str, detail: str = "is not supported by this server") -> UnsupportedFieldError:
+        return cls(param, f"{param} {detail}")
 
 
 # HTTP status, OpenAI error type and code for each gRPC status the servers use.

@@ -1,15 +1,11 @@
 """OpenAI request bodies → the public `GenerateRequest`, so HTTP and gRPC share one validation path.
 
-This module only checks what JSON can get wrong and protobuf cannot hold (a string where a number
-belongs, a field tandem does not implement) and, before converting any, that chat turns and logit-bias
-entries stay within `RequestLimits`; every other range and limit is checked later, by the same code that
-checks gRPC requests. Fields set to null count as absent, as the OpenAI API treats them. A field
-whose meaning tandem would change is refused with a 400 that names it, never ignored; fields that only
-shape the answer, or that vLLM accepts as no-ops, are accepted (the README lists every field).
-
-Output constraints and tools are read by `agent_fields`, JSON types by `fields`. Validation errors
-raised later name the gRPC field (`structured_output.json_schema`,
-`tools[1].parameters_json`); `OpenAIRequest.param_for` names the HTTP parameter the client used instead.
+The bodies are parsed as the typed models of `models` (JSON types, fields tandem implements); this
+module checks what one field means for another (one output constraint per request, `tool_choice` needs
+tools) and, before parsing, that chat turns and logit-bias entries stay within `RequestLimits`. Every
+other range and limit is checked later, by the same code that checks gRPC requests, and those errors
+name the gRPC field (`structured_output.json_schema`, `tools[1].parameters_json`);
+`OpenAIRequest.param_for` names the HTTP parameter the client used instead.
 """
 
 from __future__ import annotations
@@ -17,76 +13,36 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from decode_service.front_door import json_text
 from decode_service.front_door.admission import RequestLimits
-from decode_service.front_door.openai_http.agent_fields import (
-    CONSTRAINT_FIELDS,
-    chat_tools,
-    structured_output,
-    tool_calls,
-)
-from decode_service.front_door.openai_http.fields import (
-    INT32,
-    FieldError,
-    UnsupportedFieldError,
-    boolean,
-    finite_number,
-    integer,
-    is_int,
-    json_object,
-    number,
-    string,
+from decode_service.front_door.openai_http.errors import FieldError, UnsupportedFieldError
+from decode_service.front_door.openai_http.models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    Schema,
+    parse,
 )
 from engine.sampler import SEED_MASK
 from protos.tandem.v1 import generation_pb2 as pb
 
 # OpenAI's completions API defaults max_tokens to 16 (vLLM follows it); chat runs to the context's end.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-_COMMON_FIELDS = frozenset(
-    {
-        "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-        "frequency_penalty", "logit_bias", "logprobs", "user", "stream", "stream_options",
-        *CONSTRAINT_FIELDS,
-        # vLLM's extras
-        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt",
-        "priority", "include_stop_str_in_output", "request_id", "skip_special_tokens",
-        # tandem's
-        "disable_speculation",
-        # accepted no-ops: metadata goes with `store` (false only); the rest are hints that change no answer
-        "metadata", "prediction", "prompt_cache_key", "safety_identifier",
-    }
-)  # fmt: skip
-_CHAT_FIELDS = _COMMON_FIELDS | {
-    "chat_template_kwargs",
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-}  # fmt: skip
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-
-# Fields tandem accepts only with the value that means "feature off" (or its default).
-_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
-    "modalities": (["text"],),
-    "store": (False,),
-    "service_tier": ("auto", "default"),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-    "use_beam_search": (False,),
-    "length_penalty": (1,),
-    "spaces_between_special_tokens": (True,),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "add_special_tokens": (False,),
-    "documents": ([],),
-    "guided_decoding_backend": ("xgrammar", "auto"),
+_INT32 = range(-(2**31), 2**31)
+_TOOL_CHOICE_MODES = {
+    "none": pb.TOOL_CHOICE_NONE,
+    "auto": pb.TOOL_CHOICE_AUTO,
+    "required": pb.TOOL_CHOICE_REQUIRED,
 }
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
-# Sent back by clients that replay earlier answers whole; the chat templates tandem renders drop them.
-_DROPPED_MESSAGE_FIELDS = frozenset({"refusal", "reasoning_content", "reasoning", "annotations"})
+# vLLM's older output constraints and what each is in `structured_outputs`.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class Endpoint(enum.Enum):
@@ -139,149 +95,180 @@ def _function_param(match: re.Match[str]) -> str:
 DEFAULT_LIMITS = RequestLimits()
 
 
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    """Refuse every field that would change the answer in a way tandem does not implement."""
-    for name, value in body.items():
-        if value is None or name in allowed:
-            continue
-        if name in _NEUTRAL_VALUES and value in _NEUTRAL_VALUES[name]:
-            continue
-        raise UnsupportedFieldError(name)
-
-
-def _stop(body: Mapping[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise FieldError("stop", f"stop must be a string or a list of strings, got {stop!r}")
-
-
-def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(is_int(v) and v in INT32 for v in value):
-        raise FieldError(name, f"{name} must be a list of integers, got {value!r}")
-    return value
-
-
-def _logit_bias(body: Mapping[str, Any], max_entries: int) -> dict[int, float]:
-    """JSON object keys are strings: {"50256": -100} means token 50256. At most `max_entries`, counted
-    before any is converted."""
-    bias = body.get("logit_bias")
-    if bias is None:
-        return {}
-    if not isinstance(bias, dict):
-        raise FieldError("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
-    if len(bias) > max_entries:
+def _check_counts(body: object, limits: RequestLimits) -> None:
+    """Refuse more chat turns or logit-bias entries than `limits` allow, before any is parsed."""
+    if not isinstance(body, dict):
+        return
+    messages, bias = body.get("messages"), body.get("logit_bias")
+    if isinstance(messages, list) and len(messages) > limits.max_chat_messages:
+        raise FieldError(
+            "messages",
+            f"messages has {len(messages)} turns, above this server's limit of {limits.max_chat_messages} "
+            "(--max-chat-messages)",
+        )
+    if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:
         raise FieldError(
             "logit_bias",
-            f"logit_bias has {len(bias)} entries, above this server's limit of {max_entries} "
+            f"logit_bias has {len(bias)} entries, above this server's limit of {limits.max_logit_bias} "
             "(--max-logit-bias)",
         )
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     converted = {}
     for key, value in bias.items():
         try:
             token_id = int(key)
-        except (TypeError, ValueError):
+        except ValueError:
             token_id = None
-        if token_id is None or token_id not in INT32:
+        if token_id is None or token_id not in _INT32:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
-        converted[token_id] = finite_number(value, "logit_bias", "logit_bias values")
+        converted[token_id] = value
     return converted
 
 
-def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats): a final usage chunk, and usage in every chunk. As in vLLM,
-    continuous usage needs include_usage; OpenAI's include_obfuscation is a no-op (tandem never pads)."""
-    options = body.get("stream_options")
-    if options is None:
-        return False, False
-    if not stream:
-        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
-    if not isinstance(options, dict):
-        raise FieldError("stream_options", f"stream_options must be an object, got {options!r}")
-    for name in options:
-        if name not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
-            raise UnsupportedFieldError(f"stream_options.{name}")
-    include_usage = boolean(options, "include_usage")
-    return include_usage, include_usage and boolean(options, "continuous_usage_stats")
-
-
-def _message_content(index: int, content: object) -> str:
-    """A message's text: a string, or an array of text parts (joined by newlines)."""
-    if isinstance(content, str):
-        return content
-    param = f"messages[{index}].content"
-    if not isinstance(content, list):
-        raise FieldError(param, f"{param} must be a string or an array of text parts, got {content!r}")
-    texts = []
-    for position, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise UnsupportedFieldError(
-                f"{param}[{position}]", f"is a {kind!r} part; only text parts are supported"
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _messages(body: Mapping[str, Any], max_messages: int) -> list[pb.ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise FieldError("messages", "messages must be a non-empty array of {role, content} objects")
-    if len(messages) > max_messages:
-        raise FieldError(
-            "messages",
-            f"messages has {len(messages)} turns, above this server's limit of {max_messages} "
-            "(--max-chat-messages)",
-        )
-    converted = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise FieldError(
-                f"messages[{index}]", f"messages[{index}] must be an object with role and content"
-            )
-        for name, value in message.items():
-            if name not in _MESSAGE_FIELDS and name not in _DROPPED_MESSAGE_FIELDS and value is not None:
-                raise UnsupportedFieldError(f"messages[{index}].{name}")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise FieldError(f"messages[{index}].role", f"messages[{index}].role must be a string")
-        content = message.get("content")
-        # An assistant turn that only called tools has no content (null), as OpenAI sends it.
-        text = "" if content is None and role == "assistant" else _message_content(index, content)
-        converted_message = pb.ChatMessage(role=role, content=text)
-        if message.get("tool_calls") is not None:
-            converted_message.tool_calls.extend(tool_calls(index, message["tool_calls"]))
-        for name in ("tool_call_id", "name"):
-            value = string(message, name) if name in message else None
-            if value is not None:
-                setattr(converted_message, name, value)
-        converted.append(converted_message)
+def _message(message: ChatMessage) -> pb.ChatMessage:
+    content = message.content
+    text = "\n".join(part.text for part in content) if isinstance(content, list) else content or ""
+    converted = pb.ChatMessage(role=message.role, content=text)
+    for call in message.tool_calls or ():
+        converted.tool_calls.add(id=call.id, name=call.function.name, arguments=call.function.arguments)
+    if message.tool_call_id is not None:
+        converted.tool_call_id = message.tool_call_id
+    if message.name is not None:
+        converted.name = message.name
     return converted
 
 
-def _prompt(body: Mapping[str, Any], request: pb.GenerateRequest) -> None:
+def _prompt(prompt: str | list, request: pb.GenerateRequest) -> None:
     """A string or token ids; a batch of several prompts is refused (send one request per prompt)."""
-    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(is_int(t) and t in INT32 for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         request.token_ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
-        raise UnsupportedFieldError("prompt", "holds several prompts; send one request per prompt")
+        raise UnsupportedFieldError.of("prompt", "holds several prompts; send one request per prompt")
     else:
         raise FieldError("prompt", f"prompt must be a non-empty string or array of token ids, got {prompt!r}")
 
 
-def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest, max_logit_bias: int) -> None:
+def _schema_text(schema: Schema, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json_text.loads(schema)
+        except json_text.JsonTextError as exc:
+            raise FieldError(param, f"{param} {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise FieldError(param, f"{param} must be a JSON schema (an object), got {schema!r}")
+    return json.dumps(schema)
+
+
+def _constraint(kind: str, value: object, param: str) -> pb.StructuredOutput:
+    """One structured-output kind (json, regex, choice, grammar, json_object) as a StructuredOutput."""
+    if kind == "json":
+        return pb.StructuredOutput(json_schema=_schema_text(value, param))
+    if kind == "json_object":
+        if value is not True:
+            raise FieldError(param, f"{param} must be true, got {value!r}")
+        return pb.StructuredOutput(json_object=True)
+    if not value:
+        raise FieldError(param, f"{param} must not be empty")
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
+    return pb.StructuredOutput(**{kind: value})
+
+
+def _structured_output(
+    request: CompletionRequest | ChatCompletionRequest,
+) -> tuple[pb.StructuredOutput | None, str | None]:
+    """The one output constraint the request asks for, and the parameter that asked; a 400 when several.
+    It may come as response_format, vLLM's structured_outputs or its older guided_* fields."""
+    given: dict[str, tuple[str, object]] = {}
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        given["response_format"] = (response_format.type, response_format.json_schema)
+    for name, kind in _GUIDED_FIELDS.items():
+        if getattr(request, name) is not None:
+            given[name] = (kind, getattr(request, name))
+    if request.structured_outputs is not None:
+        options = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given.update({f"structured_outputs.{kind}": (kind, value) for kind, value in options.items()})
+    if len(given) > 1:
+        names = list(given)
+        raise FieldError(
+            names[1], f"{' and '.join(names)} are all set; a request may use one output constraint"
+        )
+    if not given:
+        return None, None
+    ((param, (kind, value)),) = given.items()
+    if param != "response_format":
+        return _constraint(kind, value, param), param
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True), param
+    if value is None:
+        raise FieldError(
+            "response_format.json_schema", "response_format.json_schema must be an object, got None"
+        )
+    param = "response_format.json_schema.schema"
+    if value.schema_ is None:
+        raise FieldError(param, f"{param} is required")
+    return pb.StructuredOutput(json_schema=_schema_text(value.schema_, param)), param
+
+
+def _chat_tools(
+    chat: ChatCompletionRequest, request: pb.GenerateRequest, constraint_param: str | None
+) -> None:
+    """tools, tool_choice and parallel_tool_calls; a required or named choice is a grammar of its own, so
+    it cannot be combined with an output constraint."""
+    for tool in chat.tools or ():
+        function = tool.function
+        converted = request.tools.add(name=function.name, description=function.description or "")
+        if function.parameters is not None:
+            converted.parameters_json = json.dumps(function.parameters)
+    choice = chat.tool_choice
+    if choice is not None and not request.tools and choice != "none":
+        raise FieldError(
+            "tool_choice",
+            f"tool_choice {choice if isinstance(choice, str) else choice.model_dump()!r} needs tools",
+        )
+    if choice is not None and request.tools:
+        if isinstance(choice, str):
+            request.tool_choice.mode = _TOOL_CHOICE_MODES[choice]
+        else:
+            request.tool_choice.function_name = choice.function.name
+        if choice not in ("none", "auto") and constraint_param is not None:
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice and {constraint_param} are both set; a request may use one output constraint",
+            )
+    if chat.parallel_tool_calls is not None:
+        request.parallel_tool_calls = chat.parallel_tool_calls
+
+
+def _top_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives to report per token; None when logprobs were not asked for."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    if not request.logprobs:
+        if request.top_logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+        return None
+    return request.top_logprobs or 0
+
+
+def translate(body: object, endpoint: Endpoint, limits: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:
+    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for; `logit_bias`
+    entries and chat turns past `limits` are refused before any is parsed."""
+    _check_counts(body, limits)
+    parsed = parse(body, ChatCompletionRequest if endpoint is Endpoint.CHAT else CompletionRequest)
+    request = pb.GenerateRequest()
+    if isinstance(parsed, ChatCompletionRequest):
+        request.messages.extend(_message(message) for message in parsed.messages)
+    else:
+        _prompt(parsed.prompt, request)
     sampling = request.sampling
     for name in (
         "temperature",
@@ -290,95 +277,62 @@ def _sampling(body: Mapping[str, Any], request: pb.GenerateRequest, max_logit_bi
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "top_k",
     ):
-        value = number(body, name)
-        if value is not None:
-            setattr(sampling, name, value)
-    top_k = integer(body, "top_k")
-    if top_k is not None:
-        sampling.top_k = top_k
-    sampling.disable_speculation = boolean(body, "disable_speculation")
-    seed = body.get("seed")
-    if seed is not None:
-        if not is_int(seed) or not -(2**63) <= seed < 2**64:
-            raise FieldError("seed", f"seed must be a 64-bit integer, got {seed!r}")
-        # OpenAI seeds are signed; the wire's are uint64. The mapping is one-to-one, so still reproducible.
-        sampling.seed = seed & SEED_MASK
-    sampling.logit_bias.update(_logit_bias(body, max_logit_bias))
-
-
-def _top_logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> int | None:
-    """How many alternatives to report per token; None when logprobs were not asked for."""
-    if endpoint is Endpoint.COMPLETION:
-        return integer(body, "logprobs")
-    top = integer(body, "top_logprobs")
-    if not boolean(body, "logprobs"):
-        if top:
-            raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
-        return None
-    return top or 0
-
-
-def translate(body: object, endpoint: Endpoint, limits: RequestLimits = DEFAULT_LIMITS) -> OpenAIRequest:
-    """Check an OpenAI request body's shape and build the `GenerateRequest` it stands for; `logit_bias`
-    entries and chat turns past `limits` are refused before any is converted."""
-    if not isinstance(body, dict):
-        raise FieldError("body", "the request body must be a JSON object")
-    _check_fields(body, _CHAT_FIELDS if endpoint is Endpoint.CHAT else _COMPLETION_FIELDS)
-    request = pb.GenerateRequest()
-    if endpoint is Endpoint.CHAT:
-        request.messages.extend(_messages(body, limits.max_chat_messages))
-    else:
-        _prompt(body, request)
-    _sampling(body, request, limits.max_logit_bias)
-    top_logprobs = _top_logprobs(body, endpoint)
+        if getattr(parsed, name) is not None:
+            setattr(sampling, name, getattr(parsed, name))
+    sampling.disable_speculation = parsed.disable_speculation
+    if parsed.seed is not None:
+        sampling.seed = parsed.seed & SEED_MASK
+    sampling.logit_bias.update(_logit_bias(parsed.logit_bias or {}))
+    top_logprobs = _top_logprobs(parsed)
     if top_logprobs is not None:
         # The engine returns the chosen token's logprob only alongside >= 1 alternative; extra ones are cut.
-        request.sampling.logprobs = max(top_logprobs, 1) if top_logprobs >= 0 else top_logprobs
-    max_tokens = integer(body, "max_completion_tokens") if endpoint is Endpoint.CHAT else None
+        sampling.logprobs = max(top_logprobs, 1) if top_logprobs >= 0 else top_logprobs
+    max_tokens = parsed.max_completion_tokens if isinstance(parsed, ChatCompletionRequest) else None
     if max_tokens is None:
-        max_tokens = integer(body, "max_tokens")
+        max_tokens = parsed.max_tokens
     if max_tokens is None and endpoint is Endpoint.COMPLETION:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None:
         request.stopping.max_tokens = max_tokens
-    request.stopping.stop.extend(_stop(body))
-    request.stopping.stop_token_ids.extend(_int_list(body, "stop_token_ids"))
-    request.stopping.ignore_eos = boolean(body, "ignore_eos")
-    request.stopping.min_tokens = integer(body, "min_tokens") or 0
-    n = integer(body, "n")
-    if n == 0:
+    stop = parsed.stop
+    request.stopping.stop.extend([stop] if isinstance(stop, str) else stop or [])
+    request.stopping.stop_token_ids.extend(parsed.stop_token_ids or [])
+    request.stopping.ignore_eos = parsed.ignore_eos
+    request.stopping.min_tokens = parsed.min_tokens or 0
+    if parsed.n == 0:
         # The wire's n = 0 means "unset" (one choice); an explicit 0 here is a mistake to report, not 1.
         raise FieldError("n", "n must be >= 1, got 0")
-    request.n = 1 if n is None else n
-    request.priority = integer(body, "priority") or 0
-    request.tenant = string(body, "user") or ""
-    cache_salt = string(body, "cache_salt")
-    if cache_salt:
-        request.cache_salt = cache_salt
-    constraint, constraint_param = structured_output(body)
+    request.n = 1 if parsed.n is None else parsed.n
+    request.priority = parsed.priority or 0
+    request.tenant = parsed.user or ""
+    if parsed.cache_salt:
+        request.cache_salt = parsed.cache_salt
+    constraint, constraint_param = _structured_output(parsed)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
-    if endpoint is Endpoint.CHAT:
-        chat_tools(body, request, constraint_param)
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs:
-            request.chat_template_kwargs_json = json.dumps(json_object(kwargs, "chat_template_kwargs"))
-    request_id = string(body, "request_id")
-    if request_id:
-        request.request_id = request_id
-    if body.get("skip_special_tokens") is not None:
-        request.skip_special_tokens = boolean(body, "skip_special_tokens")
-    stream = boolean(body, "stream")
-    include_usage, continuous_usage = _stream_options(body, stream)
+    if isinstance(parsed, ChatCompletionRequest):
+        _chat_tools(parsed, request, constraint_param)
+        if parsed.chat_template_kwargs:
+            request.chat_template_kwargs_json = json.dumps(parsed.chat_template_kwargs)
+    if parsed.request_id:
+        request.request_id = parsed.request_id
+    if parsed.skip_special_tokens is not None:
+        request.skip_special_tokens = parsed.skip_special_tokens
+    options = parsed.stream_options
+    if options is not None and not parsed.stream:
+        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+    include_usage = options is not None and options.include_usage
     return OpenAIRequest(
         endpoint=endpoint,
         generate=request,
-        model=string(body, "model"),
-        stream=stream,
+        model=parsed.model,
+        stream=parsed.stream,
         include_usage=include_usage,
         top_logprobs=top_logprobs,
-        continuous_usage=continuous_usage,
-        include_stop=boolean(body, "include_stop_str_in_output"),
+        # As in vLLM, usage in every chunk needs include_usage.
+        continuous_usage=include_usage and options.continuous_usage_stats,
+        include_stop=parsed.include_stop_str_in_output,
         constraint_param=constraint_param,
     )
