@@ -19,7 +19,7 @@ import pytest
 from conftest import save_tiny_model, wait_until
 from pydantic import BaseModel, Field
 from test_disagg_serving import RunningPrefill
-from test_openai_api import MODEL, Server
+from test_openai_api import MODEL, Server, published_schemas
 
 from decode_service.server import DecodeServer
 from engine.model_store import model_fingerprint
@@ -165,14 +165,18 @@ def test_streamed_json_schema_and_continuous_usage(server):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_tool_choice_required_returns_valid_calls(server, sampling):
+    _, validator = published_schemas(server)
     completion = create(server, tools=TOOLS, tool_choice="required", **sampling)
+    validator("ChatCompletion").validate(completion.to_dict())
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
     assert_valid_calls([call.model_dump() for call in choice.message.tool_calls], set(SCHEMAS))
-    _, calls, finish, _ = streamed(
+    _, calls, finish, chunks = streamed(
         create(server, tools=TOOLS, tool_choice="required", stream=True, **sampling)
     )
+    for chunk in chunks:
+        validator("ChatCompletionChunk").validate(chunk.to_dict())
     assert finish == "tool_calls"
     assert_valid_calls(calls, set(SCHEMAS))
     one = create(server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, **sampling)

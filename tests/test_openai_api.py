@@ -9,6 +9,7 @@ import http.client
 import json
 import ssl
 import threading
+from collections.abc import Callable
 
 import grpc
 import jsonschema
@@ -133,25 +134,43 @@ def test_models_list_names_the_served_model(server):
     assert model.id == MODEL and model.owned_by == "tandem"
 
 
+def published_schemas(server: Server) -> tuple[dict, Callable[[str], jsonschema.Draft202012Validator]]:
+    """/openapi.json, and a validator of one of its component schemas by name."""
+    status, document = http_call(server, "GET", "/openapi.json")
+    assert status == 200
+    return document, lambda name: jsonschema.Draft202012Validator(
+        {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+    )
+
+
+def sse_payloads(server: Server, path: str, body: dict) -> list[dict]:
+    """The JSON of each server-sent event of a streamed answer, [DONE] left out."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=60)
+    try:
+        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        lines = connection.getresponse().read().decode().splitlines()
+    finally:
+        connection.close()
+    assert lines[-2:] == ["data: [DONE]", ""], lines[-3:]
+    return [json.loads(line[6:]) for line in lines[:-2] if line.startswith("data: ")]
+
+
 def test_openapi_publishes_the_typed_request_models(server):
     """/openapi.json describes the bodies the server takes: what it accepts passes the schema, and a
     body the schema refuses the server refuses too, naming the same field."""
-    status, document = http_call(server, "GET", "/openapi.json")
-    assert status == 200
+    document, validator = published_schemas(server)
     for path, model in (
         ("/v1/chat/completions", "ChatCompletionRequest"),
         ("/v1/completions", "CompletionRequest"),
     ):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
-    chat = jsonschema.Draft202012Validator(
-        {"$ref": "#/components/schemas/ChatCompletionRequest", "components": document["components"]}
-    )
+    chat = validator("ChatCompletionRequest")
     good = {
         "model": MODEL,
         "messages": [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}],
         "max_tokens": 2,
-        "stop": ["\n"],
+        "stop": ["\\n"],
         "tool_choice": "none",
         "response_format": {"type": "json_object"},
     }
@@ -166,6 +185,44 @@ def test_openapi_publishes_the_typed_request_models(server):
         assert not chat.is_valid({**good, field: value}), field
         status, refused = http_call(server, "POST", "/v1/chat/completions", {**good, field: value})
         assert status == 400 and refused["error"]["param"] == field, refused
+
+
+def test_answers_and_stream_chunks_match_the_published_schemas(server):
+    """Every body and chunk the server sends validates against /openapi.json's answer types, which
+    allow no undeclared key: usage, logprobs of both formats, n > 1, stop reasons, continuous usage."""
+    document, validator = published_schemas(server)
+    for path, answer, chunk in (
+        ("/v1/chat/completions", "ChatCompletion", "ChatCompletionChunk"),
+        ("/v1/completions", "Completion", "CompletionChunk"),
+    ):
+        content = document["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"]["$ref"].endswith(f"/{answer}")
+        assert content["text/event-stream"]["schema"]["$ref"].endswith(f"/{chunk}")
+    chat = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    completion = {"model": MODEL, "prompt": "the quick", "max_tokens": 4, "logprobs": 2, "stop": ["zzz"]}
+    for path, body, answer, chunk in (
+        ("/v1/completions", completion, "Completion", "CompletionChunk"),
+        ("/v1/chat/completions", chat, "ChatCompletion", "ChatCompletionChunk"),
+    ):
+        status, whole = http_call(server, "POST", path, body)
+        assert status == 200, whole
+        validator(answer).validate(whole)
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chunks = sse_payloads(server, path, {**body, "stream": True, "stream_options": options})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+        for payload in chunks:
+            validator(chunk).validate(payload)
+    message = whole["choices"][0]["message"]
+    assert not validator("ChatCompletion").is_valid(
+        {**whole, "choices": [{**whole["choices"][0], "message": {**message, "x": 1}}]}
+    )
 
 
 def test_chat_plain_and_streamed_equal_the_grpc_answer(server):

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import TypeAdapter
 from starlette.background import BackgroundTask
 
 from base.auth import BearerTokens
@@ -34,7 +35,14 @@ from decode_service.front_door.openai_http.errors import (
     UnauthorizedError,
     http_error,
 )
-from decode_service.front_door.openai_http.models import ChatCompletionRequest, CompletionRequest
+from decode_service.front_door.openai_http.models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+)
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
 
@@ -98,15 +106,33 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+# Each generation route's request body, whole answer and stream chunk (each server-sent event's data).
+_BODIES: dict[str, tuple[type, type, type]] = {
+    "/v1/completions": (CompletionRequest, Completion, CompletionChunk),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+}
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema of the routes, with the request models' schemas as components."""
+    """FastAPI's schema of the routes, with the typed bodies of `models`. The handlers read their bodies
+    themselves (size, nesting and object limits first), so FastAPI does not see the types on its own."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
-            models = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(models.pop("$defs", {}))
-            components[model.__name__] = models
+
+        def ref(body: type) -> dict[str, Any]:
+            body_schema = TypeAdapter(body).json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body_schema.pop("$defs", {}))
+            components[body.__name__] = body_schema
+            return {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}
+
+        for path, (request, answer, chunk) in _BODIES.items():
+            post = schema["paths"][path]["post"]
+            post["requestBody"] = {"required": True, "content": {"application/json": ref(request)}}
+            post["responses"]["200"]["content"] = {
+                "application/json": ref(answer),
+                "text/event-stream": ref(chunk),
+            }
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -143,18 +169,8 @@ class OpenAIRoutes:
         app = FastAPI(title="tandem", redoc_url=None)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
-        # The handlers read their bodies themselves (size, nesting and object limits first), so the typed
-        # models are published as the bodies' schemas rather than parsed by FastAPI.
-        for path, handler, model in (
-            ("/v1/completions", self.completions, CompletionRequest),
-            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
-        ):
-            schema = {
-                "content": {
-                    "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-                }
-            }
-            app.add_api_route(path, handler, methods=["POST"], openapi_extra={"requestBody": schema})
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.openapi = lambda: _openapi(app)
         if self._metrics is not None:
             app.add_api_route("/metrics", self.metrics, methods=["GET"])

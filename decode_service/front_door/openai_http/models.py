@@ -1,7 +1,7 @@
-"""The OpenAI request bodies as typed models (pydantic, strict JSON types), and their validation errors
-as `FieldError`s naming the parameter at fault.
+"""The OpenAI bodies as types: requests as pydantic models (strict JSON types) whose validation errors
+become `FieldError`s naming the parameter at fault, answers as the TypedDicts `responses` builds.
 
-The models declare what tandem accepts, and `GET /openapi.json` publishes them. Their JSON types are
+`GET /openapi.json` publishes both. Their JSON types are
 strict (no "2" for 2, no true for 1), numbers must be finite, and a field set to null counts as absent,
 as the OpenAI API treats it. A field tandem does not implement is refused with a 400 that names it
 (`UnsupportedFieldError`), never ignored, except the fields in `NEUTRAL_VALUES` sent with the value that
@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import ErrorDetails
+from typing_extensions import NotRequired, TypedDict
 
 from decode_service.front_door.openai_http.errors import FieldError, UnsupportedFieldError
 
@@ -260,6 +261,145 @@ class CompletionRequest(_Request):
     prompt: Prompt
     # How many alternatives to report per token (None: no logprobs).
     logprobs: Int32 | None = None
+
+
+# -- answers: what `responses` builds (plain dicts on the hot path, so TypedDicts, not models) --------
+
+
+class _Shape(TypedDict):
+    """An answer's object; no key beyond the declared ones (the published schema says so)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Shape):
+    # Prompt tokens the prefix cache served, as OpenAI reports its own prompt caching.
+    cached_tokens: int
+
+
+class Usage(_Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TokenLogprob(_Shape):
+    token: str
+    # -inf goes out as -9999.0 (vLLM's value), NaN as null.
+    logprob: float | None
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(_Shape):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(_Shape):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None]]
+    text_offset: list[int]
+
+
+class CalledFunctionOut(_Shape):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Shape):
+    id: str
+    type: Literal["function"]
+    function: CalledFunctionOut
+
+
+class AssistantMessage(_Shape):
+    role: Literal["assistant"]
+    # Null when the answer is tool calls only.
+    content: str | None
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCallOut]]
+
+
+class _Choice(_Shape):
+    index: int
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+    # The stop string or token id that ended the choice (vLLM's), null otherwise.
+    stop_reason: NotRequired[str | int | None]
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None
+
+
+class _Answer(_Shape):
+    id: str
+    created: int
+    model: str
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Completion(_Answer):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class FunctionDelta(_Shape):
+    name: NotRequired[str]
+    arguments: str
+
+
+class ToolCallDelta(_Shape):
+    """A call's first delta has its id, type and name; later ones only more of its arguments."""
+
+    index: int
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: FunctionDelta
+
+
+class ChatDelta(_Shape):
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str]
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCallDelta]]
+
+
+class ChatChunkChoice(_Choice):
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+
+
+class _Chunk(_Answer):
+    # With stream_options.include_usage: null, the choice's usage so far (continuous_usage_stats), or
+    # in the last chunk, which has no choices, the request's.
+    usage: NotRequired[Usage | None]
+
+
+class ChatCompletionChunk(_Chunk):
+    object: Literal["chat.completion.chunk"]
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChunk(_Chunk):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
 
 
 # How each kind of error reads after "<param> "; `{value}` is the value sent.

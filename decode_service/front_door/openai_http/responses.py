@@ -1,4 +1,5 @@
-"""The stream's `GenerateResponse`s → OpenAI response bodies and SSE chunks.
+"""The stream's `GenerateResponse`s → OpenAI response bodies and SSE chunks, shaped as the TypedDicts
+of `models`.
 
 It reads the very messages the gRPC API sends, so both front doors report the same text, reasoning,
 tool calls, tokens, finish reasons and usage. One builder serves one request: `events()` (or `chunks()`,
@@ -16,6 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from decode_service.front_door.openai_http.models import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    Completion,
+    CompletionChunk,
+    CompletionLogprobs,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest
 from protos.tandem.v1 import generation_pb2 as pb
 
@@ -95,7 +109,7 @@ class ResponseBuilder:
 
     # -- streaming -----------------------------------------------------------------------------------
 
-    def chunks(self, message: pb.GenerateResponse) -> list[dict[str, Any]]:
+    def chunks(self, message: pb.GenerateResponse) -> list[ChatCompletionChunk | CompletionChunk]:
         """The SSE chunks for one stream message (a chat choice's first one is preceded by its role)."""
         first = message.index not in self._choices
         choice = self._choice(message)
@@ -143,7 +157,7 @@ class ResponseBuilder:
         self._text_templates[index] = head, tail
         return head, tail
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self) -> ChatCompletionChunk | CompletionChunk:
         """The last chunk when stream_options.include_usage is set: no choices, the whole usage."""
         return {**self._envelope(chunk=True), "choices": [], "usage": self.usage()}
 
@@ -162,7 +176,7 @@ class ResponseBuilder:
             entry["stop_reason"] = choice.stop_reason
         return entry
 
-    def _chunk(self, entry: dict[str, Any], choice: _Choice) -> dict[str, Any]:
+    def _chunk(self, entry: dict[str, Any], choice: _Choice) -> ChatCompletionChunk | CompletionChunk:
         chunk = {**self._envelope(chunk=True), "choices": [entry]}
         if self._request.include_usage:
             # vLLM's continuous usage counts the choice's own tokens so far.
@@ -193,7 +207,7 @@ class ResponseBuilder:
         if logprobs is not None:
             choice.logprobs.append(logprobs)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ChatCompletion | Completion:
         choices = []
         for index in sorted(self._choices):
             choice = self._choices[index]
@@ -210,9 +224,9 @@ class ResponseBuilder:
         return {**self._envelope(chunk=False), "choices": choices, "usage": self.usage()}
 
     @staticmethod
-    def _message(text: str, choice: _Choice) -> dict[str, Any]:
+    def _message(text: str, choice: _Choice) -> AssistantMessage:
         """A chat choice's message: content null when the answer is tool calls only, as OpenAI sends it."""
-        message: dict[str, Any] = {
+        message: AssistantMessage = {
             "role": "assistant",
             "content": text or (None if choice.tool_calls else ""),
         }
@@ -228,12 +242,12 @@ class ResponseBuilder:
             ]
         return message
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> Usage:
         """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix
         cache served (not recomputed), as OpenAI reports its own prompt caching."""
         return self._usage(self._completion_tokens)
 
-    def _usage(self, completion: int) -> dict[str, Any]:
+    def _usage(self, completion: int) -> Usage:
         prompt = self._prompt_tokens
         return {
             "prompt_tokens": prompt,
@@ -262,7 +276,9 @@ class ResponseBuilder:
             self._completion_tokens += message.usage.completion_tokens
         return choice
 
-    def _logprobs(self, message: pb.GenerateResponse, choice: _Choice) -> dict[str, Any] | None:
+    def _logprobs(
+        self, message: pb.GenerateResponse, choice: _Choice
+    ) -> ChatLogprobs | CompletionLogprobs | None:
         """This message's logprobs in the endpoint's format; None when they were not asked for."""
         top = self._request.top_logprobs
         if top is None or not message.logprobs:
@@ -288,13 +304,13 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def _chat_entry(self, token_id: int, logprob: float, top: Any) -> dict[str, Any]:
+    def _chat_entry(self, token_id: int, logprob: float, top: Any) -> ChatTokenLogprob:
         return {
             **self._chat_token(token_id, json_logprob(logprob)),
             "top_logprobs": [self._chat_token(t.token_id, json_logprob(t.logprob)) for t in top],
         }
 
-    def _chat_token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+    def _chat_token(self, token_id: int, logprob: float | None) -> TokenLogprob:
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
 
@@ -311,7 +327,7 @@ class ResponseBuilder:
         return {key: [] for key in keys}
 
 
-def _tool_call_delta(delta: pb.ToolCallDelta) -> dict[str, Any]:
+def _tool_call_delta(delta: pb.ToolCallDelta) -> ToolCallDelta:
     """A stream chunk's tool_calls entry: the call's first one has id, type and name, later ones only
     more of its arguments (the SDKs concatenate them by index)."""
     if delta.id:
