@@ -226,6 +226,7 @@ SCHEMA_VIOLATIONS = {
     "bad-quantization": {"model": {"quantization": "int4"}},
     "bad-kv-cache-dtype": {"model": {"kvCacheDtype": "int4"}},
     "bad-policy": {"decode": {"policy": "lifo"}},
+    "negative-max-prefills": {"decode": {"maxPrefillsPerStep": -1}},
     "bad-kv-memory": {"decode": {"kvCacheMemory": "lots"}},
     "mtls-without-secrets": {"tls": {"interTier": {"enabled": True}}},
     "service-monitor-without-metrics": {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
@@ -411,6 +412,17 @@ def test_served_model_name_and_http_node_port_follow_values(helm: Path, tmp_path
     service = named(manifests, "Service", f"{RELEASE}-decode")
     (http,) = [p for p in service["spec"]["ports"] if p["name"] == "http"]
     assert (http["port"], http["nodePort"]) == (8080, 30080)
+
+
+def test_max_prefills_per_step_reaches_decode_only_when_set(helm: Path, tmp_path: Path) -> None:
+    def decode_args(values: dict) -> list[str]:
+        manifests = parse_manifests(
+            run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout
+        )
+        return container(manifests, "decode")["args"]
+
+    assert "--max-prefills-per-step" not in decode_args({})
+    assert arg_value(decode_args({"decode": {"maxPrefillsPerStep": 1}}), "--max-prefills-per-step") == "1"
 
 
 def test_prefix_caching_values_reach_both_tiers(helm: Path, tmp_path: Path) -> None:

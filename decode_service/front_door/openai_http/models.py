@@ -1,13 +1,13 @@
 """The OpenAI bodies as types: requests as pydantic models (strict JSON types) whose validation errors
 become `FieldError`s naming the parameter at fault, answers as the TypedDicts `responses` builds.
+`GET /openapi.json` publishes both.
 
-`GET /openapi.json` publishes both. Their JSON types are
-strict (no "2" for 2, no true for 1), numbers must be finite, and a field set to null counts as absent,
-as the OpenAI API treats it. A field tandem does not implement is refused with a 400 that names it
-(`UnsupportedFieldError`), never ignored, except the fields in `NEUTRAL_VALUES` sent with the value that
-means "feature off". What one field's value means for another (one output constraint per request,
-`tool_choice` needs tools) is checked where the request is translated (`protocol`); ranges and limits by
-the validation gRPC requests go through.
+Request types are strict (no "2" for 2, no true for 1), numbers must be finite, and a field set to null
+counts as absent, as the OpenAI API treats it. A field tandem does not implement is refused with a 400
+that names it (`UnsupportedFieldError`), never ignored, except the fields in `NEUTRAL_VALUES` sent with
+the value that means "feature off". What one field's value means for another (one output constraint per
+request, `tool_choice` needs tools) is checked where the request is translated (`protocol`); ranges and
+limits by the validation gRPC requests go through.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@
 - --max-model-len
 - {{ . | quote }}
 {{- end }}
+{{- if gt (int $d.maxPrefillsPerStep) 0 }}
+- --max-prefills-per-step
+- {{ $d.maxPrefillsPerStep | quote }}
+{{- end }}
 - --policy
 - {{ $d.policy }}
 - --batching
