@@ -332,6 +332,38 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
+    def catch_up_prefix(self, seq: Sequence) -> int:
+        """Take the cached blocks other sequences registered since `seq` was admitted, while `seq` has
+        computed nothing of its own; returns the tokens it now need not compute.
+
+        Prompts admitted together match the cache before any of them has run, so a prefix they share
+        would be computed by each; caught up just before its first chunk, a prompt reuses what the ones
+        ahead of it computed. The blocks it had for those positions were never written and go back to
+        the pool. One-group layouts only (a sliding group's reservation holds its peak, not its blocks).
+        """
+        if self.num_groups != 1 or not self.enable_caching:
+            return 0
+        start = seq.num_committed_blocks
+        if (
+            seq.num_computed_tokens != start * self.block_size
+            or seq.num_computed_tokens != seq.num_cached_tokens
+        ):
+            return 0
+        hits = self.match_prefix(seq)
+        if len(hits) <= start:
+            return 0
+        table = seq.block_tables[0]
+        for index in range(start, len(hits)):
+            self._reference(hits[index])
+            self._unreference(table[index])
+            table[index] = hits[index]
+        gained = (len(hits) - start) * self.block_size
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens += gained
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.num_hit_tokens += gained
+        return gained
+
     # -- admission for chunked prefill: reserve each sliding group's peak --------------------------------
 
     def _reserves_peak(self, seq: Sequence, num_tokens: int) -> bool:

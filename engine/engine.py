@@ -503,6 +503,11 @@ class Engine:
         groups only the most blocks a chunk and its window can hold is reserved, not the whole prompt."""
         self.block_manager.admit(seq, num_tokens, chunk_tokens)
 
+    def catch_up_prefix(self, seq: Sequence) -> int:
+        """Reuse the prefix blocks registered since `seq`'s admission, before it computes any
+        (`BlockManager.catch_up_prefix`); returns the tokens it no longer computes."""
+        return self.block_manager.catch_up_prefix(seq)
+
     def can_admit(self, seq: Sequence, num_tokens: int, chunk_tokens: int) -> bool:
         """Whether `admit(seq, num_tokens, chunk_tokens)` would succeed now."""
         return self.block_manager.can_admit(seq, num_tokens, chunk_tokens)

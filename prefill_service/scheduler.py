@@ -110,6 +110,8 @@ class ChunkedPrefillScheduler:
         for job in self.running:
             if budget == 0:
                 break
+            # A prompt admitted beside one sharing its prefix reuses what that one computed meanwhile.
+            self.engine.catch_up_prefix(job.seq)
             take = min(job.seq.num_uncomputed_tokens, budget)
             if self._grows_chunks:
                 self.engine.allocate(job.seq, job.seq.num_computed_tokens + take)

@@ -174,6 +174,31 @@ def test_identical_prompts_computed_side_by_side_register_one_copy():
     assert_idle(manager)
 
 
+def test_a_prompt_admitted_beside_its_twin_catches_up_on_the_blocks_the_twin_computed():
+    manager = BlockManager(16, block_size=4)
+    shared = list(range(100, 112))
+    first, second = make_seq([*shared, 1, 2], name="a"), make_seq([*shared, 3, 4, 5], name="b")
+    for seq in (first, second):  # admitted together: nothing is cached yet
+        manager.allocate(seq, seq.num_tokens)
+    assert manager.catch_up_prefix(second) == 0 and manager.num_free_blocks == 16 - 4 - 4
+    first.num_computed_tokens = 8  # a first chunk of two blocks, registered
+    manager.commit(first)
+    fresh = list(second.block_table)
+    assert manager.catch_up_prefix(second) == 8
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2:] == fresh[2:]
+    assert (second.num_computed_tokens, second.num_cached_tokens, second.num_committed_blocks) == (8, 8, 2)
+    assert manager.num_free_blocks == 16 - 4 - 2, "the two unwritten blocks went back to the pool"
+    assert [manager.refcount(b) for b in first.block_table[:2]] == [2, 2]
+    first.num_computed_tokens = first.num_tokens
+    manager.commit(first)
+    assert manager.catch_up_prefix(second) == 4, "the third shared block, once computed"
+    second.num_computed_tokens += 2  # `second` computed tokens of its own: nothing more to take
+    assert manager.catch_up_prefix(second) == 0
+    for seq in (first, second):
+        manager.free(seq)
+    assert manager.num_free_blocks == manager.num_blocks
+
+
 def test_fork_shares_full_computed_blocks_by_reference():
     manager = BlockManager(8, block_size=4, enable_caching=False)
     parent = computed(manager, list(range(10)), name="parent")

@@ -159,6 +159,31 @@ def test_max_prefills_per_step_spreads_prompts_that_arrive_together(hf_model, ma
         assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
 
 
+@pytest.mark.parametrize("max_prefills", [0, 1])
+def test_prompts_admitted_together_compute_their_shared_prefix_once(hf_model, max_prefills):
+    """Three prompts sharing 32 tokens arrive at once: the first computes the prefix, the others take its
+    blocks once registered and prefill only their own 4 tokens, and every answer still matches HF."""
+    engine = engine_for(
+        hf_model, block_size=8, num_blocks=100, shuffle_seed=5, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    harness = Harness(engine, max_prefills_per_step=max_prefills)
+    shared = random_prompts(1, 32, min_len=32, max_len=32)[0]
+    prompts = [[*shared, *tail] for tail in random_prompts(3, 4, min_len=4, max_len=4)]
+    for i, prompt in enumerate(prompts):
+        harness.submit(f"r{i}", prompt, 3)
+    events = harness.run()
+
+    prefilled = {f"r{i}": 0 for i in range(3)}
+    for event in events:
+        for chunk in event.chunks:
+            if chunk.kind == "prefill":
+                prefilled[chunk.request_id] += chunk.num_tokens
+    assert prefilled == {"r0": 36, "r1": 4, "r2": 4}
+    assert engine.block_manager.num_hit_tokens == 64
+    for i, prompt in enumerate(prompts):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 3)
+
+
 def test_preemption_recomputes_and_outputs_match_hf(hf_model):
     # 8 requests of up to 44 tokens need 6 blocks each at full length: 48 blocks, the pool has 16.
     engine = engine_for(

@@ -152,8 +152,13 @@ class ContinuousScheduler:
         budget = self._schedule_decodes(plan, now)
         if not plan.preempted:
             self._admit(now)
-        chunks = self.prefill_stage.plan_chunks(budget)
-        for chunk in chunks[: self.config.max_prefills_per_step or len(chunks)]:
+        # Prompts admitted together that share a prefix: each reuses what the ones before it computed, and
+        # the budget it no longer needs goes to the next prompt (which may catch up in turn).
+        while True:
+            chunks = self.prefill_stage.plan_chunks(budget)[: self.config.max_prefills_per_step or None]
+            if not sum([self.engine.catch_up_prefix(chunk.seq) for chunk in chunks]):
+                break
+        for chunk in chunks:
             if self._grows_chunks:
                 self.engine.allocate(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_tokens)
             plan.add(chunk, "prefill")
