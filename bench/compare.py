@@ -34,6 +34,7 @@ import contextlib
 import json
 import logging
 import math
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=512, help="tandem and HF-continuous tokens per step"
     )
     parser.add_argument("--kv-cache-memory", default="2GiB", help="tandem's KV pool (default: 2GiB)")
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        metavar="ARGS",
+        help="more `tandem serve decode` flags for every tandem server, one shell-quoted string",
+    )
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default: 16)")
     parser.add_argument("--llama-context", type=int, default=16384, help="llama-server total context")
     add_workload_arguments(parser)
@@ -143,6 +150,7 @@ def _tandem_server_args(args: argparse.Namespace, batching: str) -> list[str]:
         str(args.max_num_batched_tokens),
         "--kv-cache-memory",
         args.kv_cache_memory,
+        *shlex.split(args.decode_args),
     ]
 
 

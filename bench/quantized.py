@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="then, with tandem int8 and llama-server Q8_0 up together, alternate the single-stream "
         "workload between them ROUNDS times: a ratio per round that host noise hits on both sides",
     )
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        metavar="ARGS",
+        help="more `tandem serve decode` flags for every tandem server, one shell-quoted string",
+    )
     parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
@@ -81,12 +87,22 @@ def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> a
 
 @contextlib.contextmanager
 def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[str, str, dict]]:
-    """The system as `tandem bench compare` starts it, with every workload's needs met."""
+    """The system as `tandem bench compare` starts it, with every workload's needs met (`args` may come
+    from another bench's parser, `speculative`'s, which has no `--decode-args`)."""
     from bench import compare
 
+    decode_args = getattr(args, "decode_args", "")
     compare_args = _parse(
         compare.add_arguments,
-        ["--threads", str(args.threads), "--no-progress", "--kv-cache-memory", "2GiB"],
+        [
+            "--threads",
+            str(args.threads),
+            "--no-progress",
+            "--kv-cache-memory",
+            "2GiB",
+            "--decode-args",
+            decode_args,
+        ],
     )
     with compare.serving(name, compare_args, model) as served:
         yield served

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -95,6 +96,25 @@ def test_llama_server_runs_q8_0_without_repacking() -> None:
     f32, _ = servers.llama_server("f32", Path("llama-server"), Path("m.F32.gguf"), 2, 16, 16384)
     assert "--no-repack" in q8.command and "--no-repack" not in f32.command
     assert q8.command[q8.command.index("-np") + 1] == "16" and "-cb" in q8.command
+
+
+def test_decode_args_reach_every_tandem_server(monkeypatch) -> None:
+    """`--decode-args` goes, split as a shell would, after the flags the tandem system gets anyway."""
+    started = []
+
+    def tandem_decode_server(name, model, threads, server_args, prefill_target=None):
+        started.append(server_args)
+        return contextlib.nullcontext(), "localhost:1"
+
+    monkeypatch.setattr(servers, "tandem_decode_server", tandem_decode_server)
+    parser = argparse.ArgumentParser()
+    quantized.add_arguments(parser)
+    args = parser.parse_args(["--decode-args", "--max-prefills-per-step 1"])
+    with quantized.serving("tandem-aggregated-int8", args, "model") as (_, _, extra):
+        pass
+    (server_args,) = started
+    assert extra["server_args"] == server_args
+    assert server_args[-4:] == ["--max-prefills-per-step", "1", "--quantization", "int8"]
 
 
 def test_each_server_runs_single_one_at_a_time_and_the_headline_all_at_once(monkeypatch) -> None:
