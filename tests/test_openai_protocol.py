@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from base.errors import InvalidRequestError, OutOfBlocksError
 from decode_service.front_door.openai_http.errors import (
@@ -14,6 +16,15 @@ from decode_service.front_door.openai_http.errors import (
     UnauthorizedError,
     UnsupportedFieldError,
     http_error,
+)
+from decode_service.front_door.openai_http.models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    FunctionDefinition,
+    ResponseFormat,
+    StreamOptions,
+    StructuredOutputs,
 )
 from decode_service.front_door.openai_http.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, Endpoint, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder
@@ -781,3 +792,53 @@ def test_include_stop_str_in_output_keeps_the_matched_stop_string():
                 build.add(m)
             text = build.body()["choices"][0]["message"]["content"]
         assert text == "Hello!"
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+_FIELDS = sorted(ChatCompletionRequest.model_fields | CompletionRequest.model_fields)
+
+
+def _objects(model) -> st.SearchStrategy:
+    """JSON objects with some of `model`'s keys, each holding any JSON."""
+    return st.dictionaries(
+        st.sampled_from(sorted(f.alias or n for n, f in model.model_fields.items())), _JSON_VALUES
+    )
+
+
+_NESTED = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": st.lists(_objects(ChatMessage), min_size=1, max_size=2),
+        "tools": st.lists(
+            st.fixed_dictionaries({"type": st.just("function"), "function": _objects(FunctionDefinition)})
+        ),
+        "response_format": _objects(ResponseFormat),
+        "structured_outputs": _objects(StructuredOutputs),
+        "stream_options": _objects(StreamOptions),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    endpoint=st.sampled_from(list(Endpoint)),
+    fields=st.dictionaries(st.sampled_from(_FIELDS), _JSON_VALUES, max_size=3) | _NESTED,
+)
+def test_any_json_in_any_field_translates_or_names_the_field(endpoint, fields):
+    """Whatever JSON a client puts in the fields tandem knows, the answer is a request or a `FieldError`
+    whose message starts with the parameter it names, never another exception."""
+    base = CHAT if endpoint is Endpoint.CHAT else COMPLETION
+    try:
+        translate({**base, **fields}, endpoint)
+    except FieldError as error:
+        assert error.param and str(error).startswith(error.param), error
