@@ -72,6 +72,16 @@ SWEEP_SYSTEMS = ("tandem-static", "tandem-aggregated", "tandem-disaggregated", "
 BASELINE = "hf-static"
 
 
+def add_decode_args(parser: argparse.ArgumentParser, what: str = "every tandem server") -> None:
+    """`--decode-args`: the benches that start tandem decode servers take extra server flags this way."""
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        metavar="ARGS",
+        help=f"more `tandem serve decode` flags for {what}, one shell-quoted string",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model dir (default: the cached default model)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: all: {SYSTEMS})")
@@ -99,12 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=512, help="tandem and HF-continuous tokens per step"
     )
     parser.add_argument("--kv-cache-memory", default="2GiB", help="tandem's KV pool (default: 2GiB)")
-    parser.add_argument(
-        "--decode-args",
-        default="",
-        metavar="ARGS",
-        help="more `tandem serve decode` flags for every tandem server, one shell-quoted string",
-    )
+    add_decode_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default: 16)")
     parser.add_argument("--llama-context", type=int, default=16384, help="llama-server total context")
     add_workload_arguments(parser)

@@ -31,6 +31,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from bench import compare
 from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
@@ -70,12 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="then, with tandem int8 and llama-server Q8_0 up together, alternate the single-stream "
         "workload between them ROUNDS times: a ratio per round that host noise hits on both sides",
     )
-    parser.add_argument(
-        "--decode-args",
-        default="",
-        metavar="ARGS",
-        help="more `tandem serve decode` flags for every tandem server, one shell-quoted string",
-    )
+    compare.add_decode_args(parser)
     parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
@@ -87,11 +83,7 @@ def _parse(add: Callable[[argparse.ArgumentParser], None], argv: list[str]) -> a
 
 @contextlib.contextmanager
 def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[str, str, dict]]:
-    """The system as `tandem bench compare` starts it, with every workload's needs met (`args` may come
-    from another bench's parser, `speculative`'s, which has no `--decode-args`)."""
-    from bench import compare
-
-    decode_args = getattr(args, "decode_args", "")
+    """The system as `tandem bench compare` starts it, with every workload's needs met."""
     compare_args = _parse(
         compare.add_arguments,
         [
@@ -101,7 +93,7 @@ def serving(name: str, args: argparse.Namespace, model: str) -> Iterator[tuple[s
             "--kv-cache-memory",
             "2GiB",
             "--decode-args",
-            decode_args,
+            args.decode_args,
         ],
     )
     with compare.serving(name, compare_args, model) as served:
@@ -202,7 +194,6 @@ def ratios(runs: list[dict]) -> dict | None:
 
 
 def workloads_for(args: argparse.Namespace, vocab: int) -> dict:
-    from bench import compare
     from bench.multi_turn import ChatWorkload
     from bench.serve import build_workload
 

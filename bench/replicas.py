@@ -36,6 +36,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from bench.compare import add_decode_args
 from bench.multi_turn import (
     FIRST_PLAIN_TOKEN,
     ChatClient,
@@ -59,12 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, turns=5)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list (default: {','.join(RUNS)})")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="each tier's KV pool (default: 512MiB)")
-    parser.add_argument(
-        "--decode-args",
-        default="",
-        metavar="ARGS",
-        help="more `tandem serve decode` flags for every replica of every run, one shell-quoted string",
-    )
+    add_decode_args(parser, "every replica of every run")
     parser.add_argument(
         "--topology",
         choices=("disaggregated", "aggregated"),

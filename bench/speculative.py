@@ -30,6 +30,7 @@ import logging
 import textwrap
 from pathlib import Path
 
+from bench import compare
 from bench.report import results_dir
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(a neighbour's burst on a shared host slows one run, never speeds one up; default: 2)",
     )
     parser.add_argument("--allow-load", action="store_true", help="run on a busy machine (recorded as such)")
+    compare.add_decode_args(parser)
     parser.add_argument("--out-dir", type=Path, default=results_dir())
 
 
