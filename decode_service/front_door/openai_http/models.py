@@ -21,7 +21,9 @@ from typing_extensions import NotRequired, TypedDict
 
 from decode_service.front_door.openai_http.errors import FieldError, UnsupportedFieldError
 
-Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+# The wire's integer fields are int32, so larger values cannot be meant.
+INT32 = range(-(2**31), 2**31)
+Int32 = Annotated[int, Field(ge=INT32.start, lt=INT32.stop)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 
 # Fields tandem accepts only with the value that means "feature off" (or its default).
@@ -429,12 +431,16 @@ _WHOLE = {
     "choice": "must be a non-empty array of strings, got {value!r}",
 }
 _RANGE_ERRORS = ("less_than", "greater_than_equal")
+
+
+def _models(base: type[_Body]) -> list[type[_Body]]:
+    return [base, *(model for sub in base.__subclasses__() for model in _models(sub))]
+
+
+# Every key any request object declares, as the client spells it: what a validation error's path is made of.
 _FIELD_NAMES = frozenset(
-    field.alias or name
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, ToolCall, Tool, TextPart,
-                  ResponseFormat, JsonSchemaFormat, StructuredOutputs, NamedToolChoice, StreamOptions)
-    for name, field in model.model_fields.items()
-)  # fmt: skip
+    field.alias or name for model in _models(_Body) for name, field in model.model_fields.items()
+)
 
 
 def _at(param: str, child: str | int) -> str:

@@ -19,6 +19,7 @@ from decode_service.front_door import json_text
 from decode_service.front_door.admission import RequestLimits
 from decode_service.front_door.openai_http.errors import FieldError, UnsupportedFieldError
 from decode_service.front_door.openai_http.models import (
+    INT32,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -30,7 +31,6 @@ from protos.tandem.v1 import generation_pb2 as pb
 
 # OpenAI's completions API defaults max_tokens to 16 (vLLM follows it); chat runs to the context's end.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_INT32 = range(-(2**31), 2**31)
 _TOOL_CHOICE_MODES = {
     "none": pb.TOOL_CHOICE_NONE,
     "auto": pb.TOOL_CHOICE_AUTO,
@@ -121,7 +121,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             token_id = int(key)
         except ValueError:
             token_id = None
-        if token_id is None or token_id not in _INT32:
+        if token_id is None or token_id not in INT32:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
         converted[token_id] = value
     return converted
