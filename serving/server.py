@@ -11,7 +11,6 @@ thread stop.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from base.auth import BearerTokenInterceptor, server_credentials
+from base.heap import freeze_startup_objects
 from serving.config import ServerConfig
 from serving.live_calls import LiveCallRegistry, StallWatchdog
 from serving.malformed import MalformedRequestInterceptor
@@ -31,8 +31,6 @@ from serving.malformed import MalformedRequestInterceptor
 logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-# Net new container objects between two collections of the young generation (Python's default: 700).
-GC_YOUNG_THRESHOLD = 10_000
 
 
 def server_version() -> str:
@@ -217,13 +215,7 @@ async def serve_until_signalled(server: TierServer) -> int:
     health turns NOT_SERVING, new calls get UNAVAILABLE, running ones finish within the grace.
     """
     await server.start()
-    # The model, tokenizer and server objects live as long as the process: moved out of the
-    # collector's generations, they are not rescanned by every full collection while serving.
-    gc.freeze()
-    # One decode step allocates a few tracked objects per stream (its delta, their lists), ~600 at 128
-    # streams: with the default 700 the young generation was collected about once per step (what that
-    # cost is in bench/README.md, "Serving path").
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    freeze_startup_objects()
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
 

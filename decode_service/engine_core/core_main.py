@@ -20,6 +20,7 @@ import os
 import signal
 from multiprocessing.connection import Connection
 
+from base.heap import freeze_startup_objects
 from decode_service.engine_core.config import CoreSpec
 from decode_service.engine_core.core_boundary import CoreBoundary
 from decode_service.engine_core.messages import Ready, StartFailed, commands_decoder
@@ -69,6 +70,7 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
         writer.put(StartFailed(f"{type(exc).__name__}: {exc}"))
         await asyncio.to_thread(writer.close)
         return
+    freeze_startup_objects()
     writer.put(Ready())
     logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
     await asyncio.to_thread(_apply_commands, commands, boundary)
