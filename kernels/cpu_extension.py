@@ -42,9 +42,10 @@ SOURCES = [
     CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",
+    CPU_DIR / "decode_row.cpp",
     CPU_DIR / "bindings.cpp",
 ]
-HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h"]
+HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h", CPU_DIR / "row_ops.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 COMPILE_SECONDS = 220  # measured on the 2-core development machine (idle); told to the user before a build

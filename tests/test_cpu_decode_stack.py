@@ -3,9 +3,13 @@ model hands it those steps only; the C++ cache write equals the torch reference.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from conftest import engine_for, random_prompts, tiny_hf_model
+from test_model_families import WINDOW, hf_model
 
 from base.settings import CPU_DECODE_STACK_ENV, ONEDNN_LINEAR_ENV
 from engine.model_runner import ScheduledChunk
@@ -81,6 +85,81 @@ def test_int8_weights_with_each_kv_cache_take_the_stack_and_equal_the_per_layer_
         fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
         assert torch.equal(fused, per_layer)
         engine.step([ScheduledChunk(seq, 1) for seq in seqs])
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def takes_one_region(engine, seqs) -> bool:
+    """Whether the extension runs this step's layers in one parallel region (`decode_row`)."""
+    stack, kv = engine.model.decode_stack, engine.kv_cache
+    hidden = torch.zeros(len(seqs), engine.model_config.hidden_size)
+    return stack._extension.decode_row_applies(
+        hidden, stack._layers, kv.k, kv.v, len(seqs), len(seqs), bool(kv.k_scales)
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("kind", "heads", "kv_heads", "head_dim", "quantization"),
+    [
+        ("llama", 4, 2, 64, "none"),
+        ("llama", 9, 3, 64, "int8"),
+        ("qwen2", 3, 1, 128, "none"),
+        ("qwen2", 6, 3, 80, "int8"),
+    ],
+)
+def test_one_sequence_in_one_region_equals_the_per_layer_path(
+    extension, kind, heads, kv_heads, head_dim, quantization, threads
+):
+    """Single-stream decode runs every layer in one parallel region: each thread's share of the GEMVs' rows,
+    of the query heads and of the KV heads it writes gives the per-layer path's values to the last bit, for
+    any split of the heads and rows over the threads (three threads split 9 heads 3/3/3 and 6 heads 2/2/2)."""
+    engine, seqs = engine_with_prompts(
+        kind, heads, kv_heads, head_dim, 1, seed=heads, quantization=quantization
+    )
+    assert takes_one_region(engine, seqs)
+    with torch_threads(threads):
+        for _ in range(3):
+            fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seqs[0], 1)])
+            assert torch.equal(fused, per_layer)
+            engine.step([ScheduledChunk(seqs[0], 1)])
+
+
+def test_one_sequence_past_its_sliding_window_equals_the_per_layer_path(extension):
+    """A windowed layer's share of the heads reads only the blocks its window reaches, as the per-op path."""
+    engine = engine_for(hf_model("mistral_window"), block_size=4, num_blocks=64, shuffle_seed=5, device="cpu")
+    seq = engine.make_sequence(
+        list(range(3, 3 + 3 * WINDOW)), SamplingParams(temperature=0.0), StoppingParams(max_tokens=8)
+    )
+    engine.allocate(seq, seq.num_tokens + 8)
+    engine.step([ScheduledChunk(seq, seq.num_tokens)])
+    assert takes_one_region(engine, [seq])
+    for _ in range(3):
+        fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1)])
+        assert torch.equal(fused, per_layer)
+        engine.step([ScheduledChunk(seq, 1)])
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "sequences", "tokens"), [("int8", 1, 1), ("auto", 2, 2), ("auto", 1, 3)]
+)
+def test_a_quantized_cache_several_sequences_or_drafts_keep_the_per_op_kernels(
+    extension, kv_cache_dtype, sequences, tokens
+):
+    engine, seqs = engine_with_prompts("llama", 4, 2, 64, sequences, seed=2, kv_cache_dtype=kv_cache_dtype)
+    stack, kv = engine.model.decode_stack, engine.kv_cache
+    hidden = torch.zeros(tokens, engine.model_config.hidden_size)
+    assert not stack._extension.decode_row_applies(
+        hidden, stack._layers, kv.k, kv.v, tokens, sequences, bool(kv.k_scales)
+    )
 
 
 class StackSpy:

@@ -10,6 +10,8 @@
 // rotation its keys are stored in (applied to keys and queries after RoPE, as the model does). Every layer
 // reads the one block table; a layer with a sliding window (`DecoderLayerWeights::window`) reads only the
 // blocks its window reaches, so a model whose layers share one KV group, windowed or not, runs here.
+// Single-stream decode (one token of one sequence, fp32 cache) goes on to decode_row.cpp, which runs the
+// same kernels for the whole stack inside one parallel region.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -68,6 +70,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto starts = query_start_loc.to(torch::kInt64).contiguous();
+  if (!rotation.has_value() && decode_row_applies(hidden, layers, k_caches, v_caches, tokens, lens.size(0), quantized)) {
+    auto slots = slot_mapping.to(torch::kInt64);
+    return decode_row(hidden, layers, k_caches, v_caches, cos.contiguous(), sin.contiguous(), slots[0].item<int64_t>(),
+                      tables[0], lens[0].item<int64_t>(), num_heads, eps, scale);
+  }
   std::optional<torch::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];

@@ -11,6 +11,8 @@
 #include <optional>
 #include <tuple>
 
+#include "row_ops.h"
+
 namespace {
 
 // Rows per thread: below ~64k elements a second thread costs more to wake than it saves.
@@ -34,17 +36,9 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
   const float* wp = w.data_ptr<float>();
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x.data_ptr<float>() + r * x.stride(0);
-      float* sr = sum.data_ptr<float>() + r * sum.stride(0);
-      if (residual.has_value()) {
-        const float* rr = residual->data_ptr<float>() + r * residual->stride(0);
-        for (int64_t i = 0; i < width; ++i) sr[i] = xr[i] + rr[i];
-      }
-      float squares = 0.f;
-      for (int64_t i = 0; i < width; ++i) squares += sr[i] * sr[i];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-      float* o = out.data_ptr<float>() + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = wp[i] * (sr[i] * inv);
+      const float* rr = residual.has_value() ? residual->data_ptr<float>() + r * residual->stride(0) : nullptr;
+      row_ops::add_rms_norm(x.data_ptr<float>() + r * x.stride(0), rr, wp, static_cast<float>(eps), width,
+                            sum.data_ptr<float>() + r * sum.stride(0), out.data_ptr<float>() + r * width);
     }
   });
   return {out, sum};
@@ -55,7 +49,7 @@ namespace {
 // q or k `[T, heads, d]` whose rows may be strided views into the fused qkv output.
 torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3, "q/k must be fp32 [T, heads, d]");
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == d, "q/k heads must be contiguous within a token");
   auto out = torch::empty({tokens, heads, d}, x.options());
   const float* c = cos.data_ptr<float>();
@@ -65,10 +59,8 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
       const float* ct = c + t * d;
       const float* st = s + t * d;
       for (int64_t h = 0; h < heads; ++h) {
-        const float* in = x.data_ptr<float>() + t * x.stride(0) + h * d;
-        float* o = out.data_ptr<float>() + (t * heads + h) * d;
-        for (int64_t i = 0; i < half; ++i) o[i] = in[i] * ct[i] - in[i + half] * st[i];
-        for (int64_t i = half; i < d; ++i) o[i] = in[i] * ct[i] + in[i - half] * st[i];
+        row_ops::rotate_half(x.data_ptr<float>() + t * x.stride(0) + h * d, ct, st, d,
+                             out.data_ptr<float>() + (t * heads + h) * d);
       }
     }
   });
@@ -92,9 +84,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
-      const float* u = g + width;
-      float* o = out.data_ptr<float>() + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      row_ops::silu_and_mul(g, g + width, width, out.data_ptr<float>() + r * width);
     }
   });
   return out;

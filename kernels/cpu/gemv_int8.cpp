@@ -284,3 +284,9 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
   gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r, tile_rows); });
   return y;
 }
+
+void int8_gemv_row_range(const float* x, const int8_t* qweight, const float* scale, const float* bias, float* y,
+                         int64_t n, int64_t k, int64_t row_begin, int64_t row_end) {
+  const Problem p{x, qweight, scale, bias, y, 1, n, k, k};
+  for (int64_t r = row_begin; r < row_end; ++r) rows_of_w<1>(p, r, 4);
+}

@@ -18,6 +18,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale, std::optional<torch::Tensor> k_scales,
                               std::optional<torch::Tensor> v_scales, int64_t window);
+// Query heads [head_begin, head_end) of one sequence's one decode token (query and out [num_heads, head_dim]) over
+// an fp32 cache, on the calling thread: a thread's share of the decode row's attention (decode_row.cpp). Each
+// head's value is the one `paged_attention` gives it.
+void attend_decode_heads(const float* query, const float* k_cache, const float* v_cache, const int64_t* block_table,
+                         int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t window, int64_t head_begin, int64_t head_end,
+                         float* out);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
                     std::optional<torch::Tensor> v_scales);
@@ -30,6 +37,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                int64_t k);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+// Output rows [row_begin, row_end) of one row of x against W, on the calling thread (a thread's share of a
+// GEMV inside a parallel region that is already running). row_begin must be a multiple of 4; each row's
+// value is the one the whole GEMV gives it.
+void gemv_row_range(const float* x, const float* w, const float* bias, float* y, int64_t n, int64_t k,
+                    int64_t row_begin, int64_t row_end);
+void int8_gemv_row_range(const float* x, const int8_t* qweight, const float* scale, const float* bias, float* y,
+                         int64_t n, int64_t k, int64_t row_begin, int64_t row_end);
 // The instruction set the GEMVs (fp32 and int8 weights) and the int8 GEMM run on: the widest this CPU
 // has, unless a test narrowed it with set_gemv_isa.
 enum class GemvIsa { kAvx512, kAvx2, kPortable };
@@ -67,6 +81,17 @@ struct DecoderLayerWeights {
   // The layer's sliding window in tokens, 0 for full attention (as `paged_attention` takes it).
   int64_t window = 0;
 };
+
+// decode_layers' single-stream case (decode_row.cpp): one decode token of one sequence over an fp32 cache,
+// every layer in one parallel region; `decode_row_applies` says whether a step is that case.
+bool decode_row_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
+                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                        int64_t tokens, int64_t sequences, bool quantized_cache);
+std::tuple<torch::Tensor, torch::Tensor> decode_row(torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers,
+                                                    const std::vector<torch::Tensor>& k_caches,
+                                                    const std::vector<torch::Tensor>& v_caches, torch::Tensor cos,
+                                                    torch::Tensor sin, int64_t slot, const torch::Tensor& block_table,
+                                                    int64_t seq_len, int64_t num_heads, double eps, double scale);
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
 // [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;

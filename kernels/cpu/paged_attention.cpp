@@ -52,9 +52,10 @@ int64_t first_visible(const Problem& p, int64_t pos) {
   return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
 }
 
-// Query rows [row_begin, row_end) of one sequence (relative to its first new row), one KV head.
+// Query rows [row_begin, row_end) of one sequence (relative to its first new row), one KV head, and of its
+// group's query heads those in [head_begin, head_end) (all of them, except in a decode row's share).
 struct Task {
-  int64_t seq, kv_head, row_begin, row_end, cost;
+  int64_t seq, kv_head, row_begin, row_end, cost, head_begin, head_end;
 };
 
 // Every fp8 e4m3 bit pattern's value: one table lookup per element instead of the bit arithmetic.
@@ -98,10 +99,11 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   using Stored = typename E::Stored;
   constexpr bool kQuantized = !std::is_same_v<E, Fp32Element>;
   const int64_t D = kD > 0 ? kD : p.head_dim;
-  const int64_t G = p.group, bs = p.block_size;
+  const int64_t G = t.head_end - t.head_begin, bs = p.block_size;  // G: the task's query heads per row
   const int64_t q_len = p.starts[t.seq + 1] - p.starts[t.seq];
   const int64_t first_pos = p.seq_lens[t.seq] - q_len;  // position of the sequence's first new row
   const int64_t nq = (t.row_end - t.row_begin) * G;     // query vectors in this task
+  const int64_t head0 = t.kv_head * p.group + t.head_begin;  // the task's first query head
   const int64_t kv_end = first_pos + t.row_end;         // the last row sees positions < kv_end
   const int64_t kv_begin = first_visible(p, first_pos + t.row_begin);  // the first row sees positions >= kv_begin
   scratch.resize(nq * (2 * D + bs + 2) + (kQuantized ? 2 * bs * D : 0));
@@ -114,7 +116,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   float* v_rows = k_rows + bs * D;   // [bs][D]
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t row = p.starts[t.seq] + t.row_begin + i / G;
-    const float* src = p.q + (row * p.num_heads + t.kv_head * G + i % G) * D;
+    const float* src = p.q + (row * p.num_heads + head0 + i % G) * D;
     for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = src[d] * p.scale;
     std::fill(acc + i * D, acc + (i + 1) * D, 0.f);
     row_max[i] = kLowest;
@@ -181,7 +183,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   }
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t row = p.starts[t.seq] + t.row_begin + i / G;
-    float* dst = p.out + (row * p.num_heads + t.kv_head * G + i % G) * D;
+    float* dst = p.out + (row * p.num_heads + head0 + i % G) * D;
     const float inv = 1.f / denom[i];
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[i * D + d] * inv;
   }
@@ -189,7 +191,7 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
 
 template <int kD, typename E>
 void run_range(const Problem& p, const std::vector<Task>& tasks, int64_t begin, int64_t end) {
-  std::vector<float> scratch;
+  thread_local std::vector<float> scratch;  // grown once per thread, not allocated per call
   for (int64_t i = begin; i < end; ++i) run_task<kD, E>(p, tasks[i], scratch);
 }
 
@@ -262,7 +264,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
         const int64_t r_end = std::min(q_len, r + kRowTile);
         const int64_t kv_rows = first_pos + r_end - first_visible(p, first_pos + r);
         const int64_t cost = (r_end - r) * kv_rows + 64;  // rows x KV rows, plus a fixed part
-        tasks.push_back({s, h, r, r_end, cost});
+        tasks.push_back({s, h, r, r_end, cost, 0, p.group});
         total_cost += cost;
       }
     }
@@ -280,4 +282,22 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
     for (int64_t i = begin; i < end; ++i) run_tasks(dtype, p, tasks, bounds[i], bounds[i + 1]);
   });
   return out;
+}
+
+void attend_decode_heads(const float* query, const float* k_cache, const float* v_cache, const int64_t* block_table,
+                         int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t window, int64_t head_begin, int64_t head_end,
+                         float* out) {
+  const int64_t starts[2] = {0, 1};
+  const int64_t group = num_heads / num_kv_heads;
+  const Problem p{query, k_cache, v_cache, nullptr, nullptr, block_table, &seq_len, starts, out,
+                  num_heads, num_kv_heads, group, head_dim, block_size, 0, num_kv_heads * head_dim,
+                  block_size * num_kv_heads * head_dim, scale, window};
+  std::vector<Task> tasks;
+  for (int64_t h = head_begin / group; h * group < head_end; ++h) {
+    const int64_t first = std::max(head_begin, h * group) - h * group;
+    const int64_t last = std::min(head_end, (h + 1) * group) - h * group;
+    tasks.push_back({0, h, 0, 1, 0, first, last});
+  }
+  run_tasks(torch::kFloat32, p, tasks, 0, static_cast<int64_t>(tasks.size()));
 }
