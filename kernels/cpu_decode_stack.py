@@ -17,10 +17,10 @@ steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
 a fifth of the forward (bench/README.md, "CPU kernels"). Longer prefill chunks, other dtypes and GPUs
 keep the per-op path, which stays the reference.
 
-A step of one decode token of one sequence over an fp32 cache (single-stream decode) runs the whole
-stack in one parallel region (`decode_row.cpp`): the threads share each GEMV's rows and the attention's
-heads and meet at barriers, where the per-op kernels open five regions a layer and leave the small ops
-between them to one thread. It gives the same values, bit for bit.
+A step whose rows all run on the GEMVs, over an fp32 cache (single-stream decode, a few streams, a draft's
+verification), runs the whole stack in one parallel region (`decode_region.cpp`): the threads share each
+GEMV's rows and the attention's heads and meet at barriers, where the per-op kernels open five regions a
+layer and leave the small ops between them to one thread. It gives the same values, bit for bit.
 
 Every layer reads the step's one block table, so the stack serves a model whose layers share one KV
 group (`engine.kv_layout`); each layer may still have its own sliding window (Mistral's on every layer),

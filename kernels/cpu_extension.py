@@ -42,7 +42,7 @@ SOURCES = [
     CPU_DIR / "lm_head.cpp",
     CPU_DIR / "kv_cache.cpp",
     CPU_DIR / "decode_stack.cpp",
-    CPU_DIR / "decode_row.cpp",
+    CPU_DIR / "decode_region.cpp",
     CPU_DIR / "bindings.cpp",
 ]
 HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h", CPU_DIR / "row_ops.h"]

@@ -18,6 +18,7 @@ from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
 from kernels.cpu_decode_stack import MAX_QUERY_LEN
 from kernels.cpu_linear import GEMV_MAX_ROWS
+from kernels.int8_linear import GEMV_MAX_ROWS as INT8_GEMV_MAX_ROWS
 
 
 def engine_with_prompts(
@@ -97,40 +98,49 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def takes_one_region(engine, seqs) -> bool:
-    """Whether the extension runs this step's layers in one parallel region (`decode_row`)."""
+def takes_one_region(engine, rows: int) -> bool:
+    """Whether the extension runs a step of `rows` rows in one parallel region (`decode_region`)."""
     stack, kv = engine.model.decode_stack, engine.kv_cache
-    hidden = torch.zeros(len(seqs), engine.model_config.hidden_size)
-    return stack._extension.decode_row_applies(
-        hidden, stack._layers, kv.k, kv.v, len(seqs), len(seqs), bool(kv.k_scales)
+    hidden = torch.zeros(rows, engine.model_config.hidden_size)
+    return stack._extension.decode_region_applies(
+        hidden, stack._layers, kv.k, kv.v, bool(kv.k_scales), GEMV_MAX_ROWS, INT8_GEMV_MAX_ROWS
     )
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
-    ("kind", "heads", "kv_heads", "head_dim", "quantization"),
+    ("kind", "heads", "kv_heads", "head_dim", "quantization", "num_seqs"),
     [
-        ("llama", 4, 2, 64, "none"),
-        ("llama", 9, 3, 64, "int8"),
-        ("qwen2", 3, 1, 128, "none"),
-        ("qwen2", 6, 3, 80, "int8"),
+        ("llama", 4, 2, 64, "none", 1),
+        ("llama", 9, 3, 64, "int8", 1),
+        ("qwen2", 3, 1, 128, "none", 1),
+        ("qwen2", 6, 3, 80, "int8", 5),
+        ("llama", 4, 2, 64, "none", GEMV_MAX_ROWS),
+        ("llama", 4, 2, 64, "int8", INT8_GEMV_MAX_ROWS),
     ],
 )
-def test_one_sequence_in_one_region_equals_the_per_layer_path(
-    extension, kind, heads, kv_heads, head_dim, quantization, threads
+def test_steps_on_the_gemvs_run_in_one_region_and_equal_the_per_layer_path(
+    extension, kind, heads, kv_heads, head_dim, quantization, num_seqs, threads
 ):
-    """Single-stream decode runs every layer in one parallel region: each thread's share of the GEMVs' rows,
-    of the query heads and of the KV heads it writes gives the per-layer path's values to the last bit, for
-    any split of the heads and rows over the threads (three threads split 9 heads 3/3/3 and 6 heads 2/2/2)."""
+    """A step whose rows all run on the GEMVs runs every layer in one parallel region: each thread's share of
+    the GEMVs' rows, of the query heads and of the KV rows it writes gives the per-layer path's values to the
+    last bit, for any split over the threads (three threads split 9 heads 3/3/3 and 6 heads 2/2/2), with a
+    decode token and its draft beside other sequences' tokens."""
     engine, seqs = engine_with_prompts(
-        kind, heads, kv_heads, head_dim, 1, seed=heads, quantization=quantization
+        kind, heads, kv_heads, head_dim, num_seqs, seed=heads, quantization=quantization
     )
-    assert takes_one_region(engine, seqs)
+    assert takes_one_region(engine, num_seqs)
     with torch_threads(threads):
         for _ in range(3):
-            fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seqs[0], 1)])
+            fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
             assert torch.equal(fused, per_layer)
-            engine.step([ScheduledChunk(seqs[0], 1)])
+            engine.step([ScheduledChunk(seq, 1) for seq in seqs])
+        if num_seqs < 4:
+            engine.allocate(seqs[0], seqs[0].num_tokens + 4)
+            drafted = [ScheduledChunk(seqs[0], 1, (5, 6, 7))] + [ScheduledChunk(seq, 1) for seq in seqs[1:]]
+            assert takes_one_region(engine, num_seqs + 3)
+            fused, per_layer = forward_both_ways(engine, drafted)
+            assert torch.equal(fused, per_layer)
 
 
 def test_one_sequence_past_its_sliding_window_equals_the_per_layer_path(extension):
@@ -141,7 +151,7 @@ def test_one_sequence_past_its_sliding_window_equals_the_per_layer_path(extensio
     )
     engine.allocate(seq, seq.num_tokens + 8)
     engine.step([ScheduledChunk(seq, seq.num_tokens)])
-    assert takes_one_region(engine, [seq])
+    assert takes_one_region(engine, 1)
     for _ in range(3):
         fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1)])
         assert torch.equal(fused, per_layer)
@@ -149,17 +159,16 @@ def test_one_sequence_past_its_sliding_window_equals_the_per_layer_path(extensio
 
 
 @pytest.mark.parametrize(
-    ("kv_cache_dtype", "sequences", "tokens"), [("int8", 1, 1), ("auto", 2, 2), ("auto", 1, 3)]
+    ("quantization", "kv_cache_dtype", "rows"),
+    [("none", "int8", 1), ("none", "auto", GEMV_MAX_ROWS + 1), ("int8", "auto", INT8_GEMV_MAX_ROWS + 1)],
 )
-def test_a_quantized_cache_several_sequences_or_drafts_keep_the_per_op_kernels(
-    extension, kv_cache_dtype, sequences, tokens
+def test_a_quantized_cache_or_rows_past_the_gemvs_keep_the_per_op_kernels(
+    extension, quantization, kv_cache_dtype, rows
 ):
-    engine, seqs = engine_with_prompts("llama", 4, 2, 64, sequences, seed=2, kv_cache_dtype=kv_cache_dtype)
-    stack, kv = engine.model.decode_stack, engine.kv_cache
-    hidden = torch.zeros(tokens, engine.model_config.hidden_size)
-    assert not stack._extension.decode_row_applies(
-        hidden, stack._layers, kv.k, kv.v, tokens, sequences, bool(kv.k_scales)
+    engine, _ = engine_with_prompts(
+        "llama", 4, 2, 64, 1, seed=2, quantization=quantization, kv_cache_dtype=kv_cache_dtype
     )
+    assert not takes_one_region(engine, rows)
 
 
 class StackSpy:

@@ -72,10 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            // The layer's sliding window in tokens, 0 for full attention.
            arg("window") = 0)
       .def_readonly("window", &DecoderLayerWeights::window);
-  m.def("decode_row_applies", &decode_row_applies,
-        "whether decode_layers runs a step of `tokens` rows over `sequences` sequences in one parallel region",
-        arg("hidden"), arg("layers"), arg("k_caches"), arg("v_caches"), arg("tokens"), arg("sequences"),
-        arg("quantized_cache"));
+  m.def("decode_region_applies", &decode_region_applies,
+        "whether decode_layers runs this step's layers in one parallel region (every row on the GEMVs, fp32 cache)",
+        arg("hidden"), arg("layers"), arg("k_caches"), arg("v_caches"), arg("quantized_cache"), arg("gemv_max_rows"),
+        arg("int8_gemv_max_rows"));
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());

@@ -207,9 +207,9 @@ torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<t
   return y;
 }
 
-void gemv_row_range(const float* x, const float* w, const float* bias, float* y, int64_t n, int64_t k,
-                    int64_t row_begin, int64_t row_end) {
-  const Problem p{x, w, bias, y, 1, n, k, k};
+void gemv_row_range(const float* x, int64_t ldx, int64_t m, const float* w, const float* bias, float* y, int64_t n,
+                    int64_t k, int64_t row_begin, int64_t row_end) {
+  const Problem p{x, w, bias, y, m, n, k, ldx};
   int64_t r = row_begin;
   for (; r + 4 <= row_end; r += 4) rows_of_w<4>(p, r);
   for (; r < row_end; ++r) rows_of_w<1>(p, r);

@@ -242,6 +242,31 @@ void rows_of_w(const Problem& p, int64_t n0, int64_t tile_rows) {
     x_tile<NR, float>(std::min(tile_rows, p.m - m0), p, widened, nullptr, n0, m0, false);
 }
 
+// How a group of 4 W rows meets the rows of x. One or two rows of x (a decode step of one or two
+// sequences) stream W one row after another, which read it faster than interleaving 4 rows; 3-4 rows of x
+// share each group of 4 W rows' loads. Past 4 rows, AVX-512 takes W rows two at a time against tiles of up
+// to 8 x rows: each widened weight (whose int -> float conversion shares the FMA pipes) then feeds 8 FMAs
+// rather than 4.
+struct RowSplit {
+  bool wide;
+  int64_t tile_rows;
+};
+
+RowSplit row_split(int64_t m) {
+  const bool wide = m > 4 && current_gemv_isa() == GemvIsa::kAvx512;
+  return {wide, wide ? kMaxTileRows : 4};
+}
+
+// W rows n0..n0 + 3 against every row of x.
+void row_group(const Problem& p, int64_t n0, const RowSplit& split) {
+  if (split.wide) {
+    rows_of_w<2>(p, n0, split.tile_rows);
+    return rows_of_w<2>(p, n0 + 2, split.tile_rows);
+  }
+  if (p.m > 2) return rows_of_w<4>(p, n0, split.tile_rows);
+  for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r, split.tile_rows);
+}
+
 }  // namespace
 
 const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scale,
@@ -267,26 +292,17 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
   if (m == 0 || n == 0) return y;
   const Problem p{x.data_ptr<float>(), qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr,
                   y.data_ptr<float>(), m, n, k, x.stride(0)};
-  // One or two rows of x (a decode step of one or two sequences) stream W one row after another, which
-  // read it faster than interleaving 4 rows; 3-4 rows of x share each group of 4 W rows' loads. Past 4
-  // rows, AVX-512 takes W rows two at a time against tiles of up to 8 x rows: each widened weight (whose
-  // int -> float conversion shares the FMA pipes) then feeds 8 FMAs rather than 4.
-  const bool wide = m > 4 && current_gemv_isa() == GemvIsa::kAvx512;
-  const int64_t tile_rows = wide ? kMaxTileRows : 4;
-  const auto group = [&](int64_t n0) {
-    if (wide) {
-      rows_of_w<2>(p, n0, tile_rows);
-      return rows_of_w<2>(p, n0 + 2, tile_rows);
-    }
-    if (m > 2) return rows_of_w<4>(p, n0, tile_rows);
-    for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r, tile_rows);
-  };
-  gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r, tile_rows); });
+  const RowSplit split = row_split(m);
+  const auto group = [&](int64_t n0) { row_group(p, n0, split); };
+  gemv_common::for_each_row_group<int8_t>(n, k, group, [&](int64_t r) { rows_of_w<1>(p, r, split.tile_rows); });
   return y;
 }
 
-void int8_gemv_row_range(const float* x, const int8_t* qweight, const float* scale, const float* bias, float* y,
-                         int64_t n, int64_t k, int64_t row_begin, int64_t row_end) {
-  const Problem p{x, qweight, scale, bias, y, 1, n, k, k};
-  for (int64_t r = row_begin; r < row_end; ++r) rows_of_w<1>(p, r, 4);
+void int8_gemv_row_range(const float* x, int64_t ldx, int64_t m, const int8_t* qweight, const float* scale,
+                         const float* bias, float* y, int64_t n, int64_t k, int64_t row_begin, int64_t row_end) {
+  const Problem p{x, qweight, scale, bias, y, m, n, k, ldx};
+  const RowSplit split = row_split(m);
+  int64_t r = row_begin;
+  for (; r + 4 <= row_end; r += 4) row_group(p, r, split);
+  for (; r < row_end; ++r) rows_of_w<1>(p, r, split.tile_rows);
 }

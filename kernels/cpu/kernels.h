@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 // Functions built for one instruction set, chosen at run time from the CPU's features.
 #define TANDEM_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
@@ -18,13 +19,22 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale, std::optional<torch::Tensor> k_scales,
                               std::optional<torch::Tensor> v_scales, int64_t window);
-// Query heads [head_begin, head_end) of one sequence's one decode token (query and out [num_heads, head_dim]) over
-// an fp32 cache, on the calling thread: a thread's share of the decode row's attention (decode_row.cpp). Each
-// head's value is the one `paged_attention` gives it.
-void attend_decode_heads(const float* query, const float* k_cache, const float* v_cache, const int64_t* block_table,
-                         int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int64_t window, int64_t head_begin, int64_t head_end,
-                         float* out);
+// A decode step's attention over an fp32 cache (each sequence's query rows in one row tile) cut into shares of
+// about equal cost at query-head granularity, for the threads of a parallel region (decode_region.cpp). A piece
+// is one sequence's rows against one KV head, for the query heads [head_begin, head_end) of its group; each
+// head's value is the one `paged_attention` gives it, whatever the cut.
+struct AttentionPiece {
+  int64_t seq, kv_head, head_begin, head_end;
+};
+struct DecodeAttention {
+  const int64_t* tables;  // [num_seqs, table_width]
+  const int64_t* seq_lens;
+  const int64_t* starts;  // query_start_loc, num_seqs + 1
+  int64_t num_seqs, table_width, num_heads, num_kv_heads, head_dim, block_size;
+};
+std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention& step, int64_t shares);
+void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece>& pieces, const float* query,
+                   const float* k_cache, const float* v_cache, float scale, int64_t window, float* out);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
                     std::optional<torch::Tensor> v_scales);
@@ -37,13 +47,13 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void gemv_into(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t m, int64_t n,
                int64_t k);
 torch::Tensor linear_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
-// Output rows [row_begin, row_end) of one row of x against W, on the calling thread (a thread's share of a
-// GEMV inside a parallel region that is already running). row_begin must be a multiple of 4; each row's
-// value is the one the whole GEMV gives it.
-void gemv_row_range(const float* x, const float* w, const float* bias, float* y, int64_t n, int64_t k,
-                    int64_t row_begin, int64_t row_end);
-void int8_gemv_row_range(const float* x, const int8_t* qweight, const float* scale, const float* bias, float* y,
-                         int64_t n, int64_t k, int64_t row_begin, int64_t row_end);
+// Output rows [row_begin, row_end) of y = x W^T + b for the m rows of x (ldx apart), on the calling thread: a
+// thread's share of a GEMV inside a parallel region that is already running. row_begin must be a multiple of 4;
+// every value is the one the whole GEMV (linear_gemv, linear_int8_gemv) gives it.
+void gemv_row_range(const float* x, int64_t ldx, int64_t m, const float* w, const float* bias, float* y, int64_t n,
+                    int64_t k, int64_t row_begin, int64_t row_end);
+void int8_gemv_row_range(const float* x, int64_t ldx, int64_t m, const int8_t* qweight, const float* scale,
+                         const float* bias, float* y, int64_t n, int64_t k, int64_t row_begin, int64_t row_end);
 // The instruction set the GEMVs (fp32 and int8 weights) and the int8 GEMM run on: the widest this CPU
 // has, unless a test narrowed it with set_gemv_isa.
 enum class GemvIsa { kAvx512, kAvx2, kPortable };
@@ -82,16 +92,17 @@ struct DecoderLayerWeights {
   int64_t window = 0;
 };
 
-// decode_layers' single-stream case (decode_row.cpp): one decode token of one sequence over an fp32 cache,
-// every layer in one parallel region; `decode_row_applies` says whether a step is that case.
-bool decode_row_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
-                        const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                        int64_t tokens, int64_t sequences, bool quantized_cache);
-std::tuple<torch::Tensor, torch::Tensor> decode_row(torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers,
-                                                    const std::vector<torch::Tensor>& k_caches,
-                                                    const std::vector<torch::Tensor>& v_caches, torch::Tensor cos,
-                                                    torch::Tensor sin, int64_t slot, const torch::Tensor& block_table,
-                                                    int64_t seq_len, int64_t num_heads, double eps, double scale);
+// decode_layers' few-row case (decode_region.cpp): every layer of a step whose rows all run on the GEMVs, over
+// an fp32 cache, in one parallel region; `decode_region_applies` says whether a step is that case.
+bool decode_region_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
+                           const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                           bool quantized_cache, int64_t gemv_max_rows, int64_t int8_gemv_max_rows);
+std::tuple<torch::Tensor, torch::Tensor> decode_region(torch::Tensor hidden,
+                                                       const std::vector<DecoderLayerWeights>& layers,
+                                                       const std::vector<torch::Tensor>& k_caches,
+                                                       const std::vector<torch::Tensor>& v_caches, torch::Tensor cos,
+                                                       torch::Tensor sin, torch::Tensor slot_mapping,
+                                                       const DecodeAttention& step, double eps, double scale);
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
 // [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;

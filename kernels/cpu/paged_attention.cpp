@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t kRowTile = 16;
@@ -284,20 +286,43 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   return out;
 }
 
-void attend_decode_heads(const float* query, const float* k_cache, const float* v_cache, const int64_t* block_table,
-                         int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int64_t window, int64_t head_begin, int64_t head_end,
-                         float* out) {
-  const int64_t starts[2] = {0, 1};
-  const int64_t group = num_heads / num_kv_heads;
-  const Problem p{query, k_cache, v_cache, nullptr, nullptr, block_table, &seq_len, starts, out,
-                  num_heads, num_kv_heads, group, head_dim, block_size, 0, num_kv_heads * head_dim,
-                  block_size * num_kv_heads * head_dim, scale, window};
-  std::vector<Task> tasks;
-  for (int64_t h = head_begin / group; h * group < head_end; ++h) {
-    const int64_t first = std::max(head_begin, h * group) - h * group;
-    const int64_t last = std::min(head_end, (h + 1) * group) - h * group;
-    tasks.push_back({0, h, 0, 1, 0, first, last});
+std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention& step, int64_t shares) {
+  // Every (sequence, query head) of the step with its cost (query rows x keys read), in order; then
+  // contiguous runs of about equal cost, each cut into pieces at KV-group boundaries.
+  const int64_t group = step.num_heads / step.num_kv_heads;
+  int64_t total = 0;
+  for (int64_t s = 0; s < step.num_seqs; ++s) total += (step.starts[s + 1] - step.starts[s]) * step.seq_lens[s] + 64;
+  total *= step.num_heads;
+  std::vector<std::vector<AttentionPiece>> out(static_cast<size_t>(shares));
+  int64_t running = 0;
+  for (int64_t s = 0; s < step.num_seqs; ++s) {
+    const int64_t cost = (step.starts[s + 1] - step.starts[s]) * step.seq_lens[s] + 64;
+    for (int64_t h = 0; h < step.num_heads; ++h) {
+      const int64_t share = std::min(shares - 1, running * shares / std::max<int64_t>(1, total));
+      running += cost;
+      auto& pieces = out[static_cast<size_t>(share)];
+      const int64_t kv_head = h / group;
+      if (!pieces.empty() && pieces.back().seq == s && pieces.back().kv_head == kv_head) {
+        pieces.back().head_end = h % group + 1;
+      } else {
+        pieces.push_back({s, kv_head, h % group, h % group + 1});
+      }
+    }
+  }
+  return out;
+}
+
+void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece>& pieces, const float* query,
+                   const float* k_cache, const float* v_cache, float scale, int64_t window, float* out) {
+  const Problem p{query, k_cache, v_cache, nullptr, nullptr, step.tables, step.seq_lens, step.starts, out,
+                  step.num_heads, step.num_kv_heads, step.num_heads / step.num_kv_heads, step.head_dim,
+                  step.block_size, step.table_width, step.num_kv_heads * step.head_dim,
+                  step.block_size * step.num_kv_heads * step.head_dim, scale, window};
+  thread_local std::vector<Task> tasks;
+  tasks.clear();
+  for (const AttentionPiece& piece : pieces) {
+    const int64_t rows = step.starts[piece.seq + 1] - step.starts[piece.seq];
+    tasks.push_back({piece.seq, piece.kv_head, 0, rows, 0, piece.head_begin, piece.head_end});
   }
   run_tasks(torch::kFloat32, p, tasks, 0, static_cast<int64_t>(tasks.size()));
 }

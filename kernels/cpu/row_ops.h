@@ -1,5 +1,5 @@
 // The per-row arithmetic of the small decoder ops: residual add plus RMSNorm, rotate-half RoPE on one
-// head, SiLU-and-multiply. fused_ops.cpp runs them over a step's rows; decode_row.cpp runs them inside
+// head, SiLU-and-multiply. fused_ops.cpp runs them over a step's rows; decode_region.cpp runs them inside
 // its one parallel region. One definition, so both compute the same numbers to the last bit. The
 // arithmetic follows Hugging Face's order (statistics in fp32, weight applied after normalising).
 #pragma once
