@@ -17,8 +17,8 @@ steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
 a fifth of the forward (bench/README.md, "CPU kernels"). Longer prefill chunks, other dtypes and GPUs
 keep the per-op path, which stays the reference.
 
-A step whose rows all run on the GEMVs, over an fp32 cache (single-stream decode, a few streams, a draft's
-verification), runs the whole stack in one parallel region (`decode_region.cpp`): the threads share each
+A step whose rows all run on the GEMVs (single-stream decode, a few streams, a draft's verification) runs
+the whole stack in one parallel region (`decode_region.cpp`): the threads share each
 GEMV's rows and the attention's heads and meet at barriers, where the per-op kernels open five regions a
 layer and leave the small ops between them to one thread. It gives the same values, bit for bit.
 

@@ -103,7 +103,7 @@ def takes_one_region(engine, rows: int) -> bool:
     stack, kv = engine.model.decode_stack, engine.kv_cache
     hidden = torch.zeros(rows, engine.model_config.hidden_size)
     return stack._extension.decode_region_applies(
-        hidden, stack._layers, kv.k, kv.v, bool(kv.k_scales), GEMV_MAX_ROWS, INT8_GEMV_MAX_ROWS
+        hidden, stack._layers, kv.k, kv.v, kv.k_scales, kv.v_scales, GEMV_MAX_ROWS, INT8_GEMV_MAX_ROWS
     )
 
 
@@ -158,16 +158,30 @@ def test_one_sequence_past_its_sliding_window_equals_the_per_layer_path(extensio
         engine.step([ScheduledChunk(seq, 1)])
 
 
-@pytest.mark.parametrize(
-    ("quantization", "kv_cache_dtype", "rows"),
-    [("none", "int8", 1), ("none", "auto", GEMV_MAX_ROWS + 1), ("int8", "auto", INT8_GEMV_MAX_ROWS + 1)],
-)
-def test_a_quantized_cache_or_rows_past_the_gemvs_keep_the_per_op_kernels(
-    extension, quantization, kv_cache_dtype, rows
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("quantization", "num_seqs"), [("int8", 1), ("none", 3)])
+def test_a_quantized_cache_in_one_region_equals_the_per_layer_path(
+    extension, kv_cache_dtype, quantization, num_seqs, threads
 ):
-    engine, _ = engine_with_prompts(
-        "llama", 4, 2, 64, 1, seed=2, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    """Over an int8 or fp8 cache the region quantizes each (token, KV head) row as it writes it and rotates
+    queries and keys with torch's matmul on one thread, so it still gives the per-layer path's bits."""
+    engine, seqs = engine_with_prompts(
+        "llama", 9, 3, 64, num_seqs, seed=num_seqs, quantization=quantization, kv_cache_dtype=kv_cache_dtype
     )
+    assert engine.kv_cache.rotation is not None and takes_one_region(engine, num_seqs)
+    with torch_threads(threads):
+        for _ in range(3):
+            fused, per_layer = forward_both_ways(engine, [ScheduledChunk(seq, 1) for seq in seqs])
+            assert torch.equal(fused, per_layer)
+            engine.step([ScheduledChunk(seq, 1) for seq in seqs])
+
+
+@pytest.mark.parametrize(
+    ("quantization", "rows"), [("none", GEMV_MAX_ROWS + 1), ("int8", INT8_GEMV_MAX_ROWS + 1)]
+)
+def test_rows_past_the_gemvs_keep_the_per_op_kernels(extension, quantization, rows):
+    engine, _ = engine_with_prompts("llama", 4, 2, 64, 1, seed=2, quantization=quantization)
     assert not takes_one_region(engine, rows)
 
 

@@ -73,8 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("window") = 0)
       .def_readonly("window", &DecoderLayerWeights::window);
   m.def("decode_region_applies", &decode_region_applies,
-        "whether decode_layers runs this step's layers in one parallel region (every row on the GEMVs, fp32 cache)",
-        arg("hidden"), arg("layers"), arg("k_caches"), arg("v_caches"), arg("quantized_cache"), arg("gemv_max_rows"),
+        "whether decode_layers runs this step's layers in one parallel region (every row on the GEMVs)", arg("hidden"),
+        arg("layers"), arg("k_caches"), arg("v_caches"), arg("k_scales"), arg("v_scales"), arg("gemv_max_rows"),
         arg("int8_gemv_max_rows"));
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",

@@ -1,5 +1,5 @@
 // Every decoder layer of a decode step whose rows all run on the GEMVs (single-stream decode, a few streams,
-// a draft's verification), over an fp32 cache, in one parallel region.
+// a draft's verification), in one parallel region.
 //
 // At one row a layer of SmolLM2-135M reads ~3.5 MB of int8 weights, about 0.15 ms of memory time. The
 // stack's per-op path (decode_stack.cpp) opens a parallel region per GEMV and for the attention, five a
@@ -12,7 +12,8 @@
 // per-head loop) on buffers laid out as torch lays out the per-op path's tensors, so the result equals it
 // to the last bit.
 //
-// A quantized cache (its scales, the rotation of its keys) keeps the per-op path.
+// A quantized cache's rows are quantized as they are written (`write_kv_head`) and read through its scales;
+// where its keys are rotated, one thread ropes and rotates every row with torch's matmul while the others wait.
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/extension.h>
@@ -66,8 +67,13 @@ void linear_rows(const float* x, int64_t m, const torch::Tensor& weight, const s
 
 bool decode_region_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                           bool quantized_cache, int64_t gemv_max_rows, int64_t int8_gemv_max_rows) {
-  if (quantized_cache || hidden.scalar_type() != torch::kFloat32 || !hidden.is_contiguous()) return false;
+                           const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                           int64_t gemv_max_rows, int64_t int8_gemv_max_rows) {
+  if (hidden.scalar_type() != torch::kFloat32 || !hidden.is_contiguous()) return false;
+  const auto dtype = k_caches[0].scalar_type();
+  const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
+  if (!quantized && dtype != torch::kFloat32) return false;
+  if (quantized ? k_scales.size() != layers.size() || v_scales.size() != layers.size() : !k_scales.empty()) return false;
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
@@ -75,9 +81,14 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
                            const std::optional<torch::Tensor>& bias) {
       return gemv_ready(weight, scale, bias, rows, gemv_max_rows, int8_gemv_max_rows);
     };
-    if (k_caches[i].scalar_type() != torch::kFloat32 || v_caches[i].scalar_type() != torch::kFloat32 ||
-        !k_caches[i].is_contiguous() || !v_caches[i].is_contiguous() || !fp32_vector(w.input_norm, width) ||
-        !fp32_vector(w.post_norm, width) || !ready(w.qkv, w.qkv_scale, w.qkv_bias) || !ready(w.o, w.o_scale, w.o_bias) ||
+    const auto scales_ready = [&](const std::vector<torch::Tensor>& scales) {
+      return !quantized || (scales[i].scalar_type() == torch::kFloat32 && scales[i].is_contiguous() &&
+                            scales[i].numel() == k_caches[i].numel() / k_caches[i].size(3));
+    };
+    if (k_caches[i].scalar_type() != dtype || v_caches[i].scalar_type() != dtype || !k_caches[i].is_contiguous() ||
+        !v_caches[i].is_contiguous() || !scales_ready(k_scales) || !scales_ready(v_scales) ||
+        !fp32_vector(w.input_norm, width) || !fp32_vector(w.post_norm, width) ||
+        !ready(w.qkv, w.qkv_scale, w.qkv_bias) || !ready(w.o, w.o_scale, w.o_bias) ||
         !ready(w.gate_up, w.gate_up_scale, w.gate_up_bias) || !ready(w.down, w.down_scale, w.down_bias)) {
       return false;
     }
@@ -85,12 +96,11 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
   return true;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> decode_region(torch::Tensor hidden,
-                                                       const std::vector<DecoderLayerWeights>& layers,
-                                                       const std::vector<torch::Tensor>& k_caches,
-                                                       const std::vector<torch::Tensor>& v_caches, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slot_mapping,
-                                                       const DecodeAttention& step, double eps, double scale) {
+std::tuple<torch::Tensor, torch::Tensor> decode_region(
+    torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
+    const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& k_scales,
+    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor slot_mapping, const DecodeAttention& step, double eps, double scale) {
   const int64_t m = hidden.size(0), width = hidden.size(1), head_dim = step.head_dim;
   const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
   const int64_t qkv_size = layers[0].qkv.size(0), inner = layers[0].down.size(1);
@@ -122,6 +132,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(torch::Tensor hidden,
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const float eps_f = static_cast<float>(eps), scale_f = static_cast<float>(scale);
+  const bool quantized = !k_scales.empty();
+  // A rotated cache's queries and keys are rotated after RoPE by torch's matmul, as on the per-op path: one
+  // thread ropes every row and multiplies while the others wait, then all read the products.
+  torch::Tensor q_rotated, k_rotated;
 
 #pragma omp parallel num_threads(threads)
   {
@@ -144,31 +158,49 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(torch::Tensor hidden,
       linear_rows(normed, m, w.qkv, w.qkv_scale, w.qkv_bias, qkv.data_ptr<float>(), qkv_rows);
 #pragma omp barrier
       const float* q = qkv.data_ptr<float>();
-      for (int64_t u = kv_writes.first; u < kv_writes.second; ++u) {
-        const int64_t r = u / step.num_kv_heads, h = u % step.num_kv_heads;
-        const float* k_in = q + r * qkv_size + q_size + h * head_dim;
-        float* k_out = k_rot.data_ptr<float>() + r * kv_size + h * head_dim;
-        row_ops::rotate_half(k_in, c + r * head_dim, s + r * head_dim, head_dim, k_out);
-        if (slot[r] < 0) continue;  // a padding row
-        std::memcpy(k_caches[i].data_ptr<float>() + slot[r] * kv_size + h * head_dim, k_out, head_dim * sizeof(float));
-        std::memcpy(v_caches[i].data_ptr<float>() + slot[r] * kv_size + h * head_dim, k_in + kv_size,
-                    head_dim * sizeof(float));
-      }
-      for (size_t share_index = t; share_index < pieces.size(); share_index += team) {
-        for (const AttentionPiece& piece : pieces[share_index]) {
-          for (int64_t r = step.starts[piece.seq]; r < step.starts[piece.seq + 1]; ++r) {
-            for (int64_t h = piece.head_begin; h < piece.head_end; ++h) {
-              const int64_t head = piece.kv_head * (step.num_heads / step.num_kv_heads) + h;
-              row_ops::rotate_half(q + r * qkv_size + head * head_dim, c + r * head_dim, s + r * head_dim, head_dim,
-                                   q_rot.data_ptr<float>() + r * q_size + head * head_dim);
+      const auto rope_k = [&](int64_t r, int64_t h) {
+        row_ops::rotate_half(q + r * qkv_size + q_size + h * head_dim, c + r * head_dim, s + r * head_dim, head_dim,
+                             k_rot.data_ptr<float>() + r * kv_size + h * head_dim);
+      };
+      const auto rope_q = [&](int64_t r, int64_t head) {
+        row_ops::rotate_half(q + r * qkv_size + head * head_dim, c + r * head_dim, s + r * head_dim, head_dim,
+                             q_rot.data_ptr<float>() + r * q_size + head * head_dim);
+      };
+      if (rotation.has_value()) {
+        if (t == 0) {
+          for (int64_t r = 0; r < m; ++r) {
+            for (int64_t h = 0; h < step.num_kv_heads; ++h) rope_k(r, h);
+            for (int64_t h = 0; h < step.num_heads; ++h) rope_q(r, h);
+          }
+          q_rotated = torch::matmul(q_rot.view({m, step.num_heads, head_dim}), *rotation);
+          k_rotated = torch::matmul(k_rot.view({m, step.num_kv_heads, head_dim}), *rotation);
+        }
+#pragma omp barrier
+      } else {
+        for (size_t share_index = t; share_index < pieces.size(); share_index += team) {
+          for (const AttentionPiece& piece : pieces[share_index]) {
+            for (int64_t r = step.starts[piece.seq]; r < step.starts[piece.seq + 1]; ++r) {
+              for (int64_t h = piece.head_begin; h < piece.head_end; ++h) {
+                rope_q(r, piece.kv_head * (step.num_heads / step.num_kv_heads) + h);
+              }
             }
           }
         }
       }
+      const float* keys = rotation.has_value() ? k_rotated.data_ptr<float>() : k_rot.data_ptr<float>();
+      float* k_scale = quantized ? k_scales[i].data_ptr<float>() : nullptr;
+      float* v_scale = quantized ? v_scales[i].data_ptr<float>() : nullptr;
+      for (int64_t u = kv_writes.first; u < kv_writes.second; ++u) {
+        const int64_t r = u / step.num_kv_heads, h = u % step.num_kv_heads;
+        if (!rotation.has_value()) rope_k(r, h);
+        if (slot[r] < 0) continue;  // a padding row
+        write_kv_head(keys + r * kv_size + h * head_dim, q + r * qkv_size + q_size + kv_size + h * head_dim,
+                      k_caches[i], v_caches[i], k_scale, v_scale, slot[r], h);
+      }
 #pragma omp barrier
       for (size_t share_index = t; share_index < pieces.size(); share_index += team) {
-        attend_pieces(step, pieces[share_index], q_rot.data_ptr<float>(), k_caches[i].data_ptr<float>(),
-                      v_caches[i].data_ptr<float>(), scale_f, w.window, attended.data_ptr<float>());
+        attend_pieces(step, pieces[share_index], rotation.has_value() ? q_rotated.data_ptr<float>() : q_rot.data_ptr<float>(),
+                      k_caches[i], v_caches[i], k_scale, v_scale, scale_f, w.window, attended.data_ptr<float>());
       }
 #pragma omp barrier
       linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows);

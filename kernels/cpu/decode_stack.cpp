@@ -10,7 +10,7 @@
 // rotation its keys are stored in (applied to keys and queries after RoPE, as the model does). Every layer
 // reads the one block table; a layer with a sliding window (`DecoderLayerWeights::window`) reads only the
 // blocks its window reaches, so a model whose layers share one KV group, windowed or not, runs here.
-// A step whose rows all run on the GEMVs, over an fp32 cache, goes on to decode_region.cpp, which runs the
+// A step whose rows all run on the GEMVs goes on to decode_region.cpp, which runs the
 // same kernels for the whole stack inside one parallel region.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
@@ -70,12 +70,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = seq_lens.to(torch::kInt64).contiguous();
   auto starts = query_start_loc.to(torch::kInt64).contiguous();
-  if (!rotation.has_value() &&
-      decode_region_applies(hidden, layers, k_caches, v_caches, quantized, gemv_max_rows, int8_gemv_max_rows)) {
+  if (decode_region_applies(hidden, layers, k_caches, v_caches, k_scales, v_scales, gemv_max_rows,
+                            int8_gemv_max_rows)) {
     const DecodeAttention step{tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                                lens.size(0), tables.size(1), num_heads, num_kv_heads, head_dim, k_caches[0].size(1)};
-    return decode_region(hidden, layers, k_caches, v_caches, cos.contiguous(), sin.contiguous(), slot_mapping, step,
-                         eps, scale);
+    return decode_region(hidden, layers, k_caches, v_caches, k_scales, v_scales, rotation, cos.contiguous(),
+                         sin.contiguous(), slot_mapping, step, eps, scale);
   }
   std::optional<torch::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {

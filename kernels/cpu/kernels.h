@@ -19,7 +19,11 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                               double scale, std::optional<torch::Tensor> k_scales,
                               std::optional<torch::Tensor> v_scales, int64_t window);
-// A decode step's attention over an fp32 cache (each sequence's query rows in one row tile) cut into shares of
+// One (token, KV head) row of K and V written to `slot` of the caches: copied into an fp32 cache, quantized (its
+// scale beside it) into an int8 or fp8 e4m3 one, as `write_kv_cache` writes it. Unchecked: the caller checked.
+void write_kv_head(const float* key, const float* value, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   float* k_scales, float* v_scales, int64_t slot, int64_t head);
+// A decode step's attention (each sequence's query rows in one row tile) cut into shares of
 // about equal cost at query-head granularity, for the threads of a parallel region (decode_region.cpp). A piece
 // is one sequence's rows against one KV head, for the query heads [head_begin, head_end) of its group; each
 // head's value is the one `paged_attention` gives it, whatever the cut.
@@ -33,8 +37,10 @@ struct DecodeAttention {
   int64_t num_seqs, table_width, num_heads, num_kv_heads, head_dim, block_size;
 };
 std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention& step, int64_t shares);
+// k_scales / v_scales: a quantized cache's scales (null for fp32; the cache's dtype says which).
 void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece>& pieces, const float* query,
-                   const float* k_cache, const float* v_cache, float scale, int64_t window, float* out);
+                   const torch::Tensor& k_cache, const torch::Tensor& v_cache, const float* k_scales,
+                   const float* v_scales, float scale, int64_t window, float* out);
 void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping, std::optional<torch::Tensor> k_scales,
                     std::optional<torch::Tensor> v_scales);
@@ -92,17 +98,18 @@ struct DecoderLayerWeights {
   int64_t window = 0;
 };
 
-// decode_layers' few-row case (decode_region.cpp): every layer of a step whose rows all run on the GEMVs, over
-// an fp32 cache, in one parallel region; `decode_region_applies` says whether a step is that case.
+// decode_layers' few-row case (decode_region.cpp): every layer of a step whose rows all run on the GEMVs in one
+// parallel region; `decode_region_applies` says whether a step is that case (k_scales/v_scales as decode_layers
+// takes them).
 bool decode_region_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
-                           bool quantized_cache, int64_t gemv_max_rows, int64_t int8_gemv_max_rows);
-std::tuple<torch::Tensor, torch::Tensor> decode_region(torch::Tensor hidden,
-                                                       const std::vector<DecoderLayerWeights>& layers,
-                                                       const std::vector<torch::Tensor>& k_caches,
-                                                       const std::vector<torch::Tensor>& v_caches, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slot_mapping,
-                                                       const DecodeAttention& step, double eps, double scale);
+                           const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                           int64_t gemv_max_rows, int64_t int8_gemv_max_rows);
+std::tuple<torch::Tensor, torch::Tensor> decode_region(
+    torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
+    const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& k_scales,
+    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor slot_mapping, const DecodeAttention& step, double eps, double scale);
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
 // [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;

@@ -98,3 +98,25 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
     }
   }
 }
+
+void write_kv_head(const float* key, const float* value, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   float* k_scales, float* v_scales, int64_t slot, int64_t head) {
+  const int64_t heads = k_cache.size(2), d = k_cache.size(3), offset = (slot * heads + head) * d;
+  switch (k_cache.scalar_type()) {
+    case torch::kInt8:
+      k_scales[slot * heads + head] =
+          quantize_row(key, static_cast<int8_t*>(k_cache.data_ptr()) + offset, d, 127.f);
+      v_scales[slot * heads + head] =
+          quantize_row(value, static_cast<int8_t*>(v_cache.data_ptr()) + offset, d, 127.f);
+      return;
+    case torch::kFloat8_e4m3fn:
+      k_scales[slot * heads + head] =
+          quantize_row(key, static_cast<c10::Float8_e4m3fn*>(k_cache.data_ptr()) + offset, d, 448.f);
+      v_scales[slot * heads + head] =
+          quantize_row(value, static_cast<c10::Float8_e4m3fn*>(v_cache.data_ptr()) + offset, d, 448.f);
+      return;
+    default:
+      std::memcpy(static_cast<float*>(k_cache.data_ptr()) + offset, key, d * sizeof(float));
+      std::memcpy(static_cast<float*>(v_cache.data_ptr()) + offset, value, d * sizeof(float));
+  }
+}

@@ -313,8 +313,9 @@ std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention&
 }
 
 void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece>& pieces, const float* query,
-                   const float* k_cache, const float* v_cache, float scale, int64_t window, float* out) {
-  const Problem p{query, k_cache, v_cache, nullptr, nullptr, step.tables, step.seq_lens, step.starts, out,
+                   const torch::Tensor& k_cache, const torch::Tensor& v_cache, const float* k_scales,
+                   const float* v_scales, float scale, int64_t window, float* out) {
+  const Problem p{query, k_cache.data_ptr(), v_cache.data_ptr(), k_scales, v_scales, step.tables, step.seq_lens, step.starts, out,
                   step.num_heads, step.num_kv_heads, step.num_heads / step.num_kv_heads, step.head_dim,
                   step.block_size, step.table_width, step.num_kv_heads * step.head_dim,
                   step.block_size * step.num_kv_heads * step.head_dim, scale, window};
@@ -324,5 +325,5 @@ void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece
     const int64_t rows = step.starts[piece.seq + 1] - step.starts[piece.seq];
     tasks.push_back({piece.seq, piece.kv_head, 0, rows, 0, piece.head_begin, piece.head_end});
   }
-  run_tasks(torch::kFloat32, p, tasks, 0, static_cast<int64_t>(tasks.size()));
+  run_tasks(k_cache.scalar_type(), p, tasks, 0, static_cast<int64_t>(tasks.size()));
 }
