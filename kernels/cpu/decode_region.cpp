@@ -73,7 +73,8 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
   const auto dtype = k_caches[0].scalar_type();
   const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
   if (!quantized && dtype != torch::kFloat32) return false;
-  if (quantized ? k_scales.size() != layers.size() || v_scales.size() != layers.size() : !k_scales.empty()) return false;
+  const size_t scale_caches = quantized ? layers.size() : 0;
+  if (k_scales.size() != scale_caches || v_scales.size() != scale_caches) return false;
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
@@ -198,9 +199,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
                       k_caches[i], v_caches[i], k_scale, v_scale, slot[r], h);
       }
 #pragma omp barrier
+      const float* queries = rotation.has_value() ? q_rotated.data_ptr<float>() : q_rot.data_ptr<float>();
       for (size_t share_index = t; share_index < pieces.size(); share_index += team) {
-        attend_pieces(step, pieces[share_index], rotation.has_value() ? q_rotated.data_ptr<float>() : q_rot.data_ptr<float>(),
-                      k_caches[i], v_caches[i], k_scale, v_scale, scale_f, w.window, attended.data_ptr<float>());
+        attend_pieces(step, pieces[share_index], queries, k_caches[i], v_caches[i], k_scale, v_scale, scale_f,
+                      w.window, attended.data_ptr<float>());
       }
 #pragma omp barrier
       linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows);

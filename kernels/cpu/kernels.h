@@ -23,10 +23,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
 // scale beside it) into an int8 or fp8 e4m3 one, as `write_kv_cache` writes it. Unchecked: the caller checked.
 void write_kv_head(const float* key, const float* value, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    float* k_scales, float* v_scales, int64_t slot, int64_t head);
-// A decode step's attention (each sequence's query rows in one row tile) cut into shares of
-// about equal cost at query-head granularity, for the threads of a parallel region (decode_region.cpp). A piece
-// is one sequence's rows against one KV head, for the query heads [head_begin, head_end) of its group; each
-// head's value is the one `paged_attention` gives it, whatever the cut.
+// A decode step's attention cut into shares of about equal cost at query-head granularity, for the threads
+// of a parallel region (decode_region.cpp). A piece is one sequence's rows against one KV head, for the query
+// heads [head_begin, head_end) of its group; each head's value is the one `paged_attention` gives it,
+// whatever the cut.
 struct AttentionPiece {
   int64_t seq, kv_head, head_begin, head_end;
 };

@@ -55,10 +55,14 @@ int64_t first_visible(const Problem& p, int64_t pos) {
 }
 
 // Query rows [row_begin, row_end) of one sequence (relative to its first new row), one KV head, and of its
-// group's query heads those in [head_begin, head_end) (all of them, except in a decode row's share).
+// group's query heads those in [head_begin, head_end) (all of them, except in one thread's share of the
+// one-region decode stack).
 struct Task {
   int64_t seq, kv_head, row_begin, row_end, cost, head_begin, head_end;
 };
+
+// What a task of `rows` query rows over `keys` key positions costs, in units the thread split balances.
+int64_t task_cost(int64_t rows, int64_t keys) { return rows * keys + 64; }
 
 // Every fp8 e4m3 bit pattern's value: one table lookup per element instead of the bit arithmetic.
 std::array<float, 256> make_fp8_values() {
@@ -265,7 +269,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
       for (int64_t r = 0; r < q_len; r += kRowTile) {
         const int64_t r_end = std::min(q_len, r + kRowTile);
         const int64_t kv_rows = first_pos + r_end - first_visible(p, first_pos + r);
-        const int64_t cost = (r_end - r) * kv_rows + 64;  // rows x KV rows, plus a fixed part
+        const int64_t cost = task_cost(r_end - r, kv_rows);
         tasks.push_back({s, h, r, r_end, cost, 0, p.group});
         total_cost += cost;
       }
@@ -287,20 +291,21 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
 }
 
 std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention& step, int64_t shares) {
-  // Every (sequence, query head) of the step with its cost (query rows x keys read), in order; then
-  // contiguous runs of about equal cost, each cut into pieces at KV-group boundaries.
+  // Every (sequence, query head) of the step with its cost, in order; contiguous runs of about equal cost,
+  // each cut into pieces at KV-group boundaries.
   const int64_t group = step.num_heads / step.num_kv_heads;
+  std::vector<int64_t> costs(static_cast<size_t>(step.num_seqs));
   int64_t total = 0;
-  for (int64_t s = 0; s < step.num_seqs; ++s) total += (step.starts[s + 1] - step.starts[s]) * step.seq_lens[s] + 64;
-  total *= step.num_heads;
+  for (int64_t s = 0; s < step.num_seqs; ++s) {
+    costs[s] = task_cost(step.starts[s + 1] - step.starts[s], step.seq_lens[s]);
+    total += costs[s] * step.num_heads;
+  }
   std::vector<std::vector<AttentionPiece>> out(static_cast<size_t>(shares));
   int64_t running = 0;
   for (int64_t s = 0; s < step.num_seqs; ++s) {
-    const int64_t cost = (step.starts[s + 1] - step.starts[s]) * step.seq_lens[s] + 64;
     for (int64_t h = 0; h < step.num_heads; ++h) {
-      const int64_t share = std::min(shares - 1, running * shares / std::max<int64_t>(1, total));
-      running += cost;
-      auto& pieces = out[static_cast<size_t>(share)];
+      auto& pieces = out[static_cast<size_t>(std::min(shares - 1, running * shares / std::max<int64_t>(1, total)))];
+      running += costs[s];
       const int64_t kv_head = h / group;
       if (!pieces.empty() && pieces.back().seq == s && pieces.back().kv_head == kv_head) {
         pieces.back().head_end = h % group + 1;
@@ -315,9 +320,9 @@ std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention&
 void attend_pieces(const DecodeAttention& step, const std::vector<AttentionPiece>& pieces, const float* query,
                    const torch::Tensor& k_cache, const torch::Tensor& v_cache, const float* k_scales,
                    const float* v_scales, float scale, int64_t window, float* out) {
-  const Problem p{query, k_cache.data_ptr(), v_cache.data_ptr(), k_scales, v_scales, step.tables, step.seq_lens, step.starts, out,
-                  step.num_heads, step.num_kv_heads, step.num_heads / step.num_kv_heads, step.head_dim,
-                  step.block_size, step.table_width, step.num_kv_heads * step.head_dim,
+  const Problem p{query, k_cache.data_ptr(), v_cache.data_ptr(), k_scales, v_scales, step.tables, step.seq_lens,
+                  step.starts, out, step.num_heads, step.num_kv_heads, step.num_heads / step.num_kv_heads,
+                  step.head_dim, step.block_size, step.table_width, step.num_kv_heads * step.head_dim,
                   step.block_size * step.num_kv_heads * step.head_dim, scale, window};
   thread_local std::vector<Task> tasks;
   tasks.clear();
