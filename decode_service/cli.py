@@ -183,17 +183,17 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds a request's JSON schema, regex or grammar may take to compile, all of its compiles "
-        "together (with tool_choice required, its tools' too); past it the request gets INVALID_ARGUMENT "
-        "(HTTP 400) and the compiler is restarted (default: 10)",
+        help="seconds a request's JSON schema, regex or grammar may take to compile in the engine core's "
+        "compile worker; past it the request gets INVALID_ARGUMENT (HTTP 400) and the worker is restarted "
+        "(default: 10)",
     )
     group.add_argument(
         "--grammar-cache-size",
         type=int,
         default=256,
         metavar="N",
-        help="compiled grammars (and the front door's verdicts on constraints) kept for reuse, least "
-        "recently used dropped first (default: 256)",
+        help="compiled grammars (and constraints xgrammar refused) kept for reuse, least recently used "
+        "dropped first (default: 256)",
     )
     group.add_argument(
         "--grammar-cache-memory",
@@ -215,9 +215,10 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         metavar="N",
-        help="grammar compiles one tenant may have waiting or running at once; more get RESOURCE_EXHAUSTED "
-        "(HTTP 429). Tenants (--tenant-header, or the request's tenant / user) take turns at the compiler, "
-        "so one tenant's slow schemas delay another's new schema by at most one compile (default: 4)",
+        help="distinct constraints one tenant may have waiting for or in a compile at once; more get "
+        "RESOURCE_EXHAUSTED (HTTP 429). Tenants (--tenant-header, or the request's tenant / user) take "
+        "turns at the compiler, so one tenant's slow schemas delay another's new schema by at most one "
+        "compile (default: 4)",
     )
     group.add_argument(
         "--jump-forward",

@@ -10,9 +10,10 @@ Two sources, each read where it is cheapest and exact:
 - Live state (running/waiting requests, KV usage, preemptions, KV-transfer and KV-event counters) is
   read at scrape time from the engine core's `CoreStats`, so the gauges are never stale and the engine
   pays nothing (a core in its own process sends its counters with each step).
-- Structured outputs: grammar compile seconds (each cache miss, timed by the compile service on a
-  validation thread) and grammar mask seconds per engine step (fill + apply, timed by the engine only
-  on steps that mask a row), both through observer callbacks, so unconstrained traffic pays nothing.
+- Structured outputs: grammar compile seconds (each miss of the engine core's grammar cache, timed by
+  its compiler) and grammar mask seconds per engine step (fill + apply, timed by the engine only on
+  steps that mask a row), both through observer callbacks that the core's step messages carry, so
+  unconstrained traffic pays nothing.
 
 Each server has its own `CollectorRegistry`, so several servers in one process (tests, benchmarks)
 do not collide; `tandem serve decode --metrics-port` serves that registry over HTTP at `/metrics`, and
@@ -26,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
@@ -35,9 +35,6 @@ from prometheus_client.registry import Collector
 from decode_service.engine_core.messages import CoreStats, Delta, Submit
 from engine.sequence import FinishReason
 from serving.cache_metrics import kv_event_metrics, prefix_cache_metrics
-
-if TYPE_CHECKING:
-    from decode_service.engine_core.grammar_compiler import GrammarCompiler
 
 PREFIX = "tandem:"
 
@@ -80,12 +77,6 @@ class _LiveStateCollector(Collector):
             f"{PREFIX}num_preemptions",
             "Preemptions: requests whose blocks were freed to make room.",
             value=stats.num_preemptions,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}structured_output_core_compiles",
-            "Grammars the engine core compiled (its cache's misses). The front door's checks compile "
-            "each new constraint once more, counted by structured_output_compile_seconds.",
-            value=stats.grammar_compiles,
         )
         yield from prefix_cache_metrics(stats.prefix_cache_queries, stats.prefix_cache_hits)
         yield from kv_event_metrics(stats.kv_events_published, stats.kv_events_dropped)
@@ -284,7 +275,8 @@ class DecodeMetrics:
         )
         self.structured_output_compile_seconds = Histogram(
             f"{PREFIX}structured_output_compile_seconds",
-            "Grammar compiles of constraints not in the compiled-grammar cache, in seconds.",
+            "Grammar compiles in the engine core (constraints not in its compiled-grammar cache; each is "
+            "compiled once), in seconds.",
             buckets=GRAMMAR_COMPILE_BUCKETS,
             registry=self.registry,
         )
@@ -297,10 +289,6 @@ class DecodeMetrics:
         self.registry.register(_LiveStateCollector(stats))
         if cache is not None:
             self.registry.register(_GatewayCollector(stats, cache))
-
-    def watch_grammar_compiler(self, compiler: GrammarCompiler) -> None:
-        """Time the compile service's real compiles (cache hits cost nothing and are not observed)."""
-        compiler.compile_observer = self.structured_output_compile_seconds.observe
 
     def observe(self, deltas: list[Delta], request_of: Callable[[int], Submit | None]) -> None:
         """Account for one step's deltas: new tokens, first tokens, finished requests; `request_of` finds

@@ -101,15 +101,12 @@ class DecodeServer(TierServer):
                 replace(engine, model_fingerprint=model_fingerprint), self._on_step, self._core_lost
             )
         self.registry.abort = self.engine_loop.abort
-        # A batch's worth of constrained requests may wait for their first compile (then they are warm).
         self._validation = ValidationPool(
             config.max_validation_queue, max(config.max_validation_queue, model.max_num_seqs)
         )
         if config.chat_template is not None:
             use_chat_template(model, config.chat_template)
-        self.constraints = Constraints.for_model(model, config.grammar, config.reasoning_parser)
-        if self.constraints.compiler is not None:
-            self.metrics.watch_grammar_compiler(self.constraints.compiler)
+        self.constraints = Constraints.for_model(model, config.reasoning_parser)
         self.generations = Generations(
             model, self.engine_loop, self.registry, config.front_door, self._validation, self.constraints
         )
@@ -155,6 +152,8 @@ class DecodeServer(TierServer):
         """One engine step's output, on the event loop: metrics, then the streams."""
         for seconds in step.grammar_fill_seconds:
             self.metrics.structured_output_fill_seconds.observe(seconds)
+        for seconds in step.grammar_compile_seconds:
+            self.metrics.structured_output_compile_seconds.observe(seconds)
         self.metrics.observe(step.deltas, self.registry.request_of)
         self._batched(step.deltas)
 
@@ -179,7 +178,6 @@ class DecodeServer(TierServer):
 
     def _closed(self) -> None:
         self._validation.shutdown()
-        self.constraints.close()
 
     def _serving_details(self) -> str:
         mode = "aggregated"

@@ -26,6 +26,8 @@ class RelayedStatusError(TandemError):
     """An error another process of this server met and already mapped to a status (the decode engine
     core's, relayed to the front door): it keeps that status and message."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        # The request field at fault, where the error names one (a constraint the core refused).
+        self.field = field

@@ -108,7 +108,7 @@ def test_quick_run_against_a_real_server(tmp_path):
     # The server's own metrics saw the masks and the compiles of the constrained phase.
     assert summary["fill_steps_observed"] > 0 and summary["fill_ms_per_masked_step"] > 0
     assert summary["server_compiles_by_constrained_phase"][0] >= 1
-    assert result["compile"]["cached_ms_median"] < result["compile"]["cold_ms_median"]
+    assert result["compile"]["cold_ms_median"] > 0 and result["compile"]["xgrammar_in_process_ms_median"] > 0
     assert result["jump_forward"]["tokens"] > 0
     assert 0 < result["jump_forward"]["forced_token_fraction"] <= 1
     assert (result_file.parent / "structured_output.png").is_file()

@@ -153,17 +153,16 @@ def test_choices_and_stop_strings_cross_the_boundary(server, model):
 
 
 def test_constrained_answers_are_enforced_by_the_core(server):
-    """The core compiles the front door's constraint again from its source (its own cache): a new
-    constraint costs two compiles, the front door's check and the core's, and a repeated one none."""
+    """The core compiles each constraint from its source, once: a new constraint costs one compile
+    (the front door only parses it), a repeated one none (the core's cache)."""
     from engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(server.spec.model_dir)
     metrics = server.server.metrics
     fills = metrics.structured_output_fill_seconds
 
-    def compiles() -> tuple[float, float | None]:
-        core = metrics.registry.get_sample_value("tandem:structured_output_core_compiles_total")
-        return sample_count(metrics.structured_output_compile_seconds), core
+    def compiles() -> float:
+        return sample_count(metrics.structured_output_compile_seconds)
 
     fills_before, compiles_before = sample_count(fills), compiles()
     constrained_tokens = 0
@@ -181,8 +180,8 @@ def test_constrained_answers_are_enforced_by_the_core(server):
     assert wait_until(server.idle)
     # Every step that masked a token reached the front door's metric, not only the first message's.
     assert sample_count(fills) - fills_before >= constrained_tokens
-    (front_before, core_before), (front, core) = compiles_before, compiles()
-    assert (front - front_before, core - core_before) == (2, 2)
+    # Two distinct constraints in three requests: two compiles, each reported across the pipe.
+    assert compiles() - compiles_before == 2
 
 
 def test_a_cancelled_stream_frees_the_core_blocks(server):

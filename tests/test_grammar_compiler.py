@@ -1,5 +1,5 @@
-"""The grammar compile service: verdicts (a size or an error naming the field) from a worker process,
-cached, bounded in time per request and in size per grammar, with turns shared fairly between tenants."""
+"""The engine core's grammar compiler: compiled grammars (or an error naming the field) from a worker
+process, bounded in time and in size per grammar; and the front door's parse-only check."""
 
 from __future__ import annotations
 
@@ -12,26 +12,19 @@ from pathlib import Path
 
 import pytest
 import xgrammar as xgr
-from conftest import wait_until
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from decode_service.engine_core.grammar_compiler import (
-    CompileBudget,
-    FairTurns,
+    CompileTimeoutError,
+    ConstraintError,
     GrammarCompiler,
     GrammarTooLargeError,
     _child_main,
     clean_error_message,
     compile_in_process,
 )
-from decode_service.front_door.constraints import (
-    CompileTimeoutError,
-    ConstraintError,
-    Constraints,
-    GrammarSpec,
-)
+from decode_service.front_door.constraints import Constraints, GrammarSpec
 from engine.tokenizer import Tokenizer
-from serving.errors import QueueFullError
 
 # Compiles in about 1 s on a 2-core Xeon (xgrammar 0.2.9, the tiny vocabulary): far past SLOW_TIMEOUT_S.
 SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 800)) + ")"
@@ -44,10 +37,14 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-def make_compiler(
-    tokenizer: Tokenizer, timeout_s: float = 30.0, cache_size: int = 8, **kwargs
-) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer.hf, TINY_VOCAB_SIZE, TINY_EOS_TOKEN_IDS, timeout_s, cache_size, **kwargs)
+def tokenizer_info(tokenizer: Tokenizer) -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer.hf, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=list(TINY_EOS_TOKEN_IDS)
+    )
+
+
+def make_compiler(tokenizer: Tokenizer, timeout_s: float = 30.0, **kwargs) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer_info(tokenizer), timeout_s, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +61,8 @@ def accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def bare(compiler: GrammarCompiler) -> xgr.GrammarCompiler:
-    """xgrammar in this process, over the same vocabulary: what the worker's verdicts are checked against."""
-    return xgr.GrammarCompiler(compiler.tokenizer_info, cache_enabled=False)
+    """xgrammar in this process, over the same vocabulary: what the worker's grammars are checked against."""
+    return xgr.GrammarCompiler(compiler.info, cache_enabled=False)
 
 
 def process_exists(pid: int) -> bool:
@@ -78,7 +75,7 @@ def process_exists(pid: int) -> bool:
 
 
 def test_each_kind_compiles_to_what_it_says(bare: xgr.GrammarCompiler) -> None:
-    """What the worker's verdicts are about: `compile_in_process`, which the engine's side runs too."""
+    """What the worker runs for each kind: `compile_in_process`."""
     schema = compile_in_process(bare, "json_schema", SCHEMA)
     assert accepts(schema, '{"city": "Paris"}') and not accepts(schema, '{"town": "Paris"}')
     any_object = compile_in_process(bare, "json_object", "")
@@ -90,48 +87,55 @@ def test_each_kind_compiles_to_what_it_says(bare: xgr.GrammarCompiler) -> None:
     assert accepts(grammar, "no") and not accepts(grammar, "maybe")
 
 
-def test_the_worker_answers_a_size_never_a_serialized_grammar(
-    compiler: GrammarCompiler, bare, tmp_path
-) -> None:
-    """A compiled grammar serialized to JSON is ~15x its size (a 10 KB schema: 14 MB); the worker sends
-    the verdict only, and the front door keeps no grammar."""
+def test_the_worker_sends_the_grammar_it_compiled(compiler: GrammarCompiler, bare, tmp_path) -> None:
+    """Over the pipe: the size and xgrammar's JSON of the grammar, or the error; what `compile` rebuilds
+    from it enforces the same language as a compile in this process."""
     info_path = tmp_path / "info.json"
-    info_path.write_text(compiler.tokenizer_info.serialize_json())
+    info_path.write_text(compiler.info.serialize_json())
     ours, theirs = multiprocessing.Pipe()
-    worker = threading.Thread(target=_child_main, args=(theirs, str(info_path)), daemon=True)
+    worker = threading.Thread(target=_child_main, args=(theirs, str(info_path), 2**30, 2**30), daemon=True)
     worker.start()
     try:
-        assert ours.recv() == ("ready", "")
+        assert ours.recv()[0] == "ready"
         ours.send(("json_schema", SCHEMA))
-        status, payload = ours.recv()
-        assert status == "ok" and type(payload) is int
-        assert payload == compile_in_process(bare, "json_schema", SCHEMA).memory_size_bytes
+        status, size, payload = ours.recv()
+        assert status == "ok" and size == compile_in_process(bare, "json_schema", SCHEMA).memory_size_bytes
+        assert json.loads(payload)
         ours.send(("regex", "(ab"))
-        status, payload = ours.recv()
-        assert status == "error" and "parenthesis" in payload
+        status, _, message = ours.recv()
+        assert status == "error" and "parenthesis" in message
     finally:
         ours.close()
         worker.join(10)
     assert not worker.is_alive()
-    size = compiler.compile("json_schema", SCHEMA, "structured_output.json_schema")
-    assert size == compile_in_process(bare, "json_schema", SCHEMA).memory_size_bytes
+    compiled = compiler.compile("json_schema", SCHEMA, "structured_output.json_schema")
+    assert accepts(compiled, '{"city": "Paris"}') and not accepts(compiled, '{"town": "Paris"}')
+    assert compiled.memory_size_bytes == compile_in_process(bare, "json_schema", SCHEMA).memory_size_bytes
 
 
-def test_a_repeated_spec_is_served_from_the_cache(tokenizer: Tokenizer) -> None:
+def test_a_grammar_too_large_to_send_is_compiled_again_here(tokenizer: Tokenizer, bare) -> None:
+    """Past `send_up_to_bytes` the worker only says it compiled in time; the caller compiles it again (two
+    compiles observed) rather than read JSON that grows faster than the grammar."""
     seconds: list[float] = []
-    compiler = make_compiler(tokenizer, cache_size=2, compile_observer=seconds.append)
+    compiler = make_compiler(tokenizer, send_up_to_bytes=4096, compile_observer=seconds.append)
+    schema = json.dumps({"enum": [f"value-{i}" for i in range(300)]})
     try:
-        first = compiler.compile("regex", "a+", "f")
-        assert compiler.compile("regex", "a+", "f") == first
-        assert len(seconds) == 1 and seconds[0] > 0
-        # LRU: touching a+ keeps it while b+ is evicted by c+.
-        compiler.compile("regex", "b+", "f")
-        compiler.compile("regex", "a+", "f")
-        compiler.compile("regex", "c+", "f")
-        assert len(seconds) == 3
-        assert compiler.compile("regex", "a+", "f") == first
-        compiler.compile("regex", "b+", "f")
-        assert len(seconds) == 4
+        assert compile_in_process(bare, "json_schema", schema).memory_size_bytes > 4096
+        compiled = compiler.compile("json_schema", schema, "structured_output.json_schema")
+        assert accepts(compiled, '"value-17"') and not accepts(compiled, '"value-300"')
+        assert len(seconds) == 2
+        assert accepts(compiler.compile("regex", "ab", "f"), "ab") and len(seconds) == 3
+    finally:
+        compiler.close()
+
+
+def test_every_call_compiles_the_cache_is_the_gates(tokenizer: Tokenizer) -> None:
+    seconds: list[float] = []
+    compiler = make_compiler(tokenizer, compile_observer=seconds.append)
+    try:
+        for _ in range(2):
+            assert accepts(compiler.compile("regex", "a+", "f"), "aaa")
+        assert len(seconds) == 2 and min(seconds) > 0
     finally:
         compiler.close()
 
@@ -147,14 +151,18 @@ def test_a_repeated_spec_is_served_from_the_cache(tokenizer: Tokenizer) -> None:
     ],
 )
 def test_what_xgrammar_refuses_names_the_field(compiler: GrammarCompiler, kind, spec, needle) -> None:
-    with pytest.raises(ConstraintError) as caught:
-        compiler.compile(kind, spec, "structured_output.x")
-    assert caught.value.field == "structured_output.x"
-    message = str(caught.value)
-    assert message.startswith("structured_output.x: ") and needle in message
-    assert "/project/cpp" not in message and ".cc:" not in message
+    """Refused alike by the core's compile and by the front door's parse, which catches them first."""
+    from decode_service.front_door.constraints import check_grammar
+
+    for refuse in (compiler.compile, check_grammar):
+        with pytest.raises(ConstraintError) as caught:
+            refuse(kind, spec, "structured_output.x")
+        assert caught.value.field == "structured_output.x"
+        message = str(caught.value)
+        assert message.startswith("structured_output.x: ") and needle in message
+        assert "/project/cpp" not in message and ".cc:" not in message
     # The worker survives a refusal.
-    assert compiler.compile("regex", "ok", "f") > 0
+    assert accepts(compiler.compile("regex", "ok", "f"), "ok")
 
 
 def test_clean_error_message_strips_the_source_location() -> None:
@@ -178,7 +186,7 @@ def test_a_compile_past_the_timeout_kills_the_worker_and_the_next_compile_works(
             compiler.compile("regex", SLOW_REGEX, "structured_output.regex")
         assert time.perf_counter() - started < SLOW_TIMEOUT_S + 5
         assert slow_worker is not None and not process_exists(slow_worker)
-        assert compiler.compile("regex", "[0-9]+", "f") > 0
+        assert accepts(compiler.compile("regex", "[0-9]+", "f"), "12")
         assert compiler.worker_pid not in (None, slow_worker)
     finally:
         compiler.close()
@@ -207,11 +215,13 @@ def test_the_worker_exits_when_its_server_process_dies(tokenizer: Tokenizer, tmp
     script = tmp_path / "server.py"
     script.write_text(
         "import sys, time\n"
+        "import xgrammar as xgr\n"
         "from engine.tokenizer import Tokenizer\n"
         "from decode_service.engine_core.grammar_compiler import GrammarCompiler\n"
         "if __name__ == '__main__':\n"
         f"    tok = Tokenizer.from_pretrained({str(Path(tokenizer.hf.name_or_path))!r})\n"
-        f"    c = GrammarCompiler(tok.hf, {TINY_VOCAB_SIZE}, {list(TINY_EOS_TOKEN_IDS)}, 30, 4)\n"
+        f"    info = xgr.TokenizerInfo.from_huggingface(tok.hf, vocab_size={TINY_VOCAB_SIZE})\n"
+        "    c = GrammarCompiler(info, 30)\n"
         "    c.compile('regex', 'a', 'f')\n"
         "    print(c.worker_pid, flush=True)\n"
         "    time.sleep(60)\n"
@@ -235,8 +245,7 @@ def test_a_grammar_above_the_limit_is_refused_naming_the_field_and_the_sizes(tok
 
     compiler = make_compiler(tokenizer, max_grammar_bytes=4096)
     try:
-        small = compiler.compile("regex", "ab", "f")
-        assert small <= 4096
+        assert compiler.compile("regex", "ab", "f").memory_size_bytes <= 4096
         big_schema = json.dumps({"enum": [f"value-{i}" for i in range(300)]})
         with pytest.raises(GrammarTooLargeError) as caught:
             compiler.compile("json_schema", big_schema, "tools[2].parameters_json")
@@ -244,11 +253,6 @@ def test_a_grammar_above_the_limit_is_refused_naming_the_field_and_the_sizes(tok
         assert message.startswith("tools[2].parameters_json: compiles to a grammar of ")
         assert "above this server's limit of 0.0 MiB (--max-grammar-memory)" in message
         assert status_for(caught.value)[0].name == "INVALID_ARGUMENT"
-        # The verdict is kept: sent again, it is refused without a compile.
-        pid = compiler.worker_pid
-        with pytest.raises(GrammarTooLargeError):
-            compiler.compile("json_schema", big_schema, "structured_output.json_schema")
-        assert compiler.worker_pid == pid
     finally:
         compiler.close()
 
@@ -263,110 +267,28 @@ def test_the_worker_is_restarted_after_a_large_grammar(tokenizer: Tokenizer) -> 
         assert small_worker is not None
         compiler.compile("json_schema", json.dumps({"enum": [f"value-{i}" for i in range(300)]}), "f")
         assert compiler.worker_pid is None and not process_exists(small_worker)
-        assert compiler.compile("regex", "cd", "f") > 0
+        assert accepts(compiler.compile("regex", "cd", "f"), "cd")
         assert compiler.worker_pid not in (None, small_worker)
     finally:
         compiler.close()
 
 
-def test_tenants_take_turns_round_robin_and_each_has_a_bound() -> None:
-    turns = FairTurns(max_per_tenant=2)
-    order: list[str] = []
-
-    def take(tenant: str, name: str) -> None:
-        with turns.turn(tenant):
-            order.append(name)
-
-    threads = []
-    with turns.turn("bomb"):  # the worker is busy
-        for tenant, name in [
-            ("bomb", "bomb-1"),
-            ("other", "other-1"),
-            ("other", "other-2"),
-            ("third", "third-1"),
-        ]:
-            thread = threading.Thread(target=take, args=(tenant, name))
-            thread.start()
-            threads.append(thread)
-            assert wait_until(lambda: turns.num_waiting == len(threads))
-        # "bomb" holds the turn and has one waiting: a third is refused at once, others are not.
-        with pytest.raises(QueueFullError, match=r"tenant 'bomb' already have 2 grammar compiles waiting"):
-            with turns.turn("bomb"):
-                pass
-        late = threading.Thread(target=take, args=("late", "late-1"))
-        late.start()
-        threads.append(late)
-        assert wait_until(lambda: turns.num_waiting == 5)
-    for thread in threads:
-        thread.join(10)
-    # One turn per tenant in each round, in the order the tenants arrived; a tenant's own in order.
-    assert order == ["bomb-1", "other-1", "third-1", "late-1", "other-2"]
-    single = FairTurns(max_per_tenant=1)
-    with single.turn(""), pytest.raises(QueueFullError, match="^requests without a tenant already have 1"):
-        with single.turn(""):
-            pass
-
-
-def test_a_tenant_over_its_bound_is_refused_while_another_tenant_waits_its_turn(compiler) -> None:
-    from serving.status import status_for
-
-    compiler.compile("regex", "warm", "f")
-    bound = compiler.turns.max_per_tenant
-    results: dict[str, int] = {}
-
-    def compile_for(tenant: str) -> None:
-        results[tenant] = compiler.compile("regex", f"[0-9]+{tenant}", "structured_output.regex", tenant)
-
-    release = threading.Event()
-
-    def hold_a_turn() -> None:
-        with compiler.turns.turn("bomb"):
-            release.wait(60)
-
-    holders = [threading.Thread(target=hold_a_turn) for _ in range(bound)]  # waiting or running
-    for holder in holders:
-        holder.start()
-    assert wait_until(lambda: compiler.turns.busy and compiler.turns.num_waiting == bound - 1)
-    with pytest.raises(QueueFullError) as caught:
-        compiler.compile("regex", "x+", "structured_output.regex", "bomb")
-    assert status_for(caught.value)[0].name == "RESOURCE_EXHAUSTED"
-    assert f"tenant 'bomb' already have {bound} grammar compiles waiting or running" in str(caught.value)
-    victim = threading.Thread(target=compile_for, args=("victim",))
-    victim.start()
-    assert wait_until(lambda: compiler.turns.num_waiting == bound)
-    release.set()
-    for holder in holders:
-        holder.join(60)
-    victim.join(60)
-    assert results["victim"] > 0
-
-
-def test_one_compile_budget_covers_a_request_and_its_per_tool_diagnosis(compiler, monkeypatch) -> None:
-    """When the whole constraint fails, its tools are compiled one by one to name the one at fault; those
-    compiles come out of the request's one budget, so many tools that each compile within the timeout
-    cannot hold the worker for a timeout each. Each compile is made to cost 0.4 of the timeout here."""
-    from types import SimpleNamespace
-
-    from decode_service.engine_core import grammar_compiler
-
-    compiled: list[float] = []
-    compiler.compile_observer = compiled.append
-    ticks = iter(range(1_000_000))
-    step = compiler.timeout_s * 0.4  # between a compile's two clock reads
-    monkeypatch.setattr(grammar_compiler, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * step))
-    parts = tuple(GrammarSpec("regex", f"budget{i}", f"tools[{i}].parameters_json") for i in range(3))
-    spec = GrammarSpec("json_schema", '{"type": "nonsense"}', "tools", parts)
-    try:
-        with pytest.raises(ConstraintError, match=r'^tools: .*Unsupported type "nonsense"'):
-            Constraints(compiler).compile(spec)
-    finally:
-        compiler.compile_observer = None
-    # 0.4 (the whole) + 0.4 + 0.4 (two tools): the third tool is not compiled, the whole's error stands.
-    assert len(compiled) == 2
-
-
-def test_a_spent_budget_refuses_without_using_the_worker(compiler: GrammarCompiler) -> None:
-    budget = CompileBudget(1.0)
-    budget.spend(1.0)
-    with pytest.raises(CompileTimeoutError, match=r"^f: did not compile within 1 s"):
-        compiler.compile("regex", "never-seen-before", "f", budget=budget)
+def test_a_tool_that_does_not_parse_is_named_by_the_front_door(tokenizer: Tokenizer) -> None:
+    """When a forced tool call's whole schema does not parse, each tool's is parsed to name the one at
+    fault; a whole that fails with every part good keeps its own field."""
+    good = GrammarSpec("json_schema", SCHEMA, "tools[0].parameters_json")
+    bad = GrammarSpec("json_schema", '{"type": "nonsense"}', "tools[1].parameters_json")
+    whole = GrammarSpec("json_schema", '{"type": "nonsense"}', "tools", (good, bad))
+    constraints = Constraints(tokenizer)
+    with pytest.raises(ConstraintError, match=r'^tools\[1\].parameters_json: Unsupported type "nonsense"'):
+        constraints.check(whole)
+    with pytest.raises(ConstraintError, match=r'^tools: Unsupported type "nonsense"'):
+        constraints.check(GrammarSpec("json_schema", '{"type": "nonsense"}', "tools", (good,)))
+    source = constraints.check(GrammarSpec("regex", "[0-9]+", "structured_output.regex"))
+    assert source is not None and (source.kind, source.source, source.field) == (
+        "regex",
+        "[0-9]+",
+        "structured_output.regex",
+    )
+    with pytest.raises(ConstraintError, match="^structured_output.regex: this server has no tokenizer"):
+        Constraints(None).check(GrammarSpec("regex", "[0-9]+", "structured_output.regex"))

@@ -1,6 +1,7 @@
 """Where the engine runs, grammars compile on a thread of their own before their request reaches the loop:
-plain requests never wait behind a compile, an abort drops a request still compiling, and compiled
-grammars are cached within a budget of bytes."""
+plain requests never wait behind a compile, an abort drops a request still compiling, requests with one
+constraint share its compile, tenants take turns within a bound, and compiled grammars (and refusals)
+are cached."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from conftest import engine_for, tiny_hf_model, wait_until
 from test_decode_scheduler import Harness
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
-from decode_service.engine_core import grammar_gate
+from decode_service.engine_core.grammar_compiler import GrammarCompiler, GrammarConfig
 from decode_service.engine_core.grammar_gate import GrammarCache, GrammarGate
 from decode_service.engine_core.messages import GrammarSource
 from decode_service.engine_core.request import ServedRequest
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
+from serving.status import status_for
 
 REGEX = "(yes|no)"
 
@@ -66,30 +68,35 @@ def test_the_cache_is_bounded_in_bytes_least_recently_used_first(bare) -> None:
 
 @pytest.fixture()
 def gated(tokenizer, monkeypatch):
-    """A gate over a tiny engine's loop, stepped by the test, whose compiles wait for `release`."""
+    """A gate over a tiny engine's loop, stepped by the test, whose compiles wait for `release`; the
+    specs compiled are in `compiled`, in order."""
     engine = engine_for(tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer)
     harness = Harness(engine)
-    gate = GrammarGate(harness.loop, tokenizer, TINY_VOCAB_SIZE, GrammarCache(2**30, 16))
+    gate = GrammarGate(harness.loop, tokenizer, TINY_VOCAB_SIZE, GrammarConfig(max_compiles_per_tenant=3))
     release = threading.Event()
     compiling = threading.Event()
-    real_compile = grammar_gate.compile_in_process
+    compiled: list[str] = []
+    real_compile = GrammarCompiler.compile
 
-    def slow_compile(compiler, kind, spec):
+    def slow_compile(compiler, kind, spec, field):
+        compiled.append(spec)
         compiling.set()
         assert release.wait(60)
-        return real_compile(compiler, kind, spec)
+        return real_compile(compiler, kind, spec, field)
 
-    monkeypatch.setattr(grammar_gate, "compile_in_process", slow_compile)
-    yield harness, gate, release, compiling
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_compile)
+    yield harness, gate, release, compiling, compiled
     release.set()
     gate.stop()
 
 
-def constrained(harness: Harness, request_id: str, regex: str = REGEX) -> ServedRequest:
+def constrained(harness: Harness, request_id: str, regex: str = REGEX, tenant: str = "") -> ServedRequest:
     seq = harness.engine.make_sequence(
         [4, 5, 6], SamplingParams(temperature=0.0), StoppingParams(max_tokens=20), request_id
     )
-    return ServedRequest(seq, grammar=GrammarSource("regex", regex, None, False))
+    return ServedRequest(
+        seq, tenant=tenant, grammar=GrammarSource("regex", regex, "structured_output.regex", None, False)
+    )
 
 
 def plain(harness: Harness, request_id: str) -> ServedRequest:
@@ -100,7 +107,7 @@ def plain(harness: Harness, request_id: str) -> ServedRequest:
 
 
 def test_a_plain_request_after_a_compiling_one_runs_while_the_compile_does(gated, tokenizer) -> None:
-    harness, gate, release, compiling = gated
+    harness, gate, release, compiling, _ = gated
     gate.submit(constrained(harness, "slow-schema"))
     assert compiling.wait(60)
     gate.submit(plain(harness, "plain"))
@@ -122,7 +129,7 @@ def test_a_plain_request_after_a_compiling_one_runs_while_the_compile_does(gated
 
 
 def test_an_abort_drops_a_request_still_compiling(gated) -> None:
-    harness, gate, release, compiling = gated
+    harness, gate, release, compiling, _ = gated
     request = constrained(harness, "aborted")
     gate.submit(request)
     assert compiling.wait(60)
@@ -139,22 +146,71 @@ def test_an_abort_drops_a_request_still_compiling(gated) -> None:
 
 
 def test_a_grammar_that_does_not_compile_here_ends_its_request_with_an_error(gated) -> None:
-    harness, gate, release, _ = gated
+    harness, gate, release, _, compiled = gated
     release.set()
     gate.submit(constrained(harness, "broken", regex="(ab"))
     assert wait_until(lambda: gate.num_compiling == 0)
     harness.loop.run_until_idle()
     error = harness.errors["broken"]
-    assert "the constraint did not compile" in str(error)
-    from serving.status import status_for
-
+    assert str(error).startswith("structured_output.regex: ") and "parenthesis is not closed" in str(error)
     assert status_for(error)[0].name == "INVALID_ARGUMENT"
+    # The refusal is remembered: the same constraint again is refused at once, without a compile.
+    with pytest.raises(type(error), match="parenthesis is not closed"):
+        gate.submit(constrained(harness, "broken-again", regex="(ab"))
+    assert compiled == ["(ab"]
 
 
 def test_stop_drops_what_is_still_compiling(gated) -> None:
-    harness, gate, release, compiling = gated
+    harness, gate, release, compiling, _ = gated
     gate.submit(constrained(harness, "at-stop"))
     assert compiling.wait(60)
     harness.loop.start(warm_up=False)
     gate.stop()
     assert harness.finish["at-stop"] is FinishReason.ABORT
+
+
+def test_requests_with_one_constraint_share_its_compile(gated) -> None:
+    harness, gate, release, compiling, compiled = gated
+    for index in range(3):
+        gate.submit(constrained(harness, f"same{index}"))
+    assert compiling.wait(60) and gate.num_compiling == 3
+    release.set()
+    assert wait_until(lambda: gate.num_compiling == 0)
+    harness.loop.run_until_idle()
+    assert compiled == [REGEX]
+    assert all(harness.finish[f"same{index}"] is FinishReason.STOP for index in range(3))
+
+
+def test_tenants_take_turns_and_each_has_a_bound(gated) -> None:
+    """While one compile runs, tenants' new constraints queue; they compile one per tenant per round, and
+    a tenant past its bound (3 here) of distinct constraints waiting or compiling is refused at once."""
+    harness, gate, release, compiling, compiled = gated
+    gate.submit(constrained(harness, "bomb-a", "a[0-9]", tenant="bomb"))
+    assert compiling.wait(60)
+    gate.submit(constrained(harness, "bomb-b", "b[0-9]", tenant="bomb"))
+    gate.submit(constrained(harness, "bomb-c", "c[0-9]", tenant="bomb"))
+    with pytest.raises(Exception, match=r"tenant 'bomb' already have 3 grammar compiles waiting") as caught:
+        gate.submit(constrained(harness, "bomb-x", "x[0-9]", tenant="bomb"))
+    assert status_for(caught.value)[0].name == "RESOURCE_EXHAUSTED"
+    # A request sharing a queued constraint takes no more of the bound.
+    gate.submit(constrained(harness, "bomb-b2", "b[0-9]", tenant="bomb"))
+    gate.submit(constrained(harness, "other-d", "d[0-9]", tenant="other"))
+    gate.submit(constrained(harness, "other-e", "e[0-9]", tenant="other"))
+    release.set()
+    assert wait_until(lambda: gate.num_compiling == 0)
+    assert compiled == ["a[0-9]", "b[0-9]", "d[0-9]", "c[0-9]", "e[0-9]"]
+    harness.loop.run_until_idle()
+    assert {"bomb-a", "bomb-b", "bomb-b2", "bomb-c", "other-d", "other-e"} <= set(harness.finish)
+
+
+def test_a_constraint_nobody_waits_for_is_not_compiled(gated) -> None:
+    harness, gate, release, compiling, compiled = gated
+    gate.submit(constrained(harness, "running", "x[0-9]"))
+    assert compiling.wait(60)
+    gate.submit(constrained(harness, "left", "y[0-9]"))
+    gate.abort("left")
+    release.set()
+    assert wait_until(lambda: gate.num_compiling == 0)
+    harness.loop.run_until_idle()
+    assert harness.finish["left"] is FinishReason.ABORT
+    assert compiled == ["x[0-9]"]

@@ -276,3 +276,31 @@ def test_bad_constraints_get_a_400_naming_the_param_while_others_are_served(serv
     assert body["message"].startswith(param), body
     assert [first, *good][-1].choices[0].finish_reason == "length"
     assert wait_until(server.idle), "a refused request still holds KV blocks or a slot"
+
+
+# About 3 s to compile on a 2-core host (tiny vocabulary), far past the timeout below; it parses at once.
+SLOW_REGEX = "(" + "|".join(f"[a-z]{{{i}}}x" for i in range(1, 1600)) + ")"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_constraint_the_core_cannot_compile_in_time_gets_a_400_streamed_or_not(model_dir, stream):
+    """The core's refusal arrives before the first token, so a stream answers it with a 400 too, not a
+    200 and an error event; the server keeps serving."""
+    server = Server(model_dir, structured_output_compile_timeout_s=0.5)
+    try:
+        with pytest.raises(openai.BadRequestError) as error:
+            answer = create(server, stream=stream, extra_body={"structured_outputs": {"regex": SLOW_REGEX}})
+            list(answer) if stream else answer
+        body = error.value.body
+        assert body["param"] == "structured_outputs.regex", body
+        assert body["message"].startswith("structured_outputs.regex: did not compile within 0.5 s"), body
+        good = create(server, stream=stream, max_tokens=4, extra_body={"structured_outputs": {"regex": "ok"}})
+        text = (
+            "".join(chunk.choices[0].delta.content or "" for chunk in good)
+            if stream
+            else good.choices[0].message.content
+        )
+        assert text == "ok"
+        assert wait_until(server.idle)
+    finally:
+        server.close()

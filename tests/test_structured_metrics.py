@@ -60,6 +60,8 @@ class _Core:
     def _on_step(self, step: StepOut) -> None:
         for seconds in step.grammar_fill_seconds:
             self.metrics.structured_output_fill_seconds.observe(seconds)
+        for seconds in step.grammar_compile_seconds:
+            self.metrics.structured_output_compile_seconds.observe(seconds)
         self.metrics.observe(step.deltas, self.submitted.get)
         for delta in step.deltas:
             self.tokens[self.submitted[delta.submission].request_id].extend(delta.token_ids)
@@ -102,7 +104,7 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
         assert histogram(metrics.structured_output_fill_seconds, "_count") == 0
         assert counter(metrics.structured_output_requests) == 0
 
-        regex = GrammarSource("regex", "(yes|no)( maybe)?", None, False)
+        regex = GrammarSource("regex", "(yes|no)( maybe)?", "structured_output.regex", None, False)
         core.run(("constrained", [4, 5, 6], 20, regex), ("beside-it", [7, 8, 9], 12, None))
     finally:
         core.boundary.grammars.stop()
@@ -117,19 +119,18 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
 
 
 def test_compile_time_is_observed_per_compile_not_per_cache_hit(tokenizer):
-    from decode_service.engine_core.grammar_compiler import GrammarCompiler
-
+    """The core compiles each new constraint once (its worker), and the step after carries the time."""
+    engine = engine_for(tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer)
     metrics = DecodeMetrics(CoreStats)
-    compiler = GrammarCompiler(
-        tokenizer.hf, TINY_VOCAB_SIZE, TINY_EOS_TOKEN_IDS, timeout_s=60.0, cache_size=8
-    )
-    metrics.watch_grammar_compiler(compiler)
+    core = _Core(engine, metrics)
+    core.boundary.grammars.start(warm_up=False)
+    schema = GrammarSource("json_schema", json.dumps(SCHEMA), "structured_output.json_schema", None, True)
+    regex = GrammarSource("regex", "(yes|no)", "structured_output.regex", None, False)
     try:
-        schema = json.dumps(SCHEMA)
-        for _ in range(3):
-            compiler.compile("json_schema", schema, "structured_output.json_schema")
-        compiler.compile("regex", "(yes|no)", "structured_output.regex")
+        for index in range(3):
+            core.run((f"schema{index}", [4, 5, 6], 30, schema))
+        core.run(("regex", [4, 5, 6], 10, regex))
     finally:
-        compiler.close()
+        core.boundary.grammars.stop()
     assert histogram(metrics.structured_output_compile_seconds, "_count") == 2
     assert histogram(metrics.structured_output_compile_seconds, "_sum") > 0

@@ -10,6 +10,7 @@ of its own (`core_main`), the front door's event loop in this one (`in_process`)
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 from decode_service.engine_core.config import CoreConfig
@@ -40,7 +41,7 @@ Send = Callable[[StepOut | Pong], None]
 def failure(error: Exception) -> Failure:
     """`error` as the front door reports it: its gRPC status and message."""
     code, message = status_for(error)
-    return Failure(code.name, message)
+    return Failure(code.name, message, getattr(error, "field", None))
 
 
 def served_request(command: Submit) -> ServedRequest:
@@ -110,14 +111,15 @@ class CoreBoundary:
         """`record_steps`: keep `EngineCore.events` (only an in-process observer can read them)."""
         self._send = send
         self._fills: list[float] = []
+        # Appended by the grammar gate's compile thread, taken by the engine thread.
+        self._compiles: list[float] = []
+        self._compiles_lock = threading.Lock()
         engine.grammar_fill_observer = self._observe_fill
         self.core = EngineCore(engine, config, self._step_done, model_fingerprint, record_steps)
-        self.grammars = GrammarGate.for_engine(self.core.loop, engine, config.grammar)
+        self.grammars = GrammarGate.for_engine(self.core.loop, engine, config.grammar, self._observe_compile)
 
     def stats(self) -> CoreStats:
-        stats = self.core.stats()
-        stats.grammar_compiles = self.grammars.num_compiles
-        return stats
+        return self.core.stats()
 
     def apply(self, command: Command) -> bool:
         """Hand `command` to the engine loop; False for `Shutdown` (the caller stops the core)."""
@@ -142,11 +144,21 @@ class CoreBoundary:
         """The engine's observer of a step's mask fill; the step's `StepOut` carries them."""
         self._fills.append(seconds)
 
+    def _observe_compile(self, seconds: float) -> None:
+        """The grammar gate's observer of a compile; the next `StepOut` carries them."""
+        with self._compiles_lock:
+            self._compiles.append(seconds)
+
+    def _taken_compiles(self) -> list[float]:
+        with self._compiles_lock:
+            compiles, self._compiles = self._compiles, []
+        return compiles
+
     def _step_done(self, deltas: list[StreamDelta]) -> None:
         """The engine loop's `deliver`: converts on the engine thread, since `to_delta` reads request fields
         the next step changes; whoever `send` is encodes later, elsewhere."""
         fills, self._fills = self._fills, []
-        self._send(StepOut([to_delta(d) for d in deltas], self.stats(), fills))
+        self._send(StepOut([to_delta(d) for d in deltas], self.stats(), fills, self._taken_compiles()))
 
     def _refuse(self, command: Submit, error: Exception) -> None:
         state = ChoiceState(0, None, None, None, None, 0, False)

@@ -1,36 +1,44 @@
 """Compiles the grammars of constrained requests where the engine runs, on a thread of its own, before
 the requests reach the engine loop.
 
-The front door checked each constraint already (`GrammarCompiler`: it compiles within the request's time
-budget and its grammar is not too large), but its worker answers only that verdict: a compiled grammar
-is hundreds of MB once serialized, so it never crosses a pipe. The process that runs the engine (the
-engine-core process, or the server's with `--engine-in-process`) compiles the spec once more, here.
+The front door only parsed each constraint (a bad schema is refused there, naming its field); the one
+compile happens here, through the core's `GrammarCompiler` (a worker process, bounded in time and in
+size). A compile may take seconds, so it never runs on the thread that reads the front door's commands:
+`GrammarGate.submit` hands a request whose grammar is cached straight to the loop, and queues the others
+for the compile thread, which hands each to the loop once compiled, or ends it with the compiler's error
+(INVALID_ARGUMENT naming the field). Requests without a constraint pass at once, so they never wait
+behind a compile.
 
-A compile may take seconds and cannot be interrupted, so it never runs on the thread that reads the
-front door's commands: `GrammarGate.submit` hands a request whose grammar is cached straight to the loop,
-and queues the others for the compile thread, which hands each to the loop once compiled (xgrammar
-releases the GIL while it compiles). Requests without a constraint pass at once, so they never wait
-behind a compile. An abort of a request still compiling drops it: the loop delivers its final ABORT
-delta, and its compile, if running, ends in the cache only.
+Requests with the same constraint share its compile. Tenants take turns at the compiler (round robin),
+and a tenant may have at most `max_compiles_per_tenant` distinct constraints waiting or compiling (more:
+RESOURCE_EXHAUSTED), so a client sending slow schemas delays another tenant's new one by at most one
+compile of its own. An abort of a request still waiting drops it (its stream gets its ABORT delta), and
+a compile nobody waits for any more is not started.
 
-Compiled grammars are cached by (kind, spec) in a `GrammarCache` bounded in bytes as well as entries.
+Compiled grammars are cached by (kind, spec) in a `GrammarCache` bounded in bytes as well as entries;
+constraints xgrammar refused are remembered too, so that a repeated bad one costs no compile.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from base.errors import InvalidRequestError, TandemError
-from decode_service.engine_core.grammar_compiler import GrammarConfig, compile_in_process
+from base.errors import TandemError
+from decode_service.engine_core.grammar_compiler import (
+    CompileTimeoutError,
+    ConstraintError,
+    GrammarCompiler,
+    GrammarConfig,
+)
 from decode_service.engine_core.messages import GrammarSource
 from engine.grammar import GrammarState, control_free_tokens
 from engine.utf8_tokens import Utf8Tokens
+from serving.errors import QueueFullError
 
 if TYPE_CHECKING:
     import torch
@@ -44,10 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GrammarKey = tuple[str, str]
-
-
-class _CompileFailedError(InvalidRequestError):
-    """A checked constraint that did not compile where the engine runs (the request ends with it)."""
 
 
 class GrammarCache:
@@ -98,9 +102,19 @@ class GrammarCache:
 class _Vocabulary:
     """What every grammar of one vocabulary shares: the compiler and the masks ANDed with its own."""
 
-    compiler: xgr.GrammarCompiler
+    compiler: GrammarCompiler
     control_free: torch.Tensor
     utf8: Utf8Tokens
+
+
+@dataclass
+class _Pending:
+    """One constraint waiting for (or in) its compile, and the requests waiting for it, in order."""
+
+    source: GrammarSource
+    tenant: str
+    requests: list[ServedRequest] = field(default_factory=list)
+    started: bool = False
 
 
 class GrammarGate:
@@ -109,65 +123,112 @@ class GrammarGate:
 
     It has the loop's interface (`submit`, `abort`, `stop_at_string`; `start`, `wait_ready`, `stop`), so
     the server and the core process use it in the loop's place. `stop` drops the requests still
-    compiling (each gets its ABORT delta) before it stops the loop.
+    waiting (each gets its ABORT delta), ends the compile worker and stops the loop.
     """
 
     def __init__(
-        self, loop: EngineLoop, tokenizer: Tokenizer | None, vocab_size: int, cache: GrammarCache
+        self,
+        loop: EngineLoop,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        config: GrammarConfig,
+        compile_observer: Callable[[float], None] | None = None,
     ) -> None:
         self.loop = loop
-        self.cache = cache
+        self.config = config
+        self.cache = GrammarCache(config.grammar_cache_memory, config.grammar_cache_size)
+        # Seconds of each real compile (cache misses, refusals included): the compile metric.
+        self.compile_observer = compile_observer
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._vocabulary: _Vocabulary | None = None
-        # Submitted and not yet handed to the loop (or dropped), in submission order.
-        self._compiling: dict[ServedRequest, None] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[ServedRequest, GrammarSource] | None] = queue.SimpleQueue()
+        # Constraints xgrammar refused (not timeouts): (kind, spec) -> the error's class and detail.
+        self._refused: OrderedDict[GrammarKey, tuple[type[ConstraintError], str]] = OrderedDict()
+        self._pending: dict[GrammarKey, _Pending] = {}
+        # Tenants with constraints to compile, the next one's turn first; each tenant's in arrival order.
+        self._turns: OrderedDict[str, deque[GrammarKey]] = OrderedDict()
+        self._per_tenant: dict[str, int] = {}
+        self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
-        # Real compiles (cache misses), for the core's stats.
-        self.num_compiles = 0
+        self._stopping = False
 
     @classmethod
-    def for_engine(cls, loop: EngineLoop, engine: Engine, config: GrammarConfig) -> GrammarGate:
-        cache = GrammarCache(config.grammar_cache_memory, config.grammar_cache_size)
-        return cls(loop, engine.tokenizer, engine.vocab_size, cache)
+    def for_engine(
+        cls,
+        loop: EngineLoop,
+        engine: Engine,
+        config: GrammarConfig,
+        compile_observer: Callable[[float], None] | None = None,
+    ) -> GrammarGate:
+        return cls(loop, engine.tokenizer, engine.vocab_size, config, compile_observer)
 
     @property
     def num_compiling(self) -> int:
         """Requests waiting for their grammar (tests watch a compile hold one back)."""
-        with self._lock:
-            return len(self._compiling)
+        with self._condition:
+            return sum(len(pending.requests) for pending in self._pending.values())
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The compile worker's process id while one runs."""
+        return self._vocabulary.compiler.worker_pid if self._vocabulary is not None else None
 
     # -- the engine loop's interface ---------------------------------------------------------------
 
     def submit(self, request: ServedRequest) -> None:
-        """Hand `request` to the loop, once its grammar is compiled when it has one."""
+        """Hand `request` to the loop, once its grammar is compiled when it has one; raises the cached
+        refusal of its constraint, or a QueueFullError when its tenant has too many compiles waiting."""
         source = request.grammar
         if source is None or request.seq.grammar is not None:
             self.loop.submit(request)
             return
-        with self._lock:
-            compiled = self.cache.get((source.kind, source.source))
+        key = (source.kind, source.source)
+        with self._condition:
+            compiled = self.cache.get(key)
             if compiled is not None:
                 request.seq.grammar = self._state(compiled, source)
                 self.loop.submit(request)
                 return
-            self._compiling[request] = None
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="grammar-compile", daemon=True)
-                self._thread.start()
-        self._queue.put((request, source))
+            refused = self._refused.get(key)
+            if refused is not None:
+                error_type, detail = refused
+                raise error_type(source.field, detail)
+            pending = self._pending.get(key)
+            if pending is None:
+                self._queue(key, source, request.tenant)
+                pending = self._pending[key]
+            pending.requests.append(request)
+
+    def _queue(self, key: GrammarKey, source: GrammarSource, tenant: str) -> None:
+        """A new constraint for the compile thread, at the back of its tenant's queue."""
+        count = self._per_tenant.get(tenant, 0)
+        if count >= self.config.max_compiles_per_tenant:
+            who = f"tenant {tenant!r}" if tenant else "requests without a tenant"
+            raise QueueFullError(
+                f"{who} already have {count} grammar compiles waiting or running, this server's limit "
+                "(--max-compiles-per-tenant); retry later"
+            )
+        self._per_tenant[tenant] = count + 1
+        self._pending[key] = _Pending(source, tenant)
+        self._turns.setdefault(tenant, deque()).append(key)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="grammar-compile", daemon=True)
+            self._thread.start()
+        self._condition.notify_all()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request, in the loop or still compiling (dropped: its stream gets its ABORT delta)."""
-        with self._lock:
-            dropped = [request for request in self._compiling if request.request_id == request_id]
-            for request in dropped:
-                del self._compiling[request]
-                self.loop.drop(request)
-            if not dropped:
-                self.loop.abort(request_id)
+        """Abort a request, in the loop or still waiting (dropped: its stream gets its ABORT delta)."""
+        with self._condition:
+            for key, pending in list(self._pending.items()):
+                dropped = [request for request in pending.requests if request.request_id == request_id]
+                for request in dropped:
+                    pending.requests.remove(request)
+                    self.loop.drop(request)
+                if not pending.requests and not pending.started:
+                    self._forget(key, pending)
+                if dropped:
+                    return
+        self.loop.abort(request_id)
 
     def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
         self.loop.stop_at_string(request_id, index, stop)
@@ -179,56 +240,93 @@ class GrammarGate:
         return self.loop.wait_ready(timeout)
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """Drop the requests still compiling, end the compile thread (after its compile), stop the loop."""
-        with self._lock:
-            for request in self._compiling:
-                self.loop.drop(request)
-            self._compiling.clear()
-        self._queue.put(None)
+        """Drop the requests still waiting, end the compile worker and thread, stop the loop."""
+        with self._condition:
+            self._stopping = True
+            for pending in self._pending.values():
+                for request in pending.requests:
+                    self.loop.drop(request)
+                pending.requests.clear()
+            self._condition.notify_all()
+        if self._vocabulary is not None:
+            self._vocabulary.compiler.close()
         self.loop.stop(timeout)
 
     # -- the compile thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            request, source = item
-            with self._lock:
-                if request not in self._compiling:
-                    continue  # aborted while it waited
+        while (turn := self._next_turn()) is not None:
+            key, pending = turn
             try:
-                state = self._state(self._compiled(source), source)
-            except Exception as exc:  # xgrammar's errors for a spec the front door found good are bugs
-                logger.exception("a %s grammar the front door checked did not compile here", source.kind)
-                self._hand_over(request, None, _CompileFailedError(f"the constraint did not compile: {exc}"))
-                continue
-            self._hand_over(request, state, None)
+                compiled = self._compiled(key, pending.source)
+            except Exception as exc:  # the compiler's refusals, and a shut-down or broken compiler
+                self._hand_over(key, pending, None, exc)
+            else:
+                self._hand_over(key, pending, compiled, None)
 
-    def _hand_over(self, request: ServedRequest, state: GrammarState | None, error: Exception | None) -> None:
-        """To the loop with its grammar, or dropped with `error`; not if it was aborted meanwhile."""
-        with self._lock:
-            if request not in self._compiling:
-                return
-            del self._compiling[request]
-            if state is None:
-                self.loop.drop(request, error)
-                return
-            request.seq.grammar = state
-            self.loop.submit(request)
+    def _next_turn(self) -> tuple[GrammarKey, _Pending] | None:
+        """The next tenant's oldest constraint still wanted (None: the gate stops); blocks for one."""
+        with self._condition:
+            while True:
+                if self._stopping:
+                    return None
+                if self._turns:
+                    tenant, keys = self._turns.popitem(last=False)
+                    key = keys.popleft()
+                    if keys:
+                        self._turns[tenant] = keys  # to the back of the round
+                    pending = self._pending.get(key)
+                    if pending is not None:
+                        pending.started = True
+                        return key, pending
+                else:
+                    self._condition.wait()
 
-    def _compiled(self, source: GrammarSource) -> xgr.CompiledGrammar:
-        key = (source.kind, source.source)
+    def _hand_over(
+        self,
+        key: GrammarKey,
+        pending: _Pending,
+        compiled: xgr.CompiledGrammar | None,
+        error: Exception | None,
+    ) -> None:
+        """Each request still waiting for `key`: to the loop with its grammar, or ended with `error`."""
+        with self._condition:
+            self._forget(key, pending)
+            for request in pending.requests:
+                source = request.grammar
+                if compiled is not None and source is not None:
+                    request.seq.grammar = self._state(compiled, source)
+                    self.loop.submit(request)
+                else:
+                    self.loop.drop(request, _for_field(error, source))
+
+    def _forget(self, key: GrammarKey, pending: _Pending) -> None:
+        """`key` is no longer waited for: its tenant's count goes down (under the condition)."""
+        if self._pending.get(key) is not pending:
+            return
+        del self._pending[key]
+        count = self._per_tenant[pending.tenant] - 1
+        if count:
+            self._per_tenant[pending.tenant] = count
+        else:
+            del self._per_tenant[pending.tenant]
+
+    def _compiled(self, key: GrammarKey, source: GrammarSource) -> xgr.CompiledGrammar:
+        """`key`'s grammar from the cache or the compiler; a refusal xgrammar gave is remembered."""
         compiled = self.cache.get(key)
-        if compiled is None:
-            started = time.perf_counter()
-            compiled = compile_in_process(self._vocab().compiler, source.kind, source.source)
-            self.num_compiles += 1
-            logger.debug(
-                "compiled a %s grammar of %d bytes in %.3f s",
-                source.kind,
-                compiled.memory_size_bytes,
-                time.perf_counter() - started,
-            )
-            self.cache.put(key, compiled)
+        if compiled is not None:
+            return compiled
+        try:
+            compiled = self._vocab().compiler.compile(source.kind, source.source, source.field)
+        except CompileTimeoutError:
+            raise
+        except ConstraintError as exc:
+            with self._condition:
+                self._refused[key] = (type(exc), exc.detail)
+                while len(self._refused) > max(self.config.grammar_cache_size, 1):
+                    self._refused.popitem(last=False)
+            raise
+        self.cache.put(key, compiled)
         return compiled
 
     def _vocab(self) -> _Vocabulary:
@@ -243,7 +341,12 @@ class GrammarGate:
                 vocab_size=self._vocab_size,
                 stop_token_ids=sorted(self._tokenizer.eos_token_ids),
             )
-            compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            compiler = GrammarCompiler(
+                info,
+                self.config.structured_output_compile_timeout_s,
+                self.config.max_grammar_memory,
+                compile_observer=self.compile_observer,
+            )
             self._vocabulary = _Vocabulary(compiler, control_free_tokens(info), Utf8Tokens.of(info))
         return self._vocabulary
 
@@ -253,3 +356,11 @@ class GrammarGate:
         allowed = vocabulary.control_free if source.control_free else None
         key = (source.kind, source.source)
         return GrammarState(compiled, source.activate_after, allowed, key, vocabulary.utf8)
+
+
+def _for_field(error: Exception | None, source: GrammarSource | None) -> Exception | None:
+    """A constraint's error as one request sees it: naming that request's field (requests sharing a
+    compile may have sent the same spec in different fields)."""
+    if isinstance(error, ConstraintError) and source is not None:
+        return type(error)(source.field, error.detail)
+    return error

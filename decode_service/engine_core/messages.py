@@ -20,14 +20,15 @@ from engine.params import SamplingParams, StoppingParams
 
 
 class GrammarSource(msgspec.Struct, array_like=True, frozen=True):
-    """A constraint the front door checked (it compiles in time, and is not too large), as the engine's
-    process compiles it before the request is scheduled: xgrammar kind and source."""
+    """A constraint the front door parsed, as the engine's process compiles it before the request is
+    scheduled: xgrammar kind and source, and the request field a refusal names."""
 
     kind: str
     source: str
+    field: str
     # Token after which the grammar applies (a reasoning model's end of thinking); None: at once.
     activate_after: int | None
-    # Whether JSON kinds also forbid the tokenizer's control tokens (as the front door's compile did).
+    # Whether JSON kinds also forbid the tokenizer's control tokens.
     control_free: bool
 
 
@@ -80,6 +81,8 @@ class Failure(msgspec.Struct, array_like=True, frozen=True):
 
     code: str
     message: str
+    # The request field at fault, where the error names one (`ConstraintError.field`).
+    field: str | None = None
 
 
 class ChoiceState(msgspec.Struct, array_like=True):
@@ -126,8 +129,6 @@ class CoreStats(msgspec.Struct, array_like=True):
     remote_prefills_failed: int = 0
     prefill_retries: int = 0
     prefill_local_fallbacks: int = 0
-    # Grammars the core compiled (its grammar cache's misses; the front door's checks are not counted).
-    grammar_compiles: int = 0
     # Speculative decoding (`engine.speculation.SpeculationStats`).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -143,6 +144,8 @@ class StepOut(msgspec.Struct, tag="step", array_like=True):
     stats: CoreStats
     # Seconds each step since the last message spent filling grammar masks (only steps that masked).
     grammar_fill_seconds: list[float]
+    # Seconds of each grammar compile the core ran since the last message.
+    grammar_compile_seconds: list[float] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

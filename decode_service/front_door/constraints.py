@@ -2,10 +2,10 @@
 
 A `GenerateRequest` may constrain its answer in two ways: `structured_output` (a JSON schema, any JSON
 object, a regex, a choice of strings or an EBNF grammar), or a tool choice that forces calls
-(`REQUIRED`, or a named function). Both become one xgrammar grammar, checked by the server's
-`GrammarCompiler` (it compiles within the request's time budget and is not too large) and compiled again
-where the engine runs (`engine_core.grammar_gate`); `AUTO` and `NONE` compile nothing (the front door
-parses what the model writes).
+(`REQUIRED`, or a named function). Both become one xgrammar grammar, parsed here (xgrammar's own
+parser, a millisecond or so: a malformed schema, regex or EBNF is refused before admission) and compiled
+once, where the engine runs (`engine_core.grammar_gate`, which refuses what does not compile in time or
+is too large); `AUTO` and `NONE` compile nothing (the front door parses what the model writes).
 
 The formats the model is held to, which the front door's parsers read back:
 - `REQUIRED`: a JSON array of calls, `[{"name": "get_weather", "arguments": {"city": "Paris"}}]`, at
@@ -18,30 +18,20 @@ Every refusal is a `ConstraintError` whose message starts with the request field
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from base.errors import ConfigError
-from decode_service.engine_core.grammar_compiler import (
-    CompileBudget,
-    CompileTimeoutError,
-    ConstraintError,
-    GrammarTooLargeError,
-)
+from decode_service.engine_core.grammar_compiler import ConstraintError, clean_error_message
 from decode_service.engine_core.messages import GrammarSource
 from decode_service.front_door import json_text
 from decode_service.front_door.schema_checks import json_safe_schema
 from protos.tandem.v1 import generation_pb2 as pb
-from serving.errors import QueueFullError
 
 if TYPE_CHECKING:
-    from decode_service.engine_core.grammar_compiler import GrammarCompiler, GrammarConfig
     from engine.model_facts import ModelFacts
     from engine.tokenizer import Tokenizer
 
@@ -75,7 +65,7 @@ class GrammarSpec:
     kind: str
     spec: str
     field: str
-    # Specs compiled one by one when this one fails, to name the part at fault (each tool's schema).
+    # Specs parsed one by one when this one fails, to name the part at fault (each tool's schema).
     parts: tuple[GrammarSpec, ...] = ()
 
 
@@ -132,7 +122,7 @@ def parallel_tool_calls(request: pb.GenerateRequest) -> bool:
 
 
 def may_compile(request: pb.GenerateRequest) -> bool:
-    """Whether validating `request` may compile a grammar (it then validates on its own thread)."""
+    """Whether `request` has a grammar to parse (it then validates on a thread of its own)."""
     return request.HasField("structured_output") or tool_choice(request)[0] == pb.TOOL_CHOICE_REQUIRED
 
 
@@ -276,117 +266,55 @@ def reasoning_end_token_id(tokenizer: Tokenizer | None, reasoning_parser: str | 
     return token_id
 
 
-def constraint_fingerprint(request: pb.GenerateRequest) -> bytes:
-    """A digest of every field that decides `request`'s grammar: equal digests, equal grammars."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(request.structured_output.SerializeToString(deterministic=True))
-    digest.update(request.tool_choice.SerializeToString(deterministic=True))
-    digest.update(b"1" if parallel_tool_calls(request) else b"0")
-    for tool in request.tools:
-        digest.update(tool.SerializeToString(deterministic=True))
-    return digest.digest()
+def check_grammar(kind: str, spec: str, field: str) -> None:
+    """Parse (kind, spec) with xgrammar, without compiling it against the vocabulary: a ConstraintError
+    naming `field` with xgrammar's message when it is malformed."""
+    import xgrammar as xgr
 
-
-def _blame_part(compiler: GrammarCompiler, spec: GrammarSpec, tenant: str, budget: CompileBudget) -> None:
-    """Raise the error of the first of `spec`'s parts (its tools) that does not compile, so the client
-    learns which one to fix; return when each compiles, or when the request's budget (or its tenant's
-    turns) run out first: the caller then raises the whole constraint's error."""
-    for part in spec.parts:
-        try:
-            compiler.compile(part.kind, part.spec, part.field, tenant, budget)
-        except (CompileTimeoutError, QueueFullError):
-            return
+    try:
+        if kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(spec)
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError for bad input
+        raise ConstraintError(field, clean_error_message(str(exc))) from None
 
 
 class Constraints:
-    """The server's way from a request to its grammar: the compiler, and where grammars start.
+    """The server's way from a request to what the engine core compiles: the checked spec, and where
+    its grammar starts (after a reasoning model's thinking)."""
 
-    It remembers which constraints compiled lately (`is_warm`), so that requests repeating one, the usual
-    agent traffic, validate with the cheap requests instead of queueing for the compile thread.
-    """
-
-    def __init__(
-        self,
-        compiler: GrammarCompiler | None,
-        activate_after: int | None = None,
-        remember: int = 256,
-        tokenizer: Tokenizer | None = None,
-    ) -> None:
-        self.compiler = compiler
+    def __init__(self, tokenizer: Tokenizer | None, activate_after: int | None = None) -> None:
         self.activate_after = activate_after
         self._tokenizer = tokenizer
-        self._remember = remember
-        self._warm: OrderedDict[bytes, None] = OrderedDict()
-        self._warm_lock = threading.Lock()
-
-    def is_warm(self, request: pb.GenerateRequest) -> bool:
-        """Whether `request`'s constraint compiled lately (its grammar is then most likely cached)."""
-        key = constraint_fingerprint(request)
-        with self._warm_lock:
-            return key in self._warm
-
-    def _remember_compiled(self, key: bytes) -> None:
-        with self._warm_lock:
-            self._warm[key] = None
-            self._warm.move_to_end(key)
-            while len(self._warm) > self._remember:
-                self._warm.popitem(last=False)
 
     @classmethod
-    def for_model(cls, model: ModelFacts, config: GrammarConfig, reasoning_parser: str | None) -> Constraints:
+    def for_model(cls, model: ModelFacts, reasoning_parser: str | None) -> Constraints:
         """The server's constraints over `model`'s vocabulary; a ConfigError when the reasoning parser
-        cannot work with its tokenizer. Cheap: the compiler starts on the first constraint."""
-        from decode_service.engine_core.grammar_compiler import GrammarCompiler
-
+        cannot work with its tokenizer."""
         tokenizer = model.tokenizer
-        activate_after = reasoning_end_token_id(tokenizer, reasoning_parser)
-        if tokenizer is None:
-            return cls(None)
-        compiler = GrammarCompiler(
-            tokenizer.hf,
-            model.vocab_size,
-            tokenizer.eos_token_ids,
-            config.structured_output_compile_timeout_s,
-            config.grammar_cache_size,
-            max_grammar_bytes=config.max_grammar_memory,
-            max_per_tenant=config.max_compiles_per_tenant,
-        )
-        return cls(compiler, activate_after, config.grammar_cache_size, tokenizer)
+        return cls(tokenizer, reasoning_end_token_id(tokenizer, reasoning_parser))
 
-    def close(self) -> None:
-        """Stop the compile worker (the server is stopping)."""
-        if self.compiler is not None:
-            self.compiler.close()
-
-    def compile(
-        self,
-        spec: GrammarSpec | None,
-        request: pb.GenerateRequest | None = None,
-        prompt_ids: Sequence[int] = (),
-        tenant: str = "",
-    ) -> GrammarSource | None:
-        """What the engine compiles `spec`, `request`'s constraint, into, once the compiler found that it
-        compiles within the request's budget and is not too large (blocks meanwhile: call off the event
-        loop; `tenant` waits its turn). It waits for the end of the reasoning unless `prompt_ids` already
-        closed it."""
+    def check(self, spec: GrammarSpec | None, prompt_ids: Sequence[int] = ()) -> GrammarSource | None:
+        """What the engine core compiles for `spec`, once it parses; when it does not, the error names
+        the first of its parts (tools) that does not parse either, else the whole. The grammar waits for
+        the end of the reasoning unless `prompt_ids` already closed it."""
         if spec is None:
             return None
-        if self.compiler is None:
+        if self._tokenizer is None:
             raise ConstraintError(
                 spec.field, "this server has no tokenizer, so it cannot enforce constraints"
             )
-        budget = CompileBudget(self.compiler.timeout_s)
         try:
-            self.compiler.compile(spec.kind, spec.spec, spec.field, tenant, budget)
-        except (CompileTimeoutError, GrammarTooLargeError):
-            raise
+            check_grammar(spec.kind, spec.spec, spec.field)
         except ConstraintError:
-            _blame_part(self.compiler, spec, tenant, budget)
+            for part in spec.parts:
+                check_grammar(part.kind, part.spec, part.field)
             raise
-        if request is not None:
-            self._remember_compiled(constraint_fingerprint(request))
         activate_after = None if self._reasoning_closed(prompt_ids) else self.activate_after
-        return GrammarSource(spec.kind, spec.spec, activate_after, spec.kind in JSON_KINDS)
+        return GrammarSource(spec.kind, spec.spec, spec.field, activate_after, spec.kind in JSON_KINDS)
 
     def _reasoning_closed(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends right after the reasoning's end: a template that turns thinking off

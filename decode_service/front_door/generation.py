@@ -185,9 +185,7 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
-                tenant,
-                constrained=may_compile(request)
-                and not (self._constraints is not None and self._constraints.is_warm(request)),
+                constrained=may_compile(request),
             )
             submitted.submission = next(self._submissions)
             submitted.priority = priority
@@ -348,7 +346,7 @@ class Generation:
         if delta.error is not None:
             code = grpc.StatusCode[delta.error.code]
             log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
-            raise RelayedStatusError(code, delta.error.message)
+            raise RelayedStatusError(code, delta.error.message, delta.error.field)
         if log_prompts_enabled():
             self._completion.append(piece.text)
         finish = "stop" if piece.stop is not None else delta.finish_reason

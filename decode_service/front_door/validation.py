@@ -180,22 +180,20 @@ def build_request(
     max_tokens_cap: int,
     salt_tenant: str | None = None,
     constraints: Constraints | None = None,
-    tenant: str = "",
 ) -> Submit:
     """Validate a public request against the served model and return what the engine core is sent for it
     (the caller numbers the submission and adds its scheduling fields), with the constraint the core
     compiles for it (None: unconstrained).
 
-    Tokenizes text and chat prompts and checks constraints compile (cached; bounded by the compiler's
-    timeout; `tenant` waits its turn), so call it off the event loop. Without `constraints` a constrained
-    request is refused.
+    Tokenizes text and chat prompts and parses constraints, so call it off the event loop. Without
+    `constraints` a constrained request is refused.
     """
     sampling = sampling_params(request.sampling, model.vocab_size)
     tools = parse_tools(request)
     spec = grammar_spec(request, tools)
     ids = prompt_token_ids(request, model, rendered_tools(request, tools))
     stopping = stopping_params(request, len(ids), model, max_tokens_cap)
-    grammar = (constraints or Constraints(None)).compile(spec, request, ids, tenant)
+    grammar = (constraints or Constraints(None)).check(spec, ids)
     model.check_request(ids, sampling, stopping)
     check_fits_pool(model, len(ids), stopping.max_tokens)
     return Submit(
@@ -263,9 +261,8 @@ class _BoundedLane:
 class ValidationPool:
     """Three executors: short, long prompts and constrained; the last two bounded.
 
-    Constrained requests get a thread each (up to their bound): they mostly wait for a turn at the
-    grammar compiler, which tenants take round robin (`GrammarCompiler`), so a tenant's requests must be
-    able to queue there beside other tenants', not behind them on one thread.
+    Constrained requests get threads of their own (up to their bound): parsing a large schema or many
+    tools takes milliseconds, which unconstrained short requests should not wait behind.
     """
 
     def __init__(self, max_long_queue: int, max_constrained_queue: int | None = None) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -45,8 +45,11 @@ from decode_service.front_door.openai_http.models import (
 )
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
+from protos.tandem.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -104,6 +107,20 @@ async def _wait_for_disconnect(request: Request) -> None:
     """Return once the client has gone (the body is already read, so only a disconnect can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """`work` run to its end, as a done future (its result or its error), or None when the client left
+    first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not task.done():
+            task.cancel()
+    return None if task.cancelled() else task
 
 
 # Each generation route's request body, whole answer and stream chunk (each server-sent event's data).
@@ -240,14 +257,23 @@ class OpenAIRoutes:
             token_bytes=self._token_bytes,
         )
         if openai_request.stream:
+            # The first messages before the status: a request the engine core refuses before its first
+            # token (a constraint that does not compile in time) gets an error status, as a whole
+            # answer does, rather than a 200 and an error event.
+            first = await _unless_disconnected(request, generation.next_responses())
+            if first is None or first.exception() is not None:
+                generation.close()
+                if first is None:
+                    return Response(status_code=499)  # nobody is listening; the request was aborted
+                return self._error(first.exception(), openai_request.param_for)
             return StreamingResponse(
-                self._events(generation, builder, openai_request),
+                self._events(generation, builder, openai_request, first.result()),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 # Closes the stream even if the client left before the first chunk was asked for.
                 background=BackgroundTask(generation.close),
             )
-        return await self._whole_answer(request, generation, builder)
+        return await self._whole_answer(request, generation, builder, openai_request)
 
     def _check_unstreamed(self, request: OpenAIRequest) -> None:
         """A whole answer is built in memory: refuse one whose worst case is past the server's bound."""
@@ -260,16 +286,22 @@ class OpenAIRoutes:
         )
 
     async def _events(
-        self, generation: Generation, builder: ResponseBuilder, request: OpenAIRequest
+        self,
+        generation: Generation,
+        builder: ResponseBuilder,
+        request: OpenAIRequest,
+        messages: list[pb.GenerateResponse],
     ) -> AsyncIterator[bytes]:
-        """SSE chunks, then the usage chunk if asked, then [DONE]; an engine error becomes an error event.
-        Starlette cancels this generator when the client disconnects, which aborts the request.
+        """SSE chunks from the stream's first `messages` on, then the usage chunk if asked, then [DONE];
+        an engine error becomes an error event. Starlette cancels this generator when the client
+        disconnects, which aborts the request.
 
         The events of the messages waiting together go out in one body part: one trip through the ASGI
         stack and one socket write for a writer that fell behind (one message when it keeps up)."""
         try:
-            while messages := await generation.next_responses():
+            while messages:
                 yield b"".join([builder.events(message) for message in messages])
+                messages = await generation.next_responses()
             if request.include_usage:
                 yield sse_event(builder.usage_chunk())
         except Exception as exc:
@@ -279,25 +311,24 @@ class OpenAIRoutes:
         yield b"data: [DONE]\n\n"
 
     async def _whole_answer(
-        self, request: Request, generation: Generation, builder: ResponseBuilder
+        self,
+        request: Request,
+        generation: Generation,
+        builder: ResponseBuilder,
+        openai_request: OpenAIRequest,
     ) -> Response:
         async def collect() -> None:
             async for message in generation.responses():
                 builder.add(message)
 
-        collecting = asyncio.ensure_future(collect())
-        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.wait((collecting, disconnected), return_when=asyncio.FIRST_COMPLETED)
+            collected = await _unless_disconnected(request, collect())
         finally:
-            disconnected.cancel()
-            if not collecting.done():
-                collecting.cancel()
             generation.close()
-        if collecting.cancelled():
+        if collected is None:
             return Response(status_code=499)  # nobody is listening; the request was aborted
-        if collecting.exception() is not None:
-            return self._error(collecting.exception())
+        if collected.exception() is not None:
+            return self._error(collected.exception(), openai_request.param_for)
         return JSONResponse(builder.body())
 
     def _authorize(self, request: Request) -> None:
