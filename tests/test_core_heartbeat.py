@@ -1,12 +1,12 @@
-"""The front door's heartbeat on the engine core (`engine_core.heartbeat`), on a real event loop with a
-stand-in core: an answering core is never called silent, a silent one is called silent once, and an
-answer that waited in the pipe counts."""
+"""The front door's heartbeat on the engine core (`engine_core.core_client.CoreHeartbeat`), on a real
+event loop with a stand-in core: an answering core is never called silent, a silent one is called silent
+once, and an answer that waited in the pipe counts."""
 
 from __future__ import annotations
 
 import asyncio
 
-from decode_service.engine_core.heartbeat import CoreHeartbeat
+from decode_service.engine_core.core_client import CoreHeartbeat
 
 TIMEOUT_S = 0.2
 

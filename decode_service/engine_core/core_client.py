@@ -15,10 +15,24 @@ message, and the step messages are read as the pipe becomes readable. Neither ev
 (`pipe_frames`): a core that stops reading leaves the commands buffered here, not the loop waiting.
 
 Lifecycle, from this side: the server drains, then sends `Shutdown`. If the core dies first, or leaves
-a heartbeat ping unanswered for `engine_heartbeat_timeout_s` (stopped, wedged: see `heartbeat`; it is
+a heartbeat ping unanswered for `engine_heartbeat_timeout_s` (stopped, wedged: see below; it is
 then killed), `on_exit` tells the server, which ends every live request at once with UNAVAILABLE
 (`lost_failure`), turns NOT_SERVING and exits non-zero. The process is started with `spawn`: forking a
 process whose gRPC threads run is unsafe.
+
+The heartbeat (`CoreHeartbeat`): ping the core, and call it dead when no answer comes.
+
+A core process that dies closes its pipes, and the end of file tells the front door at once. A core
+that is stopped (SIGSTOP, a debugger, a frozen cgroup), wedged in a step or deadlocked keeps its pipes
+open: without a heartbeat, health stayed SERVING while every stream went silent and every new request
+waited for its deadline. The core's engine loop answers each ping on its next iteration
+(`EngineLoop.answer_heartbeat`), so an answer proves the loop still steps, not only that a thread reads
+commands; a ping left unanswered for `timeout` seconds makes `on_silence` run, once.
+
+One ping is out at a time; a tick every `interval` seconds sends the next once the last was answered,
+and checks how long the one out has waited. The timeout
+covers the longest step the core may legitimately run (a long prefill on a slow CPU) plus the ping's
+wait behind it, which is why its default is generous.
 """
 
 from __future__ import annotations
@@ -34,7 +48,6 @@ import grpc
 
 from base.logs import log_event
 from decode_service.engine_core.config import CoreSpec
-from decode_service.engine_core.heartbeat import CoreHeartbeat
 from decode_service.engine_core.messages import (
     Abort,
     Commands,
@@ -56,6 +69,10 @@ from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter
 from serving.errors import RelayedStatusError
 
 logger = logging.getLogger(__name__)
+
+# Pings leave at most this far apart (more often when the timeout is short), so a silent core is found
+# within about `timeout + interval` seconds.
+MAX_INTERVAL_S = 1.0
 
 
 class CoreProcess:
@@ -255,3 +272,65 @@ class CoreProcess:
 def lost_failure(reason: str) -> Failure:
     """What every request the lost core held, or is sent after, ends with."""
     return Failure(grpc.StatusCode.UNAVAILABLE.name, f"{reason}; retry on another replica")
+
+
+class CoreHeartbeat:
+    """Pings through `ping(number)`, is told of answers through `answered(number)`; use it on `loop`.
+
+    Before it gives up it calls `read_answers`, which handles the answers already waiting in the pipe:
+    when the event loop itself was held up (a long callback, a paused process), the answer may have
+    arrived in time and only been read late.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timeout: float,
+        ping: Callable[[int], None],
+        read_answers: Callable[[], None],
+        on_silence: Callable[[float], None],
+    ) -> None:
+        self.timeout = timeout
+        self.interval = min(MAX_INTERVAL_S, timeout / 4)
+        self._loop = loop
+        self._ping = ping
+        self._read_answers = read_answers
+        self._on_silence = on_silence
+        self._number = 0
+        self._outstanding: int | None = None
+        self._sent_at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Send the first ping now."""
+        if not self._stopped and self._timer is None:
+            self._tick()
+
+    def stop(self) -> None:
+        """No more pings, and no verdict."""
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def answered(self, number: int) -> None:
+        """The core answered ping `number`."""
+        if number == self._outstanding:
+            self._outstanding = None
+
+    def _tick(self) -> None:
+        if self._stopped:
+            return
+        if self._outstanding is not None and self._loop.time() - self._sent_at >= self.timeout:
+            self._read_answers()
+            if self._outstanding is not None and not self._stopped:
+                self._stopped = True
+                self._on_silence(self._loop.time() - self._sent_at)
+            if self._stopped:
+                return
+        if self._outstanding is None:
+            self._number += 1
+            self._outstanding = self._number
+            self._sent_at = self._loop.time()
+            self._ping(self._number)
+        self._timer = self._loop.call_later(self.interval, self._tick)
