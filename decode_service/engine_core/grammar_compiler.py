@@ -187,10 +187,10 @@ class GrammarCompiler:
         # Held by a compile while it uses the worker, and by `close`.
         self._worker_lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
-        # For grammars too large to come back from the worker, made on first use.
-        self._local: xgr.GrammarCompiler | None = None
         self._conn: Connection | None = None
         self._closed = False
+        # For grammars too large to come back from the worker, made on first use.
+        self._here: xgr.GrammarCompiler | None = None
 
     @property
     def worker_pid(self) -> int | None:
@@ -215,16 +215,22 @@ class GrammarCompiler:
                 f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer enum "
                 "values or alternatives, smaller repetition and length bounds)",
             )
+        logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
+        if status == "unsent":
+            return self._compile_here(kind, spec)
         import xgrammar as xgr
 
-        logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
-        if status == "ok":
-            return xgr.CompiledGrammar.deserialize_json(payload, self.info)
-        if self._local is None:
+        return xgr.CompiledGrammar.deserialize_json(payload, self.info)
+
+    def _compile_here(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        """Compile again in this process what the worker compiled within the timeout but did not send."""
+        if self._here is None:
+            import xgrammar as xgr
+
             # One thread: this compile shares the process with the engine's step threads.
-            self._local = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+            self._here = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         started = time.perf_counter()
-        compiled = compile_in_process(self._local, kind, spec)
+        compiled = compile_in_process(self._here, kind, spec)
         if self.compile_observer is not None:
             self.compile_observer(time.perf_counter() - started)
         return compiled
