@@ -221,13 +221,14 @@ class GrammarGate:
         with self._condition:
             for key, pending in list(self._pending.items()):
                 dropped = [request for request in pending.requests if request.request_id == request_id]
+                if not dropped:
+                    continue
                 for request in dropped:
                     pending.requests.remove(request)
                     self.loop.drop(request)
                 if not pending.requests and not pending.started:
                     self._forget(key, pending)
-                if dropped:
-                    return
+                return
         self.loop.abort(request_id)
 
     def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
@@ -348,6 +349,8 @@ class GrammarGate:
                 compile_observer=self.compile_observer,
             )
             self._vocabulary = _Vocabulary(compiler, control_free_tokens(info), Utf8Tokens.of(info))
+            if self._stopping:
+                compiler.close()  # `stop` came while this was built: no worker is started after it
         return self._vocabulary
 
     def _state(self, compiled: xgr.CompiledGrammar, source: GrammarSource) -> GrammarState:
