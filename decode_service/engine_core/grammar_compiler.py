@@ -3,19 +3,19 @@ bounds of time and memory, in a worker process of the engine core's.
 
 xgrammar compiles most schemas in milliseconds, but some (large bounded repetitions, big alternations)
 take seconds to minutes and hundreds of MB, and a compile cannot be interrupted. So compiles run in a
-child process (spawned on the first compile, kept for the next ones) that the caller waits on with the
-request's `CompileBudget`: a compile past it kills the child, which is restarted for the next compile,
-and the request gets a `CompileTimeoutError` naming its field. A child that made a large grammar is
-restarted as well, so that what the compile took goes back to the system.
+child process (spawned on the first compile, kept for the next ones) that the caller waits on for at
+most `timeout_s`: a compile past it kills the child, which is restarted for the next compile, and the
+request gets a `CompileTimeoutError` naming its field. A child that made a large grammar is restarted
+as well, so that what the compile took goes back to the system.
 
-The child sends the compiled grammar back in xgrammar's JSON (for a usual schema tens of KB and a few
-ms), so that is a constraint's only compile: the front door parses it and no more
-(`front_door.constraints`), and the engine core's `GrammarGate` caches what comes back. A grammar
-larger than `max_grammar_bytes` is refused without being sent. One larger than `SEND_UP_TO_BYTES` is
-not sent either but compiled again in the caller's process, knowing now that it compiles within the
-timeout: its JSON grows faster than the grammar (2-3x its size on SmolLM2's vocabulary, 27x for a 42 MiB
-grammar on a tiny one), and writing and reading it costs about what the compile does. `compile` blocks:
-the gate calls it from its compile thread, one compile at a time.
+The child says it compiled (and the grammar's size: one larger than `max_grammar_bytes` is refused
+there), then sends the grammar in xgrammar's JSON, so that is a constraint's only compile: the front
+door parses it and no more (`front_door.constraints`), and the engine core's `GrammarGate` caches what
+comes back. On SmolLM2's vocabulary writing the JSON costs about what the compile did and reading it a
+quarter to a third, on one thread. The JSON can grow much faster than the grammar, though (27x, 1.1 GB
+in 65 s, for a 42 MiB grammar on a tiny vocabulary): when it does not come within `timeout_s` either,
+the child is restarted and the grammar, known now to compile within the timeout, is compiled again in
+the caller's process. `compile` blocks: the gate calls it from its compile thread, one at a time.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _START_TIMEOUT_S = 120.0
 # A child that made a grammar larger than this is restarted: what the compile took stays in its heap.
 RESTART_ABOVE_BYTES = 16 * 2**20
-# Grammars up to this size come back from the child; larger ones are compiled again by the caller.
-SEND_UP_TO_BYTES = 2**20
 # xgrammar's messages start with "[16:04:06] /project/cpp/json_schema_converter.cc:5082: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_MESSAGE_CHARS = 500
@@ -125,12 +123,9 @@ def compile_in_process(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> x
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
-def _child_main(
-    conn: Connection, tokenizer_info_path: str, max_grammar_bytes: int, send_up_to_bytes: int
-) -> None:
-    """The compile worker: answers ("ok", size in bytes, the grammar's JSON), ("unsent", size, "") for a
-    grammar larger than `send_up_to_bytes`, ("too_large", size, "") or ("error", 0, message) per
-    (kind, spec).
+def _child_main(conn: Connection, tokenizer_info_path: str, max_grammar_bytes: int) -> None:
+    """The compile worker. Per (kind, spec) it answers ("error", 0, message), ("too_large", size, ""), or
+    ("compiled", size, "") followed by ("grammar", size, the grammar's JSON); sizes in bytes.
 
     Exits when the core closes the pipe, or dies with it: a dead parent closes the pipe too.
     """
@@ -140,26 +135,22 @@ def _child_main(
         info = xgr.TokenizerInfo.deserialize_json(file.read())
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     conn.send(("ready", 0, ""))
-    while True:
-        try:
+    try:
+        while True:
             kind, spec = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            compiled = compile_in_process(compiler, kind, spec)
+            try:
+                compiled = compile_in_process(compiler, kind, spec)
+            except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError for bad input
+                conn.send(("error", 0, clean_error_message(str(exc))))
+                continue
             size = compiled.memory_size_bytes
             if size > max_grammar_bytes:
-                reply = ("too_large", size, "")
-            elif size > send_up_to_bytes:
-                reply = ("unsent", size, "")
-            else:
-                reply = ("ok", size, compiled.serialize_json())
-        except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError for bad input
-            reply = ("error", 0, clean_error_message(str(exc)))
-        try:
-            conn.send(reply)
-        except (BrokenPipeError, OSError):
-            return
+                conn.send(("too_large", size, ""))
+                continue
+            conn.send(("compiled", size, ""))
+            conn.send(("grammar", size, compiled.serialize_json()))
+    except (EOFError, OSError):
+        return
 
 
 class GrammarCompiler:
@@ -175,21 +166,23 @@ class GrammarCompiler:
         timeout_s: float,
         max_grammar_bytes: int = 64 * _MIB,
         restart_above_bytes: int = RESTART_ABOVE_BYTES,
-        send_up_to_bytes: int = SEND_UP_TO_BYTES,
         compile_observer: Callable[[float], None] | None = None,
+        json_timeout_s: float | None = None,
     ) -> None:
+        """`json_timeout_s`: how long the grammar's JSON may take to arrive after the compile (default
+        `timeout_s`)."""
         self.info = info
         self.timeout_s = timeout_s
+        self.json_timeout_s = timeout_s if json_timeout_s is None else json_timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self.restart_above_bytes = restart_above_bytes
-        self.send_up_to_bytes = send_up_to_bytes
         self.compile_observer = compile_observer
         # Held by a compile while it uses the worker, and by `close`.
         self._worker_lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._closed = False
-        # For grammars too large to come back from the worker, made on first use.
+        # For grammars whose JSON the worker did not send in time, made on first use.
         self._here: xgr.GrammarCompiler | None = None
 
     @property
@@ -203,41 +196,30 @@ class GrammarCompiler:
         if kind not in KINDS:
             raise ValueError(f"unknown grammar kind {kind!r}")
         with self._worker_lock:
-            status, size, payload, seconds = self._compile_in_worker(kind, spec, field)
-        if self.compile_observer is not None:
-            self.compile_observer(seconds)
-        if status == "error":
-            raise ConstraintError(field, payload)
-        if status == "too_large":
-            raise GrammarTooLargeError(
-                field,
-                f"compiles to a grammar of {size / _MIB:.1f} MiB, above this server's limit of "
-                f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer enum "
-                "values or alternatives, smaller repetition and length bounds)",
-            )
-        logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
-        if status == "unsent":
+            status, size, message, seconds = self._compile_in_worker(kind, spec, field)
+            if self.compile_observer is not None:
+                self.compile_observer(seconds)
+            if status == "error":
+                raise ConstraintError(field, message)
+            if status == "too_large":
+                self._restart_after(size)
+                raise GrammarTooLargeError(
+                    field,
+                    f"compiles to a grammar of {size / _MIB:.1f} MiB, above this server's limit of "
+                    f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer "
+                    "enum values or alternatives, smaller repetition and length bounds)",
+                )
+            logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
+            text = self._grammar_json(kind, size)
+        if text is None:
             return self._compile_here(kind, spec)
         import xgrammar as xgr
 
-        return xgr.CompiledGrammar.deserialize_json(payload, self.info)
-
-    def _compile_here(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        """Compile again in this process what the worker compiled within the timeout but did not send."""
-        if self._here is None:
-            import xgrammar as xgr
-
-            # One thread: this compile shares the process with the engine's step threads.
-            self._here = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        started = time.perf_counter()
-        compiled = compile_in_process(self._here, kind, spec)
-        if self.compile_observer is not None:
-            self.compile_observer(time.perf_counter() - started)
-        return compiled
+        return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def _compile_in_worker(self, kind: str, spec: str, field: str) -> tuple[str, int, str, float]:
-        """The worker's reply to (kind, spec) and the seconds it took; restarts the worker when it ran
-        past the timeout (raising it), died, or made a large grammar."""
+        """The worker's verdict on (kind, spec) and the seconds it took; restarts the worker when it ran
+        past the timeout (raising it) or died."""
         conn = self._ensure_worker()
         started = time.perf_counter()
         done = False
@@ -245,7 +227,7 @@ class GrammarCompiler:
             conn.send((kind, spec))
             done = conn.poll(self.timeout_s)
             if done:
-                status, size, payload = conn.recv()
+                status, size, message = conn.recv()
         except (EOFError, OSError) as exc:
             self._stop_worker()
             if self._closed:
@@ -261,10 +243,43 @@ class GrammarCompiler:
                 f"did not compile within {self.timeout_s:g} s (--structured-output-compile-timeout); "
                 "simplify it (smaller repetition bounds, fewer alternatives)",
             )
+        return status, size, message, seconds
+
+    def _grammar_json(self, kind: str, size: int) -> str | None:
+        """The JSON the worker writes after it compiled, or None when it did not come within
+        `json_timeout_s` (the worker is then restarted)."""
+        text = None
+        conn = self._conn
+        try:
+            if conn is not None and conn.poll(self.json_timeout_s):
+                text = conn.recv()[2]
+        except (EOFError, OSError):
+            pass
+        if text is None:
+            logger.warning("a %s grammar of %d bytes was not sent in time; compiling it here", kind, size)
+            self._stop_worker()
+        else:
+            self._restart_after(size)
+        return text
+
+    def _restart_after(self, size: int) -> None:
+        """Restart the worker after a large grammar: what the compile took stays in its heap."""
         if size > self.restart_above_bytes:
             logger.info("restarting the grammar compile worker after a grammar of %d bytes", size)
             self._stop_worker()
-        return status, size, payload, seconds
+
+    def _compile_here(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        """Compile again in this process what the worker compiled within the timeout but did not send."""
+        if self._here is None:
+            import xgrammar as xgr
+
+            # One thread: this compile shares the process with the engine's step threads.
+            self._here = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        started = time.perf_counter()
+        compiled = compile_in_process(self._here, kind, spec)
+        if self.compile_observer is not None:
+            self.compile_observer(time.perf_counter() - started)
+        return compiled
 
     def _ensure_worker(self) -> Connection:
         """The live worker's pipe, starting the worker first if there is none."""
@@ -289,7 +304,6 @@ class GrammarCompiler:
                 str(theirs.fileno()),
                 file.name,
                 str(self.max_grammar_bytes),
-                str(self.send_up_to_bytes),
             ]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
             try:
@@ -337,5 +351,5 @@ class GrammarCompiler:
 
 
 if __name__ == "__main__":
-    # The worker, as `GrammarCompiler` starts it: socket fd, vocabulary file, grammar size limits.
-    _child_main(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    # The worker, as `GrammarCompiler` starts it: socket fd, vocabulary file, grammar size limit.
+    _child_main(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]))
