@@ -158,7 +158,8 @@ class CoreBoundary:
         """The engine loop's `deliver`: converts on the engine thread, since `to_delta` reads request fields
         the next step changes; whoever `send` is encodes later, elsewhere."""
         fills, self._fills = self._fills, []
-        self._send(StepOut([to_delta(d) for d in deltas], self.stats(), fills, self._taken_compiles()))
+        compiles = self._taken_compiles() if self._compiles else []  # no lock on a step without one
+        self._send(StepOut([to_delta(d) for d in deltas], self.stats(), fills, compiles))
 
     def _refuse(self, command: Submit, error: Exception) -> None:
         state = ChoiceState(0, None, None, None, None, 0, False)

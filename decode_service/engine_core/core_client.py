@@ -30,9 +30,9 @@ waited for its deadline. The core's engine loop answers each ping on its next it
 commands; a ping left unanswered for `timeout` seconds makes `on_silence` run, once.
 
 One ping is out at a time; a tick every `interval` seconds sends the next once the last was answered,
-and checks how long the one out has waited. The timeout
-covers the longest step the core may legitimately run (a long prefill on a slow CPU) plus the ping's
-wait behind it, which is why its default is generous.
+and checks how long the one out has waited. The timeout covers the longest step the core may
+legitimately run (a long prefill on a slow CPU) plus the ping's wait behind it, which is why its
+default is generous.
 """
 
 from __future__ import annotations

@@ -197,20 +197,22 @@ class GrammarCompiler:
             raise ValueError(f"unknown grammar kind {kind!r}")
         with self._worker_lock:
             status, size, message, seconds = self._compile_in_worker(kind, spec, field)
-            if self.compile_observer is not None:
-                self.compile_observer(seconds)
-            if status == "error":
-                raise ConstraintError(field, message)
+            # Read before anything here can raise: a JSON left in the pipe would answer the next compile.
+            text = self._grammar_json(kind, size) if status == "compiled" else None
             if status == "too_large":
                 self._restart_after(size)
-                raise GrammarTooLargeError(
-                    field,
-                    f"compiles to a grammar of {size / _MIB:.1f} MiB, above this server's limit of "
-                    f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer "
-                    "enum values or alternatives, smaller repetition and length bounds)",
-                )
-            logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
-            text = self._grammar_json(kind, size)
+        if self.compile_observer is not None:
+            self.compile_observer(seconds)
+        if status == "error":
+            raise ConstraintError(field, message)
+        if status == "too_large":
+            raise GrammarTooLargeError(
+                field,
+                f"compiles to a grammar of {size / _MIB:.1f} MiB, above this server's limit of "
+                f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer "
+                "enum values or alternatives, smaller repetition and length bounds)",
+            )
+        logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
         if text is None:
             return self._compile_here(kind, spec)
         import xgrammar as xgr
