@@ -15,7 +15,7 @@ from conftest import engine_for, random_prompts, tiny_hf_model, wait_until
 from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 from decode_service.engine_core.config import CoreConfig
-from decode_service.engine_core.core_boundary import CoreBoundary
+from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.messages import CoreStats, GrammarSource, StepOut, Submit
 from decode_service.metrics import DecodeMetrics
 from engine.params import SamplingParams, StoppingParams
@@ -47,7 +47,7 @@ def counter(counter_metric) -> float:
 
 
 class _Core:
-    """An engine core behind the front door's messages (`CoreBoundary`, what both shapes run), its steps
+    """An engine core behind the front door's messages (`EngineCore`, what both shapes run), its steps
     observed by `metrics` as the server does."""
 
     def __init__(self, engine, metrics: DecodeMetrics) -> None:
@@ -55,7 +55,7 @@ class _Core:
         self.submitted: dict[int, Submit] = {}
         self.tokens: dict[str, list[int]] = {}
         self.ended: set[int] = set()
-        self.boundary = CoreBoundary(engine, CoreConfig(), self._on_step)
+        self.core = EngineCore(engine, CoreConfig(), self._on_step)
 
     def _on_step(self, step: StepOut) -> None:
         for seconds in step.grammar_fill_seconds:
@@ -86,7 +86,7 @@ class _Core:
                 1,
             )
             self.tokens[request_id] = []
-            self.boundary.apply(submit)
+            self.core.apply(submit)
         assert wait_until(lambda: self.ended >= set(self.submitted), timeout=60)
 
 
@@ -97,7 +97,7 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
     )
     metrics = DecodeMetrics(CoreStats)
     core = _Core(engine, metrics)
-    core.boundary.grammars.start(warm_up=False)
+    core.core.grammars.start(warm_up=False)
     try:
         prompts = random_prompts(3, 1, min_len=3, max_len=12, vocab=TINY_VOCAB_SIZE)
         core.run(*((f"free{i}", prompt, 6, None) for i, prompt in enumerate(prompts)))
@@ -107,7 +107,7 @@ def test_fill_time_is_observed_once_per_masked_step_and_unconstrained_steps_pay_
         regex = GrammarSource("regex", "(yes|no)( maybe)?", "structured_output.regex", None, False)
         core.run(("constrained", [4, 5, 6], 20, regex), ("beside-it", [7, 8, 9], 12, None))
     finally:
-        core.boundary.grammars.stop()
+        core.core.grammars.stop()
 
     output = core.tokens["constrained"]
     assert tokenizer.decode(output) in ("yes", "no", "yes maybe", "no maybe")
@@ -123,7 +123,7 @@ def test_compile_time_is_observed_per_compile_not_per_cache_hit(tokenizer):
     engine = engine_for(tiny_hf_model(5, vocab_size=TINY_VOCAB_SIZE), tokenizer=tokenizer)
     metrics = DecodeMetrics(CoreStats)
     core = _Core(engine, metrics)
-    core.boundary.grammars.start(warm_up=False)
+    core.core.grammars.start(warm_up=False)
     schema = GrammarSource("json_schema", json.dumps(SCHEMA), "structured_output.json_schema", None, True)
     regex = GrammarSource("regex", "(yes|no)", "structured_output.regex", None, False)
     try:
@@ -131,6 +131,6 @@ def test_compile_time_is_observed_per_compile_not_per_cache_hit(tokenizer):
             core.run((f"schema{index}", [4, 5, 6], 30, schema))
         core.run(("regex", [4, 5, 6], 10, regex))
     finally:
-        core.boundary.grammars.stop()
+        core.core.grammars.stop()
     assert histogram(metrics.structured_output_compile_seconds, "_count") == 2
     assert histogram(metrics.structured_output_compile_seconds, "_sum") > 0

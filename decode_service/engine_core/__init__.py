@@ -2,7 +2,7 @@
 
 The continuous (or static) scheduler and its policies, the engine loop thread, and prefill (local, or
 remote from a prefill tier with its KV writes). Inside, it knows requests as `request.ServedRequest`
-and answers with `request.StreamDelta`s; at its boundary (`core_boundary`) the front door sends it
+and answers with `request.StreamDelta`s; at its boundary (`core.EngineCore.apply`) the front door sends it
 `messages.Submit` and reads `messages.StepOut`, whether the core runs on a thread of the server
 (`in_process`) or in a process of its own (`core_client`, `core_main`). It never imports the front
 door (`decode_service.front_door`).

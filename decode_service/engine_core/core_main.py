@@ -1,11 +1,11 @@
 """The engine core process's end of the pipe: `run_core`, the entry the front door spawns.
 
-The core process loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill) with
-its own GIL; the server process keeps everything else and talks to it through `core_client`'s
-`CoreProcess`. This module is the core's side alone: it reads the server's `Commands` (submissions,
-aborts, stop strings, heartbeat pings) and applies them through `CoreBoundary`, whose one `StepOut` per
-engine step is written on `StepWriter`'s thread. Only `engine_core.messages` (and `config.CoreSpec`,
-received once at spawn) are shared with the server's end (`core_client`).
+The core process loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill,
+grammar gate) with its own GIL; the server process keeps everything else and talks to it through
+`core_client`'s `CoreProcess`. This module is the core's side alone: it reads the server's `Commands`
+(submissions, aborts, stop strings, heartbeat pings) and applies them through `EngineCore.apply`,
+whose one `StepOut` per engine step is written on `StepWriter`'s thread. Only `engine_core.messages`
+(and `config.CoreSpec`, received once at spawn) are shared with the server's end (`core_client`).
 
 Lifecycle: the core ignores SIGINT and SIGTERM (the server drains, then sends `Shutdown`), and dies
 with the server (parent-death signal, and end of file on its command pipe). A heartbeat ping is
@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection
 from base.heap import freeze_startup_objects
 from base.logs import log_event
 from decode_service.engine_core.config import CoreSpec
-from decode_service.engine_core.core_boundary import CoreBoundary
+from decode_service.engine_core.core import EngineCore
 from decode_service.engine_core.messages import (
     Pong,
     Ready,
@@ -91,10 +91,10 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     writer = StepWriter(replies)
     try:
         engine = Engine.from_pretrained(spec.model_dir, spec.engine_config)
-        boundary = CoreBoundary(engine, spec.config, writer.put, spec.model_fingerprint, record_steps=False)
-        await boundary.core.start_dependencies()
-        boundary.grammars.start(warm_up=warm_up)
-        await asyncio.to_thread(boundary.grammars.wait_ready)
+        core = EngineCore(engine, spec.config, writer.put, spec.model_fingerprint, record_steps=False)
+        await core.start_dependencies()
+        core.grammars.start(warm_up=warm_up)
+        await asyncio.to_thread(core.grammars.wait_ready)
     except Exception as exc:
         logger.exception("engine core could not start")
         writer.put(StartFailed(f"{type(exc).__name__}: {exc}"))
@@ -103,14 +103,14 @@ async def _serve_core(spec: CoreSpec, warm_up: bool, commands: Connection, repli
     freeze_startup_objects()
     writer.put(Ready())
     logger.info("engine core ready (pid %d, %d KV blocks)", os.getpid(), engine.num_blocks)
-    await asyncio.to_thread(_apply_commands, commands, boundary)
-    await asyncio.to_thread(boundary.grammars.stop)
-    await boundary.core.close_dependencies()
+    await asyncio.to_thread(_apply_commands, commands, core)
+    await asyncio.to_thread(core.grammars.stop)
+    await core.close_dependencies()
     # After the loop stopped: its last deltas (the aborts of `_on_stop`) are queued, and leave now.
     await asyncio.to_thread(writer.close)
 
 
-def _apply_commands(commands: Connection, boundary: CoreBoundary) -> None:
+def _apply_commands(commands: Connection, core: EngineCore) -> None:
     """Read command batches and apply them until `Shutdown` or end of file."""
     while True:
         try:
@@ -119,7 +119,7 @@ def _apply_commands(commands: Connection, boundary: CoreBoundary) -> None:
             logger.info("the server is gone; stopping the engine core")
             return
         for command in batch.commands:
-            if not boundary.apply(command):
+            if not core.apply(command):
                 return
 
 

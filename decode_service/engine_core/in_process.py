@@ -2,7 +2,7 @@
 
 `--engine-in-process`, tests and in-process benchmarks run the core here; `tandem serve decode` runs it
 in a process of its own (`core_client.CoreProcess`). Both take the same `Submit`, `Abort` and `StopAt`
-and answer with the same `StepOut`s on the server's event loop, through the same `CoreBoundary`: here the
+and answer with the same `StepOut`s on the server's event loop, through the same `EngineCore.apply`: here the
 messages are handed over as objects instead of being encoded onto a pipe, so the two shapes differ only
 in where the core runs.
 """
@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from decode_service.engine_core.config import CoreConfig
 from decode_service.engine_core.core import EngineCore
-from decode_service.engine_core.core_boundary import CoreBoundary
 from decode_service.engine_core.messages import Abort, CoreStats, Pong, StepOut, StopAt, Submit
 from engine.engine import Engine
 
@@ -38,22 +37,21 @@ class InProcessCore:
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._on_step = on_step
-        self._boundary = CoreBoundary(engine, config, self._hand_over, model_fingerprint)
-        self.core: EngineCore = self._boundary.core
-        self.grammars = self._boundary.grammars
+        self.core = EngineCore(engine, config, self._hand_over, model_fingerprint)
+        self.grammars = self.core.grammars
 
     @property
     def stats(self) -> CoreStats:
-        return self._boundary.stats()
+        return self.core.stats()
 
     def submit(self, request: Submit) -> None:
-        self._boundary.apply(request)
+        self.core.apply(request)
 
     def abort(self, request_id: str) -> None:
-        self._boundary.apply(Abort(request_id))
+        self.core.apply(Abort(request_id))
 
     def stop_at_string(self, request_id: str, index: int, stop: str) -> None:
-        self._boundary.apply(StopAt(request_id, index, stop))
+        self.core.apply(StopAt(request_id, index, stop))
 
     def start(self, warm_up: bool = True) -> None:
         self.grammars.start(warm_up)

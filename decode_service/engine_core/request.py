@@ -3,7 +3,7 @@
 The engine only knows tokens and blocks. Priority, tenant, arrival order, preemption count and the
 timings reported to the client belong to the tier that owns the queue, so they live here. These are
 the core's own objects: the front door never sees them, only the `engine_core.messages` made of them
-(`core_boundary`).
+(`core`).
 """
 
 from __future__ import annotations
