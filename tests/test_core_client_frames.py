@@ -1,4 +1,4 @@
-"""The front door's non-blocking pipe ends (`engine_core.pipe_frames`): frames `multiprocessing`'s
+"""The front door's non-blocking pipe ends (`engine_core.core_client`): frames `multiprocessing`'s
 `Connection` reads and writes, an event loop that never waits on a full or half-written pipe, and
 the ends of a pipe reported once."""
 
@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from decode_service.engine_core.pipe_frames import FrameReader, FrameWriter, frame_header
+from decode_service.engine_core.core_client import FrameReader, FrameWriter, frame_header
 
 PIPE_CAPACITY = 64 * 1024  # Linux's default; the payloads below are far larger in all
 
