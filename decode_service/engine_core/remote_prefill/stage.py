@@ -40,7 +40,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from base.auth import channel_credentials
-from decode_service.engine_core.prefill_stage import PrefillStage, StageFailure, plan_local_chunks
 from decode_service.engine_core.remote_prefill.client import PrefillClient
 from decode_service.engine_core.remote_prefill.config import RemotePrefillConfig
 from decode_service.engine_core.remote_prefill.pool import PrefillPool
@@ -52,6 +51,7 @@ from decode_service.engine_core.remote_prefill.transfer import (
     PrefillTransferStats,
 )
 from decode_service.engine_core.request import ServedRequest
+from decode_service.engine_core.scheduler import PrefillStage, StageFailure, plan_local_chunks
 from engine.engine import Engine, TokenOutput
 from engine.model_runner import ScheduledChunk
 from kv_transfer import PagedKV
