@@ -49,6 +49,8 @@ class SpeculativeConfig:
     initial_acceptance: float = 0.6
     smoothing: float = 0.2
     probe_steps: int = 16
+    # Set from `method`: a plain attribute, read on every step.
+    enabled: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,10 +66,7 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-disable-by-batch-size must be >= 1, got {self.disable_by_batch_size}"
             )
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none"
+        object.__setattr__(self, "enabled", self.method != "none")
 
 
 class NgramDrafts:

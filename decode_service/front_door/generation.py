@@ -35,7 +35,12 @@ from decode_service.front_door.config import FrontDoorConfig
 from decode_service.front_door.constraints import Constraints, may_compile
 from decode_service.front_door.reasoning import ReasoningEnd
 from decode_service.front_door.streams import Mailbox, StreamHub, choices_left_after, coalesce, is_last
-from decode_service.front_door.validation import ValidationPool, build_request, skips_special_tokens
+from decode_service.front_door.validation import (
+    ValidationPool,
+    build_request,
+    skips_special_tokens,
+    uses_agent_fields,
+)
 from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2 as pb
 from serving.errors import RelayedStatusError
@@ -185,7 +190,7 @@ class Generations:
                 self.config.max_tokens_cap,
                 tenant if self.config.cache_salt_by_tenant else None,
                 self._constraints,
-                constrained=may_compile(request),
+                constrained=uses_agent_fields(request) and may_compile(request),
             )
             submitted.submission = next(self._submissions)
             submitted.priority = priority

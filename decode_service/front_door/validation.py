@@ -10,13 +10,12 @@ min_p 0, no seed; `max_tokens` unset means "until the context is full", capped b
 `max_tokens_cap` (and never less than 1, so an over-long prompt is reported as such).
 
 Validation runs off the event loop (`ValidationPool`), with cheap requests never queued behind costly
-ones. Building a sequence tokenizes text prompts, which for a large prompt costs seconds and hundreds
-of MB, and compiles constraints (JSON schemas, regexes, grammars), which may take up to the server's
-compile timeout. So each kind of cost has its own lane: token-id and short-text requests go to one
-thread, large texts to another, constrained requests with short prompts whose constraint has not
-compiled lately to threads of their own, which wait their tenant's turn at the compiler; at most a
-bounded number of large or constrained ones may wait or run at once in their lane (more get
-RESOURCE_EXHAUSTED). A flood of huge prompts or slow schemas then delays only its own kind.
+ones. Building a request tokenizes text prompts, which for a large prompt costs seconds and hundreds
+of MB, and parses constraints (JSON schemas, regexes, grammars; the engine core compiles them). So
+each kind of cost has its own lane: token-id and short-text requests go to one thread, large texts to
+another, constrained requests with short prompts to threads of their own; at most a bounded number of
+large or constrained ones may wait or run at once in their lane (more get RESOURCE_EXHAUSTED). A flood
+of huge prompts or deep schemas then delays only its own kind.
 """
 
 from __future__ import annotations
@@ -173,6 +172,12 @@ def skips_special_tokens(request: pb.GenerateRequest, keep_special_tokens: bool)
     return asked and not keep_special_tokens
 
 
+def uses_agent_fields(request: pb.GenerateRequest) -> bool:
+    """Whether `request` sets tools, tool_choice or structured_output; a request that sets none of them
+    skips their parsing."""
+    return bool(request.tools) or request.HasField("tool_choice") or request.HasField("structured_output")
+
+
 def build_request(
     request: pb.GenerateRequest,
     request_id: str,
@@ -189,11 +194,14 @@ def build_request(
     `constraints` a constrained request is refused.
     """
     sampling = sampling_params(request.sampling, model.vocab_size)
-    tools = parse_tools(request)
-    spec = grammar_spec(request, tools)
-    ids = prompt_token_ids(request, model, rendered_tools(request, tools))
+    tools, spec, shown_tools = [], None, []
+    if uses_agent_fields(request):
+        tools = parse_tools(request)
+        spec = grammar_spec(request, tools)
+        shown_tools = rendered_tools(request, tools)
+    ids = prompt_token_ids(request, model, shown_tools)
     stopping = stopping_params(request, len(ids), model, max_tokens_cap)
-    grammar = (constraints or Constraints(None)).check(spec, ids)
+    grammar = None if spec is None else (constraints or Constraints(None)).check(spec, ids)
     model.check_request(ids, sampling, stopping)
     check_fits_pool(model, len(ids), stopping.max_tokens)
     return Submit(
