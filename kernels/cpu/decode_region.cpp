@@ -16,7 +16,7 @@
 // where its keys are rotated, one thread ropes and rotates every row with torch's matmul while the others wait.
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstring>

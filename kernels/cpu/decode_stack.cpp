@@ -13,7 +13,7 @@
 // A step whose rows all run on the GEMVs goes on to decode_region.cpp, which runs the
 // same kernels for the whole stack inside one parallel region.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include "kernels.h"
 

@@ -4,7 +4,7 @@
 // decode step. fp32 only; the arithmetic follows Hugging Face's order (statistics in fp32, weight
 // applied after normalising) so greedy decoding still matches it.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -21,7 +21,7 @@
 // one, on the instruction set the GEMVs use (`current_gemv_isa`, which tests narrow).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

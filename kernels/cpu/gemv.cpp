@@ -9,7 +9,7 @@
 // re-read the 4 W rows from L1. The inner loop is AVX-512 or AVX2+FMA, chosen at run time from the
 // CPU's features, with a plain C++ loop where neither is present.
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <atomic>
 #include <optional>

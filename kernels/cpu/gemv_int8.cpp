@@ -17,7 +17,7 @@
 // bandwidth the same bytes read at. Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstring>

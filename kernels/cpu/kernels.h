@@ -1,7 +1,7 @@
 // The CPU kernels one translation unit offers another (and the bindings expose to Python).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <optional>
 #include <string>

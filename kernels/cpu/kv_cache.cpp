@@ -3,7 +3,7 @@
 // step; here it is one pass of row copies. A quantized cache (int8 or fp8 e4m3, with scale caches)
 // gets each (token, KV head) row quantized on the way, as `torch_reference.quantize_kv` defines it.
 #include <c10/util/Float8_e4m3fn.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -10,7 +10,7 @@
 // ties go to the lowest index.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>

@@ -15,7 +15,7 @@
 // for every query of the GQA group and made int8 attention slower than fp32's, not faster.
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <array>

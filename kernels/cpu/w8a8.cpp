@@ -14,7 +14,7 @@
 // reassociation, reciprocals or contraction (`kExactFloat`), so they equal torch's bit for bit.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>
