@@ -156,3 +156,12 @@ def test_one_generate_on_a_real_server_is_traced_in_both_processes(real_model_di
     assert set(result["in_both"]) <= set(processes[FRONT_DOOR]["files"]) & set(
         processes[ENGINE_CORE]["files"]
     )
+    # Only the message's parameter types run on both sides of the pipe.
+    assert result["in_both"] == ["engine/params.py"]
+    # A request without tools, constraints or speculation enters none of their modules.
+    for module in (
+        "decode_service/front_door/constraints.py",
+        "decode_service/engine_core/grammar_gate.py",
+        "engine/speculation.py",
+    ):
+        assert module not in result["union"], module
