@@ -202,7 +202,10 @@ class EngineCore:
         if isinstance(command, Submit):
             try:
                 request = served_request(command)
-                (loop.submit if request.grammar is None else self.grammars.submit)(request)
+                if request.grammar is None:
+                    loop.submit(request)
+                else:  # the gate hands it to the loop once its grammar is compiled
+                    self.grammars.submit(request)
             except Exception as exc:
                 self._refuse(command, exc)
         elif isinstance(command, Abort):
