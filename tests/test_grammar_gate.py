@@ -110,7 +110,7 @@ def test_a_plain_request_after_a_compiling_one_runs_while_the_compile_does(gated
     harness, gate, release, compiling, _ = gated
     gate.submit(constrained(harness, "slow-schema"))
     assert compiling.wait(60)
-    gate.submit(plain(harness, "plain"))
+    harness.loop.submit(plain(harness, "plain"))
     harness.loop.run_until_idle()
     # The plain request finished while the compile still held the constrained one back.
     assert harness.finish["plain"] is FinishReason.LENGTH and len(harness.tokens["plain"]) == 3

@@ -176,12 +176,11 @@ class GrammarGate:
     # -- the engine loop's interface ---------------------------------------------------------------
 
     def submit(self, request: ServedRequest) -> None:
-        """Hand `request` to the loop, once its grammar is compiled when it has one; raises the cached
-        refusal of its constraint, or a QueueFullError when its tenant has too many compiles waiting."""
+        """Hand a constrained `request` to the loop once its grammar is compiled (a request without one
+        goes to the loop directly: `EngineCore.apply`); raises the cached refusal of its constraint, or a
+        QueueFullError when its tenant has too many compiles waiting."""
         source = request.grammar
-        if source is None or request.seq.grammar is not None:
-            self.loop.submit(request)
-            return
+        assert source is not None, "the gate takes constrained requests only"
         key = (source.kind, source.source)
         with self._condition:
             compiled = self.cache.get(key)
