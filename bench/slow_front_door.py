@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decode_service.engine_core.core_main import MAX_QUEUED
+    from decode_service.engine_core.core import MAX_QUEUED
 
     results = []
     for streams in args.streams:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(path: str, streams: int, top_logprobs: int, step_s: float, pause_s: float) -> dict:
     """One run: steps for the pause and one second more, the reader paused for the first `pause_s`."""
-    from decode_service.engine_core.core_main import StepWriter
+    from decode_service.engine_core.core import StepWriter
     from decode_service.engine_core.messages import StepOut, command_encoder
 
     receive, send = multiprocessing.Pipe(duplex=False)

@@ -11,12 +11,12 @@ One `Generate`, in the order its code runs:
    limits (`front_door.admission`), reserves a stream (`front_door.streams`), and has
    `front_door.validation` tokenize and check the request off the event loop, which makes an
    `engine_core.messages.Submit`.
-2. `engine_core.core_client` sends it down the pipe; in the core process `engine_core.core_main` reads
-   it and `engine_core.core.EngineCore.apply` makes it an `engine_core.request.ServedRequest`.
+2. `engine_core.core_client` sends it down the pipe; in the core process `engine_core.core.run_core`
+   reads it and `engine_core.core.EngineCore.apply` makes it an `engine_core.request.ServedRequest`.
 3. `engine_core.engine_loop` steps: `engine_core.scheduler` (with `engine_core.policies`) picks the
    batch, `engine.engine` runs it (`engine.block_manager`, `engine.model_runner`,
    `engine.models.decoder`, `engine.sampler`, the `kernels`).
-4. Each step's `StepOut` goes back through `core_main`'s writer; `server` hands it to `metrics` and
+4. Each step's `StepOut` goes back through the core's `StepWriter`; `server` hands it to `metrics` and
    the streams, `front_door.choice_text` turns tokens into text (detokenizer, stop strings, parsers),
    and the servicer writes the responses.
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from decode_service.engine_core import core_main
-from decode_service.engine_core.core_main import Reply, StepWriter
+from decode_service.engine_core import core
+from decode_service.engine_core.core import Reply, StepWriter
 from decode_service.engine_core.messages import Pong, command_encoder, core_message_decoder
 
 GUARD_S = 30.0
@@ -60,7 +60,7 @@ def numbers(frames: list[bytes]) -> list[int]:
 
 
 def events(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.event for record in caplog.records if record.name == core_main.logger.name]
+    return [record.event for record in caplog.records if record.name == core.logger.name]
 
 
 def test_messages_leave_in_order_encoded_on_the_writer_thread():
@@ -102,7 +102,7 @@ def test_a_broken_pipe_is_logged_once_and_the_rest_drains(caplog):
     receive.close()
     writer = StepWriter(send, max_queued=2)
     producer = Producer(writer, 20)
-    with caplog.at_level(logging.INFO, logger="decode_service.engine_core.core_main"):
+    with caplog.at_level(logging.INFO, logger="decode_service.engine_core.core"):
         producer.start()
         producer.join(GUARD_S)
         assert writer.close()
@@ -115,7 +115,7 @@ def test_close_returns_when_the_reader_never_reads(caplog):
     writer = StepWriter(pipe, max_queued=1)  # type: ignore[arg-type]
     writer.put(Pong(0))
     writer.put(Pong(1))
-    with caplog.at_level(logging.WARNING, logger="decode_service.engine_core.core_main"):
+    with caplog.at_level(logging.WARNING, logger="decode_service.engine_core.core"):
         assert not writer.close(timeout=0.2)
     assert events(caplog) == ["core replies unflushed"]
     pipe.gate.set()

@@ -4,6 +4,6 @@ The continuous (or static) scheduler and its policies, the engine loop thread, a
 remote from a prefill tier with its KV writes). Inside, it knows requests as `request.ServedRequest`
 and answers with `request.StreamDelta`s; at its boundary (`core.EngineCore.apply`) the front door sends it
 `messages.Submit` and reads `messages.StepOut`, whether the core runs on a thread of the server
-(`in_process`) or in a process of its own (`core_client`, `core_main`). It never imports the front
+(`in_process`) or in a process of its own (`core_client`, `core.run_core`). It never imports the front
 door (`decode_service.front_door`).
 """

@@ -4,8 +4,8 @@ receives (`CoreConfig`), each part read by the code that owns it, and the `CoreS
 `decode_service.config.DecodeServiceConfig` holds the flags and hands the core its parts; the core reads
 nothing else, so it never sees the front door's settings (HTTP limits, the auth token) or its code.
 `CoreSpec` lives here, not with either end of the pipe, because both ends need it: the server's
-`core_client` ships it at spawn and the core's `core_main` receives it, and the core never imports
-`core_client` (which imports `core_main` only to name the spawn target).
+`core_client` ships it at spawn and the core's `core.run_core` receives it, and the core never imports
+`core_client` (which imports `core` only to name the spawn target).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The front door's end of the pipe to an engine core in a process of its own: `CoreProcess`.
 
 The server process keeps gRPC, HTTP, validation, tokenization, the streams and their text; the core
-process (`core_main`) loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill)
+process (`core.run_core`) loads the model and runs `EngineCore` (scheduler, engine loop, remote prefill)
 with its own GIL. Between them, two pipes carrying `engine_core.messages`: one `Commands` per batch of
 submissions and aborts, one `StepOut` per engine step with every request's new tokens. This module is
 the server's side alone: nothing in it runs in the core process, and the core's code runs here only to
-be named as the spawn target (`core_main.run_core`, imported when the core is started).
+be named as the spawn target (`core.run_core`, imported when the core is started).
 
 `CoreProcess` is a `messages.CoreClient` (`submit`, `abort`, `stop_at_string`; and `start`,
 `wait_ready`, `stop`), as `in_process.InProcessCore` is, so the front door and the server shell use
@@ -135,7 +135,7 @@ class CoreProcess:
     def start(self, warm_up: bool = True) -> None:
         """Spawn the core; it loads the model, warms up, then says it is ready (see `wait_ready`)."""
         # The core's module, imported here only to name its entry for the spawned process to import.
-        from decode_service.engine_core.core_main import run_core
+        from decode_service.engine_core.core import run_core
 
         self._loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("spawn")

@@ -5,7 +5,7 @@ wait in the stage until the step collects them); each step delivers every reques
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
 It runs on a thread of the server process (`--engine-in-process`, tests) or of the engine-core process
-(`engine_core.core_main`); the front door reaches either through `core.EngineCore.apply`.
+(`engine_core.core.run_core`); the front door reaches either through `core.EngineCore.apply`.
 """
 
 from __future__ import annotations
