@@ -23,7 +23,7 @@ from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from decode_service.front_door.choice_text import REPLACEMENT_CHAR, IncrementalDetokenizer
 from engine.engine import GenerateRequest
 from engine.grammar import GrammarState, control_free_tokens
 from engine.params import SamplingParams, StoppingParams

@@ -18,8 +18,14 @@ from tiny_tokenizer import (
 )
 
 from base.errors import InvalidRequestError, ModelNotFoundError
-from decode_service.front_door.choice_text import ChoiceText, TextPiece
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, stop_automaton
+from decode_service.front_door.choice_text import (
+    REPLACEMENT_CHAR,
+    ChoiceText,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TextPiece,
+    stop_automaton,
+)
 from engine.params import StoppingParams
 from engine.tokenizer import Tokenizer
 
