@@ -77,11 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-prefills-per-step",
-        type=int,
-        default=0,
-        help="prompts prefilled in one step, at most; 1 gives prompts that arrive together their first "
-        "tokens one after another rather than all at the end of one long step, which lowers median TTFT "
-        "on a CPU (default: 0, no limit)",
+        type=_prefills_per_step,
+        default=None,
+        metavar="auto|N",
+        help="prompts prefilled in one step, at most. auto: on a CPU, per step, the count that gives the "
+        "waiting prompts the least mean time to first token (one at a time when little else runs, more "
+        "beside many decode rows), no cap on a GPU; 0: no cap (the token budget alone); N: at most N "
+        "(default: auto)",
     )
     parser.add_argument("--policy", default="fifo", choices=["fifo", "priority", "sjf", "wfq"])
     parser.add_argument(
@@ -127,6 +129,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_limit_arguments(parser)
     _add_structured_output_arguments(parser)
     _add_speculative_arguments(parser)
+
+
+def _prefills_per_step(value: str) -> int | None:
+    """`--max-prefills-per-step`: `auto` (None) or a count, 0 for no cap."""
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {value!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {value!r}")
+    return count
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:

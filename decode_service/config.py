@@ -52,7 +52,7 @@ class DecodeServiceConfig(ServerConfig):
     stream_interval: int = 1
     max_preemptions: int = 3
     admission_watermark: float = 0.01
-    max_prefills_per_step: int = 0
+    max_prefills_per_step: int | None = None
     prefill: str = ""
     local_prefill_threshold: int = 0
     fallback_local: bool = False

@@ -163,6 +163,20 @@ def test_serve_decode_accepts_the_helm_chart_flags():
         build_parser().parse_args(["serve", "decode", "--model", "m", "--policy", "random"])
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, None), ("auto", None), ("0", 0), ("3", 3)])
+def test_max_prefills_per_step_takes_auto_or_a_count(value, expected):
+    flag = [] if value is None else ["--max-prefills-per-step", value]
+    args = build_parser().parse_args(["serve", "decode", "--model", "m", *flag])
+    assert service_config_from_args(args).scheduler.max_prefills_per_step == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5", ""])
+def test_max_prefills_per_step_refuses_other_values(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "decode", "--model", "m", "--max-prefills-per-step", value])
+    assert f"expected auto or a count >= 0, got {value!r}" in capsys.readouterr().err
+
+
 def test_flags_become_engine_and_service_configs(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_AUTH_TOKEN", raising=False)
     token_file = tmp_path / "token"

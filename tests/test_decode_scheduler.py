@@ -14,7 +14,13 @@ from decode_service.config import DecodeServiceConfig
 from decode_service.engine_core.engine_loop import EngineLoop
 from decode_service.engine_core.policies import make_policy
 from decode_service.engine_core.request import RequestState, ServedRequest, StreamDelta
-from decode_service.engine_core.scheduler import ContinuousScheduler, StaticScheduler
+from decode_service.engine_core.scheduler import (
+    DECODE_ROW_TOKENS,
+    STEP_COST_TOKENS,
+    ContinuousScheduler,
+    StaticScheduler,
+    prefills_for_least_ttft,
+)
 from decode_service.engine_core.step_record import StepRecord
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
@@ -156,6 +162,88 @@ def test_max_prefills_per_step_spreads_prompts_that_arrive_together(hf_model, ma
     per_step = [len(e.prefill_ids) for e in events if e.prefill_ids]
     assert per_step == ([4] if max_prefills == 0 else [max_prefills] * (4 // max_prefills))
     for i, prompt in enumerate(prompts):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "tokens", "decode_rows", "expected"),
+    [
+        (1, 500, 0, 1),
+        (4, 400, 0, 1),  # a chat turn's prompts arriving together with nothing decoding: one per step
+        (64, 12_800, 0, 1),  # a burst of 200-token prompts before anything decodes
+        (64, 12_800, 8, 3),  # the same beside 8 decode rows, which every extra step runs again
+        (56, 11_200, 64, 6),
+        (64, 640, 0, 6),  # short prompts share steps even with nothing decoding
+    ],
+)
+def test_prefills_for_least_ttft_weighs_the_step_cost_against_the_prompts(
+    prompts, tokens, decode_rows, expected
+):
+    assert prefills_for_least_ttft(prompts, tokens, decode_rows) == expected
+
+
+def _mean_end_time(num_prompts: int, prompt_tokens: int, step_cost: float, per_step: int) -> float:
+    """The mean step end at which each of `num_prompts` equal prompts is prefilled, `per_step` a step."""
+    elapsed = total = 0.0
+    left = num_prompts
+    while left:
+        taken = min(per_step, left)
+        elapsed += step_cost + taken * prompt_tokens
+        total += taken * elapsed
+        left -= taken
+    return total / num_prompts
+
+
+def test_prefills_for_least_ttft_is_near_the_best_count_of_its_cost_model():
+    """Against every count from 1 to n on the same cost model, steps of whole equal prompts: the closed
+    form's choice gives a mean time to first token within 5% of the least."""
+    for num_prompts, prompt_tokens, decode_rows in itertools.product(
+        (2, 3, 4, 8, 16, 64, 200), (1, 5, 20, 80, 200, 1000), (0, 1, 4, 16, 64)
+    ):
+        step_cost = STEP_COST_TOKENS + DECODE_ROW_TOKENS * decode_rows
+        chosen = prefills_for_least_ttft(num_prompts, num_prompts * prompt_tokens, decode_rows)
+        best = min(
+            _mean_end_time(num_prompts, prompt_tokens, step_cost, k) for k in range(1, num_prompts + 1)
+        )
+        chosen_time = _mean_end_time(num_prompts, prompt_tokens, step_cost, chosen)
+        assert chosen_time <= 1.05 * best, (num_prompts, prompt_tokens, decode_rows, chosen)
+
+
+def test_auto_prefills_prompts_arriving_together_one_per_step(hf_model):
+    """The default (`auto`) on a CPU: four 24-token prompts with nothing decoding get a step each, where
+    the token budget alone would prefill all four in one, and every answer still matches HF."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=128)
+    harness = Harness(engine)
+    assert harness.config.max_prefills_per_step is None
+    prompts = random_prompts(4, 24, min_len=24, max_len=24)
+    for i, prompt in enumerate(prompts):
+        harness.submit(f"r{i}", prompt, 4)
+    events = harness.run()
+
+    assert [len(e.prefill_ids) for e in events if e.prefill_ids] == [1, 1, 1, 1]
+    for i, prompt in enumerate(prompts):
+        assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
+
+
+def test_auto_prefills_prompts_together_beside_many_decode_rows(hf_model):
+    """With eight sequences decoding, four 8-token prompts arriving together share a step (three, then
+    one): a step of its own for each would run the eight decode rows three more times."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=200, max_num_seqs=12, max_num_batched_tokens=128)
+    harness = Harness(engine)
+    running = random_prompts(8, 16, min_len=16, max_len=16)
+    for i, prompt in enumerate(running):
+        harness.submit(f"d{i}", prompt, 30)
+    while len(harness.scheduler.running) < len(running):
+        harness.loop.step_once()
+    arriving = random_prompts(4, 8, min_len=8, max_len=8)
+    for i, prompt in enumerate(arriving):
+        harness.submit(f"r{i}", prompt, 4)
+    events = harness.run()
+
+    late = [e for e in events if e.prefill_ids and e.prefill_ids <= {f"r{i}" for i in range(4)}]
+    assert [len(e.prefill_ids) for e in late] == [3, 1]
+    assert all(len(e.decode_ids) >= 8 for e in late)
+    for i, prompt in enumerate(arriving):
         assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
 
 

@@ -414,7 +414,7 @@ def test_served_model_name_and_http_node_port_follow_values(helm: Path, tmp_path
     assert (http["port"], http["nodePort"]) == (8080, 30080)
 
 
-def test_max_prefills_per_step_reaches_decode_only_when_set(helm: Path, tmp_path: Path) -> None:
+def test_max_prefills_per_step_reaches_decode_unless_auto(helm: Path, tmp_path: Path) -> None:
     def decode_args(values: dict) -> list[str]:
         manifests = parse_manifests(
             run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout
@@ -423,6 +423,7 @@ def test_max_prefills_per_step_reaches_decode_only_when_set(helm: Path, tmp_path
 
     assert "--max-prefills-per-step" not in decode_args({})
     assert arg_value(decode_args({"decode": {"maxPrefillsPerStep": 1}}), "--max-prefills-per-step") == "1"
+    assert arg_value(decode_args({"decode": {"maxPrefillsPerStep": 0}}), "--max-prefills-per-step") == "0"
 
 
 def test_prefix_caching_values_reach_both_tiers(helm: Path, tmp_path: Path) -> None:

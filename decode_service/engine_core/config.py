@@ -36,10 +36,12 @@ class SchedulerConfig:
     never the victim again while others are (bounded thrash). wfq remembers at most `max_idle_tenants`
     idle tenants' leads. `admission_watermark` is the share of the KV pool admission leaves free.
 
-    `max_prefills_per_step` (0: no limit) caps the prompts that take prefill tokens in one step. Prompts
-    that arrive together otherwise share one step and all get their first token when it ends; on a CPU,
-    where a prefill token costs about the same in any batch, prefilling them one after another gives
-    the first its token sooner and the last no later (`bench/README.md`, "Decode replicas").
+    `max_prefills_per_step` caps the prompts that take prefill tokens in one step: None (the default,
+    `auto`) lets the scheduler choose per step on a CPU (`scheduler.prefills_for_least_ttft`) and sets no
+    cap on a GPU, 0 sets none, N at most N. Prompts that arrive together otherwise share one step and
+    all get their first token when it ends; on a CPU, where a prefill token costs about the same in any
+    batch, prefilling them one after another gives the first its token sooner and the last no later,
+    while each extra step costs every running decode row again.
     """
 
     policy: str = "fifo"
@@ -50,7 +52,7 @@ class SchedulerConfig:
     static_batch_timeout_s: float = 0.1
     max_preemptions: int = 3
     admission_watermark: float = 0.01
-    max_prefills_per_step: int = 0
+    max_prefills_per_step: int | None = None
 
     def validate(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -63,7 +65,7 @@ class SchedulerConfig:
             raise ConfigError(f"static_batch_timeout_s must be >= 0, got {self.static_batch_timeout_s}")
         if self.max_idle_tenants < 1:
             raise ConfigError(f"max_idle_tenants must be >= 1, got {self.max_idle_tenants}")
-        if self.max_prefills_per_step < 0:
+        if self.max_prefills_per_step is not None and self.max_prefills_per_step < 0:
             raise ConfigError(f"--max-prefills-per-step must be >= 0, got {self.max_prefills_per_step}")
 
 

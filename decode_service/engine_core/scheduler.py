@@ -23,6 +23,8 @@ The scheduler is single-threaded: only the engine loop thread calls it.
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -42,6 +44,30 @@ logger = logging.getLogger(__name__)
 
 
 StageFailure = tuple[ServedRequest, Exception]
+
+# The step cost model of `prefills_for_least_ttft`, in units of one prompt token's prefill on a CPU: a step
+# costs about STEP_COST_TOKENS whatever it runs (reading every weight once, the step's own Python), and
+# each decode row about DECODE_ROW_TOKENS (attention over its whole context, a GEMM's rows at a size where
+# it runs below its peak). bench/README.md ("Prompts arriving together") has the measurements.
+STEP_COST_TOKENS = 6.0
+DECODE_ROW_TOKENS = 2.0
+
+
+def prefills_for_least_ttft(num_prompts: int, uncomputed_tokens: int, decode_rows: int) -> int:
+    """How many of `num_prompts` prompts waiting for prefill (`uncomputed_tokens` in all) one step should
+    take, beside `decode_rows` decode rows, for the least mean time to their first tokens.
+
+    Prefilling k of n prompts of p tokens each step ends them after n/k steps of cost c + k·p each, where
+    c is what a step costs besides its prompts (its fixed part and its decode rows); the mean of those end
+    times, (c + k·p)(n/k + 1)/2, is least at k = sqrt(n·c/p). So prompts that arrive together with little
+    else running go one per step (each step costs little beyond its prompt, and the first answer starts
+    early), and prompts beside many decode rows share steps (an extra step would cost every row again).
+    """
+    if num_prompts <= 1:
+        return 1
+    mean_tokens = max(uncomputed_tokens / num_prompts, 1.0)
+    step_cost = STEP_COST_TOKENS + DECODE_ROW_TOKENS * decode_rows
+    return max(1, round(math.sqrt(num_prompts * step_cost / mean_tokens)))
 
 
 class PrefillStage(ABC):
@@ -119,6 +145,9 @@ class StepPlan:
 class ContinuousScheduler:
     """Continuous batching with chunked prefill, policy-ordered admission and preemption."""
 
+    # Whether `--max-prefills-per-step auto` chooses each step's prefills (`prefills_for_least_ttft`).
+    chooses_prefills = True
+
     def __init__(
         self,
         engine: Engine,
@@ -141,6 +170,11 @@ class ContinuousScheduler:
                 "so that every running sequence gets its token each step"
             )
         self.watermark_blocks = int(config.admission_watermark * engine.num_blocks)
+        # `auto` chooses the prefills of each step on a CPU only: on a GPU a prefill token costs little
+        # beside a step's fixed cost, and batching prompts raises the kernels' arithmetic intensity.
+        self._auto_prefills = (
+            self.chooses_prefills and config.max_prefills_per_step is None and engine.device.type == "cpu"
+        )
         # Sliding-window groups take a local prefill's blocks chunk by chunk (`Engine.admit`).
         manager = engine.block_manager
         self._grows_chunks = manager.num_groups > 1 and manager.sliding
@@ -225,7 +259,7 @@ class ContinuousScheduler:
         # Prompts admitted together that share a prefix: each reuses what the ones before it computed, and
         # the budget it no longer needs goes to the next prompt (which may catch up in turn).
         while True:
-            chunks = self.prefill_stage.plan_chunks(budget)[: self.config.max_prefills_per_step or None]
+            chunks = self.prefill_stage.plan_chunks(budget)[: self._max_prefills(len(plan.chunks))]
             if not sum([self.engine.catch_up_prefix(chunk.seq) for chunk in chunks]):
                 break
         for chunk in chunks:
@@ -233,6 +267,14 @@ class ContinuousScheduler:
                 self.engine.allocate(chunk.seq, chunk.seq.num_computed_tokens + chunk.num_tokens)
             plan.add(chunk, "prefill")
         return plan
+
+    def _max_prefills(self, decode_rows: int) -> int | None:
+        """The most prompts this step may prefill (None: as many as the token budget holds)."""
+        if self._auto_prefills:
+            # Every prompt this replica prefills itself, whole: a remote stage's transfers take no step.
+            pending = self.prefill_stage.plan_chunks(sys.maxsize)
+            return prefills_for_least_ttft(len(pending), sum(c.num_tokens for c in pending), decode_rows)
+        return self.config.max_prefills_per_step or None
 
     def _schedule_decodes(self, plan: StepPlan, now: float) -> int:
         """Give each running sequence its uncomputed tokens (one, unless a grammar forced more), most urgent
@@ -496,7 +538,10 @@ class StaticScheduler(ContinuousScheduler):
 
     Every member's blocks are reserved for prompt + max_tokens up front, as static batching does, so a
     batch never needs preemption; slots freed by early finishers stay empty until the batch ends.
+    The baseline prefills its batch as the token budget packs it, whatever `auto` would choose.
     """
+
+    chooses_prefills = False
 
     def _batch_in_flight(self) -> bool:
         return bool(self.running) or len(self.prefill_stage) > 0

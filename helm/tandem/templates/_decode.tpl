@@ -35,7 +35,7 @@
 - --max-model-len
 - {{ . | quote }}
 {{- end }}
-{{- if gt (int $d.maxPrefillsPerStep) 0 }}
+{{- if ne (toString $d.maxPrefillsPerStep) "auto" }}
 - --max-prefills-per-step
 - {{ $d.maxPrefillsPerStep | quote }}
 {{- end }}
