@@ -49,8 +49,8 @@ StageFailure = tuple[ServedRequest, Exception]
 # costs about STEP_COST_TOKENS whatever it runs (reading every weight once, the step's own Python), and
 # each decode row about DECODE_ROW_TOKENS (attention over its whole context, a GEMM's rows at a size where
 # it runs below its peak). bench/README.md ("Prompts arriving together") has the measurements.
-STEP_COST_TOKENS = 6.0
-DECODE_ROW_TOKENS = 2.0
+STEP_COST_TOKENS = 12.0
+DECODE_ROW_TOKENS = 1.5
 
 
 def prefills_for_least_ttft(num_prompts: int, uncomputed_tokens: int, decode_rows: int) -> int:
