@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-prefills-per-step",
         type=_prefills_per_step,
-        default=None,
+        default="auto",
         metavar="auto|N",
         help="prompts prefilled in one step, at most. auto: on a CPU, per step, the count that gives the "
         "waiting prompts the least mean time to first token (one at a time when little else runs, more "
