@@ -288,9 +288,18 @@ def never_read(
 def test_finished_but_unread_streams_free_their_slots(model_dir):
     """Capacity 2 and two never-read streams: every new client once got RESOURCE_EXHAUSTED for as long as
     the readers slept. Now the engine's finished work frees the slots at once. (The stall timeout is far
-    away here, so it is the finished work, not the stall, that makes room.)"""
-    server = start_server(model_dir, max_num_seqs=2, max_queue=0, stream_stall_timeout_s=600.0)
-    stalled = [never_read(server, f"{i}" * 1024, max_tokens=200) for i in range(2)]
+    away here, so it is the finished work, not the stall, that makes room.) Each answer carries 20
+    alternatives a token so that it overflows the window however many tokens a loaded loop merges into a
+    message; without them a busy machine merged 200 tokens into few enough messages to be sent whole."""
+    server = start_server(
+        model_dir,
+        max_num_seqs=2,
+        max_model_len=1024,
+        num_blocks=300,
+        max_queue=0,
+        stream_stall_timeout_s=600.0,
+    )
+    stalled = [never_read(server, f"{i}" * 1024, max_tokens=1000, logprobs=20) for i in range(2)]
     try:
         assert wait_until(lambda: len(server.server.registry) == 2)
         # The engine is done with both, and the event loop has seen their last tokens (what admission
