@@ -8,6 +8,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import engine_for, hf_greedy, random_prompts, tiny_hf_model
 
 from decode_service.config import DecodeServiceConfig
@@ -223,6 +224,27 @@ def test_auto_prefills_prompts_arriving_together_one_per_step(hf_model):
     assert [len(e.prefill_ids) for e in events if e.prefill_ids] == [1, 1, 1, 1]
     for i, prompt in enumerate(prompts):
         assert harness.tokens[f"r{i}"] == hf_greedy(hf_model, prompt, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_auto_spreads_prompts_only_for_the_continuous_scheduler_on_a_cpu(hf_model, device, batching):
+    """On a GPU a prefill token costs little beside a step's fixed cost, so `auto` sets no cap there; the
+    static baseline always packs. The scheduler reads the device once, when it is built: the harness is
+    built as if on a GPU, then the steps run on this machine's CPU."""
+    engine = engine_for(hf_model, block_size=8, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=128)
+    cpu = engine.device
+    engine.device = torch.device(device)
+    try:
+        harness = Harness(engine, batching=batching)
+    finally:
+        engine.device = cpu
+    for i, prompt in enumerate(random_prompts(4, 24, min_len=24, max_len=24)):
+        harness.submit(f"r{i}", prompt, 2)
+    events = harness.run()
+
+    spread = device == "cpu" and batching == "continuous"
+    assert [len(e.prefill_ids) for e in events if e.prefill_ids] == ([1, 1, 1, 1] if spread else [4])
 
 
 def test_auto_prefills_prompts_together_beside_many_decode_rows(hf_model):
