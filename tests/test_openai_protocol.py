@@ -233,6 +233,7 @@ def test_conflicting_constraints_are_refused_naming_both(fields, param):
     with pytest.raises(FieldError, match="one output constraint") as error:
         chat(**fields)
     assert error.value.param == param
+    assert str(error.value).startswith(param)
 
 
 @pytest.mark.parametrize(

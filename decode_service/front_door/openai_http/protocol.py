@@ -197,10 +197,11 @@ def _structured_output(
         options = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         given.update({f"structured_outputs.{kind}": (kind, value) for kind, value in options.items()})
     if len(given) > 1:
-        names = list(given)
-        raise FieldError(
-            names[1], f"{' and '.join(names)} are all set; a request may use one output constraint"
-        )
+        # The second constraint named is the one at fault; the message begins with it, as every
+        # FieldError begins with its parameter.
+        first, second, *rest = given
+        names = " and ".join([second, first, *rest])
+        raise FieldError(second, f"{names} are all set; a request may use one output constraint")
     if not given:
         return None, None
     ((param, (kind, value)),) = given.items()
