@@ -138,7 +138,7 @@ def _prefills_per_step(value: str) -> int | None:
     try:
         count = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {value!r}") from None
+        count = -1
     if count < 0:
         raise argparse.ArgumentTypeError(f"expected auto or a count >= 0, got {value!r}")
     return count

@@ -259,7 +259,9 @@ class ContinuousScheduler:
         # Prompts admitted together that share a prefix: each reuses what the ones before it computed, and
         # the budget it no longer needs goes to the next prompt (which may catch up in turn).
         while True:
-            chunks = self.prefill_stage.plan_chunks(budget)[: self._max_prefills(len(plan.chunks))]
+            chunks = self.prefill_stage.plan_chunks(budget)
+            if len(chunks) > 1:  # a step with one prompt or none, the usual decode step, needs no cap
+                chunks = chunks[: self._max_prefills(len(plan.chunks))]
             if not sum([self.engine.catch_up_prefix(chunk.seq) for chunk in chunks]):
                 break
         for chunk in chunks:
