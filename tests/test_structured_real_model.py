@@ -41,9 +41,10 @@ def test_every_corpus_schema_gets_a_valid_answer_greedy_and_sampled(server):
         answer(server, case, {"temperature": 0.0, "max_tokens": 1})
     jobs = [(case, {"temperature": 0.0}) for case in CORPUS]
     jobs += [(case, {"temperature": 1.0, "seed": seed}) for seed in (1, 2) for case in CORPUS]
-    # The server admits 16 constrained requests into validation at once (--max-validation-queue) and
-    # answers a 17th with 429; a busy core can hold all 24 there together, so at most 16 are in flight.
-    with ThreadPoolExecutor(max_workers=16) as pool:
+    # The server admits this many constrained requests into validation at once (--max-validation-queue)
+    # and answers one more with 429; a busy core can hold all 24 there together, so no more are in flight.
+    admitted = server.server._validation._constrained.max_queue
+    with ThreadPoolExecutor(max_workers=min(admitted, len(jobs))) as pool:
         answers = list(pool.map(lambda job: answer(server, *job), jobs))
     for (case, sampling), (finish, content) in zip(jobs, answers, strict=True):
         assert finish == "stop", (case.name, sampling, content)
