@@ -452,7 +452,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
-        kv_events=kv_events.KVEventsConfig.from_flag(args.kv_events_config),
+        kv_events=kv_events.KVEventsConfig.from_flag(args.kv_events_config, args.host),
     )
     config.validate()
     return config

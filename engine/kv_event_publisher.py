@@ -11,10 +11,22 @@ that stops reading slows nothing but itself.
 The sockets are opened (bound or connected) in the constructor, so a taken port or a bad endpoint fails
 at start with a ConfigError; after `start` only the thread touches them (ZMQ sockets are not
 thread-safe; starting a thread is the memory barrier that hands them over).
+
+Bind or connect: the replay ROUTER is always bound, as vLLM's. vLLM binds the PUB socket only for a
+`*` or `::` host, ipc:// or inproc:// and connects to any other, so an operator could not make it
+listen on one interface. Here a TCP endpoint is bound whenever its address is this machine's (the bind
+is tried), and connected only when it is not, which keeps vLLM's layout where the subscriber binds and
+each replica connects to it (llm-d's indexer behind a Service name).
+
+Both sockets receive from whoever reaches them (subscriptions on PUB, replay requests on ROUTER), and a
+peer may announce any frame size: ZMQ would allocate it and fill it with what the peer sends. Every
+socket therefore caps inbound messages (ZMQ_MAXMSGSIZE) to what a subscription or a replay request
+can be, and ZMQ drops the connection of a peer that announces more.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import queue
@@ -26,6 +38,7 @@ import msgspec
 import zmq
 
 from base.errors import ConfigError
+from engine import kv_event_endpoints
 from engine.kv_events import Event, KVEventBatch, KVEventsConfig
 
 logger = logging.getLogger(__name__)
@@ -35,11 +48,17 @@ POLL_SECONDS = 0.05
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 # One engine per replica: tandem has no data-parallel ranks, so every batch says rank 0.
 DATA_PARALLEL_RANK = 0
+# Room for ZMTP's own commands and a CURVE box around the largest message a peer has reason to send: a
+# subscription (one byte and a topic prefix; one longer than the topic matches nothing) or a replay
+# request (8 bytes).
+INBOUND_OVERHEAD_BYTES = 4096
+# What a failed bind says when the TCP address is not this machine's: connect to it instead.
+NOT_LOCAL = (errno.EADDRNOTAVAIL, errno.ENODEV)
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard, IPv6-any, ipc:// or inproc:// endpoint, connect to any other."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+def max_inbound_bytes(topic: bytes) -> int:
+    """The ZMQ_MAXMSGSIZE of every socket: the longest useful subscription, with room for the protocol."""
+    return INBOUND_OVERHEAD_BYTES + len(topic)
 
 
 class KVEventPublisher:
@@ -52,7 +71,9 @@ class KVEventPublisher:
         # Single writers each: batches the engine thread found no room for, and the thread failed to send.
         self._num_refused = 0
         self._num_failed = 0
+        config.validate()
         self._topic = config.topic.encode()
+        self.max_inbound_bytes = max_inbound_bytes(self._topic)
         self._numbers = itertools.count()
         self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(config.max_queue_size)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -62,39 +83,65 @@ class KVEventPublisher:
         self._context = zmq.Context()
         self._replay: zmq.Socket | None = None
         # Where the sockets are: a bound endpoint with its port resolved (`tcp://127.0.0.1:*` binds a
-        # free one), a connected one as given.
+        # free one), a connected one as given; `bound` says which the PUB socket is.
         self.endpoint = config.endpoint
+        self.bound = True
         self.replay_endpoint: str | None = None
         try:
-            self._pub = self._open(zmq.PUB, config.endpoint, "KV events endpoint", config.hwm)
-            if binds(config.endpoint):
+            self._pub = self._socket(zmq.PUB, config.endpoint, config.hwm)
+            self.bound = self._bind_or_connect(self._pub, config.endpoint, "KV events endpoint")
+            if self.bound:
                 self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if config.replay_endpoint is not None:
                 # Room for one whole replay per subscriber: a ROUTER drops what passes its high-water mark.
-                self._replay = self._open(
-                    zmq.ROUTER, config.replay_endpoint, "KV events replay endpoint", config.buffer_steps + 1
-                )
+                self._replay = self._socket(zmq.ROUTER, config.replay_endpoint, config.buffer_steps + 1)
+                self._bind(self._replay, config.replay_endpoint, "KV events replay endpoint")
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except ConfigError:
             self._context.destroy(linger=0)
             raise
 
-    def _open(self, kind: int, endpoint: str, what: str, hwm: int | None = None) -> zmq.Socket:
-        """A socket of `kind` bound to `endpoint` (a ROUTER always is, as vLLM's) or connected to it;
-        `hwm` is set first, so that it holds for a connection made now."""
+    def _socket(self, kind: int, endpoint: str, hwm: int) -> zmq.Socket:
+        """A socket of `kind` for `endpoint`, its options set before any connection exists so that they
+        hold for every one: no linger, `hwm`, the inbound cap, IPv6 for an IPv6 address."""
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
-        if hwm is not None:
-            socket.set_hwm(hwm)
-        try:
-            if kind == zmq.ROUTER or binds(endpoint):
-                socket.bind(endpoint)
-            else:
-                socket.connect(endpoint)
-        except zmq.ZMQError as exc:
-            socket.close(linger=0)
-            raise ConfigError(f"{what} {endpoint} is not available: {zmq.strerror(exc.errno)}") from None
+        socket.set_hwm(hwm)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_inbound_bytes)
+        if kv_event_endpoints.is_ipv6(endpoint):
+            socket.setsockopt(zmq.IPV6, 1)
         return socket
+
+    def _bind_or_connect(self, socket: zmq.Socket, endpoint: str, what: str) -> bool:
+        """Bind `socket` to `endpoint` (True), or connect it there when that is a TCP address of another
+        machine, which a bind cannot take (False): vLLM's publisher that connects to its subscriber."""
+        if kv_event_endpoints.split_tcp(endpoint) is None or kv_event_endpoints.is_wildcard(endpoint):
+            self._bind(socket, endpoint, what)
+            return True
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno not in NOT_LOCAL:
+                self._refuse(socket, endpoint, what, exc)
+        else:
+            return True
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._refuse(socket, endpoint, what, exc)
+        return False
+
+    def _bind(self, socket: zmq.Socket, endpoint: str, what: str) -> None:
+        try:
+            socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._refuse(socket, endpoint, what, exc)
+
+    @staticmethod
+    def _refuse(socket: zmq.Socket, endpoint: str, what: str, exc: zmq.ZMQError) -> None:
+        """Close `socket` and raise the ConfigError that names `endpoint` and why it could not be opened."""
+        socket.close(linger=0)
+        raise ConfigError(f"{what} {endpoint} is not available: {zmq.strerror(exc.errno)}") from None
 
     @property
     def num_dropped(self) -> int:
@@ -105,7 +152,7 @@ class KVEventPublisher:
         """Start the sending thread; batches published before it starts wait on the queue."""
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        where = self.endpoint if binds(self.config.endpoint) else f"to {self.endpoint}"
+        where = self.endpoint if self.bound else f"to {self.endpoint} (connected: not this machine's address)"
         replay = f", replay on {self.replay_endpoint}" if self.replay_endpoint is not None else ""
         logger.info("publishing KV events on %s%s", where, replay)
 

@@ -8,8 +8,10 @@ is the schema, the configuration and the recorder a `BlockManager` fills; the ZM
 
 Wire format (vLLM's `vllm/distributed/kv_events.py`, as vLLM 0.24-0.26 send it):
 
-- A ZMQ PUB socket at `endpoint`, bound when the endpoint has `*` or `::` or is `ipc://`/`inproc://`,
-  connected otherwise. Each batch is one 3-frame message: the topic (bytes), the sequence number
+- A ZMQ PUB socket at `endpoint`. vLLM binds it when the endpoint has `*` or `::` or is
+  `ipc://`/`inproc://` and connects otherwise; tandem reads a `*` host as the server's `--host` and also
+  binds a TCP address of this machine, connecting only to one elsewhere (`engine.kv_event_endpoints`,
+  `engine.kv_event_publisher`). Each batch is one 3-frame message: the topic (bytes), the sequence number
   (8-byte big-endian unsigned; 0 first, one more per batch) and the msgpack payload. A number is taken
   when the batch is queued, so a batch dropped on a full queue leaves a gap subscribers can see.
 - The payload is the batch as a msgpack array `[ts, events, data_parallel_rank]`: a float Unix time,
@@ -27,8 +29,9 @@ Wire format (vLLM's `vllm/distributed/kv_events.py`, as vLLM 0.24-0.26 send it):
 - A model with several KV groups (sliding-window layers, `engine.kv_layout`) sends `group_idx`,
   `kv_cache_spec_kind` ("full_attention" or "sliding_window") and the window; a one-group layout
   leaves them out.
-- Replay: with `replay_endpoint`, a ROUTER socket bound there. A subscriber (DEALER, or REQ, which adds
-  the empty delimiter itself) sends `[b"", start_seq]` (8-byte big-endian); the answer is one
+- Replay: with `replay_endpoint` (a `*` host again the server's `--host`), a ROUTER socket bound there.
+  A subscriber (DEALER, or REQ, which adds the empty delimiter itself) sends `[b"", start_seq]`
+  (8-byte big-endian); the answer is one
   `[b"", seq, payload]` per batch kept (the last `buffer_steps`) with seq >= start_seq, then
   `[b"", -1 as 8-byte signed big-endian, b""]`.
 
@@ -42,12 +45,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgspec
 
 from base.errors import ConfigError
+from engine import kv_event_endpoints
 
 # The flag both tiers take the config from, named in every error about it, and its help.
 FLAG = "--kv-events-config"
@@ -125,9 +129,10 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
     @classmethod
-    def from_flag(cls, text: str | None) -> KVEventsConfig:
-        """The validated config a `--kv-events-config` JSON object describes (None: events off);
-        ConfigError names what is wrong (bad JSON, an unknown field, a wrong type or value)."""
+    def from_flag(cls, text: str | None, host: str) -> KVEventsConfig:
+        """The validated config a `--kv-events-config` JSON object describes (None: events off), its `*`
+        hosts bound to the server's `host` (`on_host`); ConfigError names what is wrong (bad JSON, an
+        unknown field, a wrong type or value)."""
         if text is None:
             return cls()
         try:
@@ -142,7 +147,18 @@ class KVEventsConfig:
                 raise ConfigError(f"{FLAG}: unknown field {name!r}; known: {', '.join(known)}")
         config = cls(**values)
         config.validate()
-        return config
+        return config.on_host(host)
+
+    def on_host(self, host: str) -> KVEventsConfig:
+        """This config with a `*` TCP host in either endpoint replaced by `host`, the address the server
+        listens on: vLLM's default `tcp://*:5557` must not publish prompts' token ids on every interface
+        of a server told to listen on one. `tcp://0.0.0.0:PORT` or `tcp://[::]:PORT` still mean all."""
+        replay = self.replay_endpoint
+        return replace(
+            self,
+            endpoint=kv_event_endpoints.on_host(self.endpoint, host),
+            replay_endpoint=None if replay is None else kv_event_endpoints.on_host(replay, host),
+        )
 
     def validate(self) -> None:
         """Check each field's type and range (the JSON may hold anything), naming the field."""
@@ -157,10 +173,8 @@ class KVEventsConfig:
             )
         for name in ("endpoint", "replay_endpoint"):
             endpoint = getattr(self, name)
-            if endpoint is not None and "://" not in endpoint:
-                raise ConfigError(
-                    f"{FLAG}: {name} must be a ZMQ endpoint such as tcp://*:5557, not {endpoint!r}"
-                )
+            if endpoint is not None:
+                kv_event_endpoints.check(endpoint, FLAG, name)
         for name in ("buffer_steps", "max_queue_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{FLAG}: {name} must be >= 1, got {getattr(self, name)}")

@@ -50,9 +50,8 @@ def service_config_from_args(args: argparse.Namespace) -> PrefillServiceConfig:
     from prefill_service.config import PrefillServiceConfig
     from serving.flags import server_settings_from_args
 
-    config = PrefillServiceConfig(
-        **server_settings_from_args(args), kv_events=kv_events.KVEventsConfig.from_flag(args.kv_events_config)
-    )
+    events = kv_events.KVEventsConfig.from_flag(args.kv_events_config, args.host)
+    config = PrefillServiceConfig(**server_settings_from_args(args), kv_events=events)
     config.validate()
     return config
 

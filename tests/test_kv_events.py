@@ -16,6 +16,7 @@ Waits poll with generous timeouts; no assertion is about time.
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import subprocess
 import sys
@@ -415,15 +416,31 @@ def test_a_sliding_window_model_names_each_group_and_its_kind():
         ('{"hwm": true}', "hwm must be an integer"),
         ('{"replay_endpoint": 5558}', "replay_endpoint must be a string or null"),
         ('{"publisher": "kafka"}', "publisher must be one of zmq, null"),
+        ('{"publisher": 1}', "publisher must be a string or null"),
+        ('{"endpoint": null}', "endpoint must be a string"),
         ('{"endpoint": "localhost:5557"}', "endpoint must be a ZMQ endpoint"),
+        ('{"endpoint": "udp://*:5557"}', "endpoint must be a ZMQ endpoint"),
+        ('{"endpoint": "ipc://"}', "endpoint must be a ZMQ endpoint"),
+        ('{"endpoint": "tcp://*"}', "endpoint must be tcp://HOST:PORT"),
+        ('{"endpoint": "tcp://:5557"}', "endpoint must be tcp://HOST:PORT"),
+        ('{"endpoint": "tcp://*:65536"}', "endpoint must be tcp://HOST:PORT with a port of 0-65535"),
+        ('{"endpoint": "tcp://*:http"}', "endpoint must be tcp://HOST:PORT with a port of 0-65535"),
+        ('{"endpoint": "tcp://::1:5557"}', "endpoint must put an IPv6 host in brackets"),
+        ('{"replay_endpoint": "tcp://127.0.0.1:-1"}', "replay_endpoint must be tcp://HOST:PORT"),
+        ('{"replay_endpoint": "inproc:/x"}', "replay_endpoint must be a ZMQ endpoint"),
+        ('{"buffer_steps": "10"}', "buffer_steps must be an integer"),
+        ('{"buffer_steps": 0}', "buffer_steps must be >= 1"),
+        ('{"hwm": -1}', "hwm must be >= 0"),
+        ('{"max_queue_size": 1.5}', "max_queue_size must be an integer"),
         ('{"max_queue_size": 0}', "max_queue_size must be >= 1"),
+        ('{"topic": null}', "topic must be a string"),
         ("[true]", "must be a JSON object"),
         ("{enable}", "not valid JSON"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_field(text, message):
     with pytest.raises(ConfigError, match="--kv-events-config") as refused:
-        KVEventsConfig.from_flag(text)
+        KVEventsConfig.from_flag(text, "127.0.0.1")
     assert message in str(refused.value)
 
 
@@ -436,9 +453,9 @@ def test_the_flag_reaches_both_tiers_configs_and_defaults_to_off():
     for tier, parse in (("decode", decode_config), ("prefill", prefill_config)):
         assert not parse(parser.parse_args(["serve", tier])).kv_events.enabled
         config = parse(parser.parse_args(["serve", tier, *flag])).kv_events
-        assert (
-            config.enabled and config.endpoint == "tcp://*:5557" and config.replay_endpoint == "tcp://*:5558"
-        )
+        # vLLM's `*` is the server's --host, whose default is every IPv4 interface.
+        assert config.enabled
+        assert (config.endpoint, config.replay_endpoint) == ("tcp://0.0.0.0:5557", "tcp://0.0.0.0:5558")
         with pytest.raises(ConfigError, match="unknown field 'bogus'"):
             parse(parser.parse_args(["serve", tier, "--kv-events-config", '{"bogus": 1}']))
     assert not KVEventsConfig(True, publisher="null").enabled, "the null publisher records nothing"
@@ -463,8 +480,172 @@ def test_a_taken_port_or_a_bad_endpoint_fails_at_start():
             KVEventPublisher(replay)
     finally:
         holder.close()
-    with pytest.raises(ConfigError, match="KV events endpoint nope://x is not available"):
+    with pytest.raises(ConfigError, match="endpoint must be a ZMQ endpoint .* not 'nope://x'"):
         KVEventPublisher(KVEventsConfig(True, endpoint="nope://x"))
+
+
+# -- where the sockets listen, and what a peer may send them ----------------------------------------------
+
+
+def accepts(address: str, port: int) -> bool:
+    """True when a TCP connection to `address`:`port` is accepted (something listens there for it)."""
+    try:
+        socket.create_connection((address, port), timeout=10).close()
+    except OSError:
+        return False
+    return True
+
+
+def require_a_second_loopback_address() -> None:
+    """Skip unless 127.0.0.2 reaches this machine's loopback, where a socket on every interface would
+    accept it: the probe that tells one interface from all."""
+    holder, port = held_port()
+    try:
+        if not accepts("127.0.0.2", port):
+            pytest.skip("127.0.0.2 is not routed to loopback here")
+    finally:
+        holder.close()
+
+
+def until_one_arrives(publisher: KVEventPublisher, subscriber: Subscriber) -> bool:
+    """Publish empty batches until one reaches `subscriber` (its subscription has reached the publisher)."""
+
+    def arrived() -> bool:
+        publisher.publish([])
+        return subscriber.receive(lambda: bool(subscriber.live), timeout=0.05)
+
+    return wait_until(arrived)
+
+
+def decode_config(*flags: str) -> KVEventsConfig:
+    from decode_service.cli import service_config_from_args
+
+    return service_config_from_args(build_parser().parse_args(["serve", "decode", *flags])).kv_events
+
+
+def test_vllms_wildcard_endpoints_bind_only_the_servers_host():
+    # 127.0.0.2 is this machine's loopback too: a socket on every interface would accept it.
+    require_a_second_loopback_address()
+    port, replay_port = free_ports(2)
+    events = json.dumps(served_events(f"tcp://*:{port}", f"tcp://*:{replay_port}"))
+    config = decode_config("--host", "127.0.0.1", "--kv-events-config", events)
+    publisher = KVEventPublisher(config)
+    try:
+        assert (publisher.endpoint, publisher.replay_endpoint) == (
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{replay_port}",
+        )
+        assert accepts("127.0.0.1", port) and accepts("127.0.0.1", replay_port)
+        assert not accepts("127.0.0.2", port) and not accepts("127.0.0.2", replay_port)
+    finally:
+        publisher.close()
+    default = decode_config("--host", "127.0.0.1", "--kv-events-config", '{"enable_kv_cache_events": true}')
+    assert default.endpoint == "tcp://127.0.0.1:5557", "vLLM's default endpoint follows --host"
+
+
+def test_an_ipv6_host_is_bracketed_and_bound_as_ipv6():
+    config = KVEventsConfig.from_flag('{"enable_kv_cache_events": true, "endpoint": "tcp://*:*"}', "::1")
+    assert config.endpoint == "tcp://[::1]:*"
+    try:
+        publisher = KVEventPublisher(config)
+    except ConfigError:
+        pytest.skip("no IPv6 loopback here")
+    try:
+        assert publisher.endpoint.startswith("tcp://[::1]:")
+    finally:
+        publisher.close()
+
+
+def test_every_interface_only_when_the_endpoint_names_it():
+    require_a_second_loopback_address()
+    (port,) = free_ports(1)
+    text = json.dumps(served_events(f"tcp://0.0.0.0:{port}", None))
+    publisher = KVEventPublisher(KVEventsConfig.from_flag(text, "127.0.0.1"))
+    try:
+        assert publisher.endpoint == f"tcp://0.0.0.0:{port}"
+        assert accepts("127.0.0.2", port)
+    finally:
+        publisher.close()
+
+
+def test_a_tcp_address_of_this_machine_is_bound_and_one_elsewhere_connected():
+    (port,) = free_ports(1)
+    publisher = KVEventPublisher(KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{port}"))
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        assert publisher.bound and publisher.endpoint == f"tcp://127.0.0.1:{port}"
+        publisher.start()
+        # The subscriber reaches the bound socket.
+        assert until_one_arrives(publisher, subscriber)
+    finally:
+        subscriber.close()
+        publisher.close()
+    # TEST-NET-3 is nobody's address: a bind cannot take it, so the publisher connects, as vLLM's does.
+    elsewhere = KVEventPublisher(KVEventsConfig(True, endpoint="tcp://203.0.113.7:5557"))
+    try:
+        assert not elsewhere.bound and elsewhere.endpoint == "tcp://203.0.113.7:5557"
+    finally:
+        elsewhere.close()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def zmtp_handshake(peer: socket.socket, socket_type: bytes) -> None:
+    """A raw ZMTP 3.0 peer's greeting and NULL-mechanism READY, as any client may send them."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+    name = b"Socket-Type"
+    body = b"\x05READY" + bytes([len(name)]) + name + len(socket_type).to_bytes(4, "big") + socket_type
+    peer.sendall(greeting + b"\x04" + bytes([len(body)]) + body)
+
+
+ANNOUNCED_BYTES = 2**30  # what the peer says its frame holds
+SENT_BYTES = 96 * 2**20  # what it sends of it unless it is cut off
+
+
+@pytest.mark.parametrize(("which", "socket_type"), [("endpoint", b"SUB"), ("replay_endpoint", b"DEALER")])
+def test_a_peer_announcing_a_frame_over_the_cap_is_cut_off_and_grows_nothing(which, socket_type):
+    publisher = KVEventPublisher(KVEventsConfig(True, endpoint=LOOPBACK, replay_endpoint=LOOPBACK))
+    publisher.start()
+    host, port = getattr(publisher, which).removeprefix("tcp://").rsplit(":", 1)
+    chunk = bytes(2**20)
+    before = resident_bytes()
+    sent = 0
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as peer:
+            zmtp_handshake(peer, socket_type)
+            # A long message frame: flags 0x02, then its 8-byte size.
+            peer.sendall(b"\x02" + ANNOUNCED_BYTES.to_bytes(8, "big"))
+            try:
+                while sent < SENT_BYTES:
+                    peer.sendall(chunk)
+                    sent += len(chunk)
+            except OSError:
+                pass
+        grown = resident_bytes() - before
+    finally:
+        publisher.close()
+    assert sent < SENT_BYTES, "the server kept reading a frame larger than the cap"
+    assert grown < 32 * 2**20, f"the server grew by {grown} bytes"
+
+
+def test_the_cap_leaves_room_for_a_subscription_to_a_long_topic():
+    topic = "t" * 10_000
+    publisher = KVEventPublisher(KVEventsConfig(True, endpoint=LOOPBACK, topic=topic))
+    subscriber = Subscriber(publisher.endpoint)
+    subscriber.sub.setsockopt(zmq.UNSUBSCRIBE, b"")
+    subscriber.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    try:
+        assert publisher.max_inbound_bytes > len(topic)
+        publisher.start()
+        assert until_one_arrives(publisher, subscriber)
+        assert subscriber.live[0][1] == topic.encode()
+    finally:
+        subscriber.close()
+        publisher.close()
 
 
 def test_the_counters_are_exported_under_tandem_names():
@@ -484,7 +665,7 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def served_events(endpoint: str, replay_endpoint: str) -> dict:
+def served_events(endpoint: str, replay_endpoint: str | None) -> dict:
     return {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay_endpoint}
 
 
@@ -563,5 +744,6 @@ def test_serve_exits_non_zero_naming_a_taken_events_port(tier, model_dir):
     finally:
         holder.close()
     assert result.returncode != 0
-    assert f"KV events endpoint tcp://*:{port} is not available: Address already in use" in result.stderr
+    endpoint = f"tcp://127.0.0.1:{port}"
+    assert f"KV events endpoint {endpoint} is not available: Address already in use" in result.stderr
     assert f"{tier} server serving" not in result.stderr
