@@ -340,6 +340,8 @@ class BlockManager:
         would be computed by each; caught up just before its first chunk, a prompt reuses what the ones
         ahead of it computed. The blocks it had for those positions were never written and go back to
         the pool. One-group layouts only (a sliding group's reservation holds its peak, not its blocks).
+        On a sliding one-group layout the hit's entries below its last window are NULL_BLOCK: the blocks
+        `seq` held there, its own earlier hits included, leave its table as they would have slid out.
         """
         if self.num_groups != 1 or not self.enable_caching:
             return 0
@@ -353,10 +355,14 @@ class BlockManager:
         if len(hits) <= start:
             return 0
         table = seq.block_tables[0]
-        for index in range(start, len(hits)):
-            self._reference(hits[index])
-            self._unreference(table[index])
-            table[index] = hits[index]
+        for index, block in enumerate(hits):
+            if table[index] == block:
+                continue
+            if block != NULL_BLOCK:
+                self._reference(block)
+            if table[index] != NULL_BLOCK:
+                self._unreference(table[index])
+            table[index] = block
         gained = (len(hits) - start) * self.block_size
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens += gained

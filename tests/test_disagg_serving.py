@@ -78,10 +78,12 @@ class StepGate:
         self._step = engine.step
         self.is_open = threading.Event()
         self.is_open.set()
+        self.entered = threading.Event()
         self.delay_s = 0.0
         engine.step = self
 
     def __call__(self, chunks):
+        self.entered.set()
         self.is_open.wait(60)
         if self.delay_s:
             time.sleep(self.delay_s)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import hf_greedy, tiny_hf_config, wait_until
-from test_disagg_serving import RunningDecode, RunningPrefill, tokens_of
+from test_disagg_serving import RunningDecode, RunningPrefill, StepGate, tokens_of
 from tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -86,6 +87,69 @@ def test_sliding_window_model_disaggregated_equals_aggregated_equals_hf(sliding_
         assert stats.remote_prefills_completed == 2 * len(LENGTHS) + 2 and stats.attempt_failures == 0
         assert not disaggregated.locally_prefilled_request_ids(), "a prompt was prefilled on decode"
         assert (stats.kv_blocks_skipped > 0) == prefix_caching
+        assert wait_until(disaggregated.pool_is_full) and wait_until(aggregated.pool_is_full)
+        assert wait_until(prefill.pool_is_full)
+    finally:
+        disaggregated.close()
+        aggregated.close()
+        prefill.close()
+
+
+@pytest.fixture(scope="module")
+def all_sliding_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """Every layer windowed over 20 tokens (Mistral v0.1's shape of layout): one sliding KV group."""
+    directory = tmp_path_factory.mktemp("tiny-all-sliding-model")
+    torch.manual_seed(34)
+    config = tiny_hf_config("qwen2", num_layers=2, vocab_size=TINY_VOCAB_SIZE)
+    config.use_sliding_window = True
+    config.sliding_window = 20
+    config.max_window_layers = 0
+    config.layer_types = ["sliding_attention"] * 2
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    hf.save_pretrained(directory)
+    build_tiny_tokenizer(directory)
+    return directory, hf
+
+
+def _burst_behind_a_held_step(
+    server: RunningDecode, holder: RunningDecode | RunningPrefill, batch: list[list[int]]
+) -> list[list[int]]:
+    """Send `batch[-1]` (another tenant's prompt), hold `holder`'s engine in its step, send the rest,
+    then let go: the rest are queued together, so they are admitted in one step before any computed."""
+    gate = holder.gate
+    gate.entered.clear()
+    gate.is_open.clear()
+    with ThreadPoolExecutor(len(batch)) as pool:
+        futures = [pool.submit(server.generate, batch[-1], 6, "other-tenant")]
+        assert gate.entered.wait(60)
+        futures = [pool.submit(server.generate, p, 6, f"r{i}") for i, p in enumerate(batch[:-1])] + futures
+        assert wait_until(lambda: len(holder.server.registry) == len(batch))
+        gate.is_open.set()
+        return [tokens_of(future.result()) for future in futures]
+
+
+@pytest.mark.slow
+def test_prompts_sharing_more_than_a_window_arrive_together_and_all_succeed(all_sliding_model):
+    """Six prompts sharing 64 tokens, queued together behind another tenant's, on both topologies: each
+    prompt after the first takes the shared blocks its twins computed meanwhile (below the last window:
+    none), and every stream is exact."""
+    model_dir, hf = all_sliding_model
+    rng = random.Random(7)
+    shared = [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(64)]
+    batch = [shared + [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(5 + i)] for i in range(6)]
+    batch.append([rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(30)])
+    expected = [hf_greedy(hf, prompt, 6) for prompt in batch]
+    prefill = RunningPrefill(model_dir)
+    disaggregated = RunningDecode(model_dir, prefill=prefill.address)
+    aggregated = RunningDecode(model_dir)
+    try:
+        assert engine_kv_layout(aggregated.engine).num_groups == 1
+        aggregated.gate = StepGate(aggregated.engine)
+        assert _burst_behind_a_held_step(aggregated, aggregated, batch) == expected
+        assert _burst_behind_a_held_step(disaggregated, prefill, batch) == expected
+        assert disaggregated.stats.attempt_failures == 0
+        for engine in (aggregated.engine, prefill.engine):
+            assert engine.block_manager.num_hit_tokens >= 5 * 64, "each twin reused the shared prefix"
         assert wait_until(disaggregated.pool_is_full) and wait_until(aggregated.pool_is_full)
         assert wait_until(prefill.pool_is_full)
     finally:

@@ -280,6 +280,33 @@ def test_one_full_attention_group_is_unchanged():
         assert not manager.sliding
 
 
+@pytest.mark.parametrize("last_block_in_use", [False, True])
+def test_prompts_admitted_together_on_a_sliding_model_catch_up_past_the_window(last_block_in_use):
+    """Every layer windowed (one sliding group): a prompt admitted beside another that shares more than a
+    window takes the blocks the other computed, NULL below their last window, and never pool block -1."""
+    manager = BlockManager(32, BS, layout=KVLayout.from_layer_windows((WINDOW, WINDOW)))
+    holder = make_seq(list(range(500, 504)), name="holder")
+    if last_block_in_use:
+        manager.allocate(holder, 4)  # takes block 0; pin the pool's last block instead
+        manager._free.rotate(1)
+        manager.allocate(other := make_seq(list(range(600, 604)), name="other"), 4)
+        assert other.block_table == [31]
+    shared = list(range(100, 100 + 4 * BS))
+    first, second = make_seq([*shared, 1], name="a"), make_seq([*shared, 2, 3], name="b")
+    for seq in (first, second):  # admitted together: nothing is cached yet
+        manager.allocate(seq, seq.num_tokens)
+    prefill(manager, first)
+    assert manager.catch_up_prefix(second) == 4 * BS
+    held = [block for block in second.block_table if block != NULL_BLOCK]
+    assert second.block_table[:2] == [NULL_BLOCK] * 2, "the blocks below the last window are not held"
+    assert second.block_table[2:4] == first.block_table[2:4] and len(held) == 3
+    live = [first, second] + ([holder, other] if last_block_in_use else [])
+    check_invariants(manager, live)
+    for seq in live:
+        manager.free(seq)
+    assert_idle(manager)
+
+
 # -- the must-show figure: Gemma 3 270M's layout ----------------------------------------------------------
 
 GEMMA3_270M_WINDOWS = tuple(None if (layer + 1) % 6 == 0 else 512 for layer in range(18))
