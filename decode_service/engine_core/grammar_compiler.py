@@ -1,21 +1,22 @@
 """Compiles constraints (JSON schema, regex, EBNF) into grammars over the served vocabulary, within
-bounds of time and memory, in a worker process of the engine core's.
+bounds of time and of resident memory, checked in a worker process of the engine core's.
 
 xgrammar compiles most schemas in milliseconds, but some (large bounded repetitions, big alternations)
-take seconds to minutes and hundreds of MB, and a compile cannot be interrupted. So compiles run in a
-child process (spawned on the first compile, kept for the next ones) that the caller waits on for at
-most `timeout_s`: a compile past it kills the child, which is restarted for the next compile, and the
-request gets a `CompileTimeoutError` naming its field. A child that made a large grammar is restarted
-as well, so that what the compile took goes back to the system.
+take seconds to minutes and hundreds of MB, and a compile cannot be interrupted. So each constraint is
+compiled first in a child process (spawned on the first compile, kept for the next ones) that the
+caller waits on for at most `timeout_s`: a compile past it kills the child, which is restarted for the
+next compile, and the request gets a `CompileTimeoutError` naming its field. The child answers a
+verdict only: xgrammar's error, or the grammar's size, as xgrammar estimates it and as the child's RSS
+grew to hold it. A grammar whose larger figure is above `max_grammar_bytes` is refused; one that passes
+is compiled again in the caller's process, known now to finish within the timeout and the size bound
+(both compiles run on one thread, so the child's time is what the caller's will take).
 
-The child says it compiled (and the grammar's size: one larger than `max_grammar_bytes` is refused
-there), then sends the grammar in xgrammar's JSON, so that is a constraint's only compile: the front
-door parses it and no more (`front_door.constraints`), and the engine core's `GrammarGate` caches what
-comes back. On SmolLM2's vocabulary writing the JSON costs about what the compile did and reading it a
-quarter to a third, on one thread. The JSON can grow much faster than the grammar, though (27x, 1.1 GB
-in 65 s, for a 42 MiB grammar on a tiny vocabulary): when it does not come within `timeout_s` either,
-the child is restarted and the grammar, known now to compile within the timeout, is compiled again in
-the caller's process. `compile` blocks: the gate calls it from its compile thread, one at a time.
+No grammar crosses between the processes: xgrammar's JSON of a grammar grows much faster than the
+grammar (a 14 KB `anyOf` schema of 2.7 MiB of grammar on a 49k-token vocabulary: 98 MiB of JSON, 13 s
+and 1.4 GiB of peak RSS to write in the child, 4 s and 1.1 GiB more to read in the core), where a
+second compile takes 0.2 s and a few MiB. A child that made a large grammar is restarted, so that what
+the compile took goes back to the system; the caller trims its own heap after its compile.
+`compile` blocks: the gate calls it from its compile thread, one at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from base.errors import ConfigError, InvalidRequestError
+from decode_service.engine_core.resident_memory import release_free_memory, resident_bytes
 from serving.errors import TierUnavailableError
 
 if TYPE_CHECKING:
@@ -50,6 +52,9 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _START_TIMEOUT_S = 120.0
 # A child that made a grammar larger than this is restarted: what the compile took stays in its heap.
 RESTART_ABOVE_BYTES = 16 * 2**20
+# Threads of each compile, the child's and the caller's alike: the caller shares its process with the
+# engine's step threads, and the child's compile time must be what the caller's will take.
+COMPILE_THREADS = 1
 # xgrammar's messages start with "[16:04:06] /project/cpp/json_schema_converter.cc:5082: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _MAX_MESSAGE_CHARS = 500
@@ -62,9 +67,10 @@ class GrammarConfig:
     """Bounds on constraints, read by the engine core's grammar gate and compiler.
 
     A constraint that does not compile within `structured_output_compile_timeout_s`, or whose compiled
-    grammar is larger than `max_grammar_memory` bytes, is refused; a tenant may have at most
+    grammar holds more than `max_grammar_memory` bytes resident, is refused; a tenant may have at most
     `max_compiles_per_tenant` compiles waiting or running, and tenants take turns at the compiler. At
-    most `grammar_cache_size` compiled grammars, and `grammar_cache_memory` bytes of them, are kept.
+    most `grammar_cache_size` compiled grammars, and `grammar_cache_memory` resident bytes of them, are
+    kept.
     """
 
     structured_output_compile_timeout_s: float = 10.0
@@ -110,6 +116,15 @@ class GrammarTooLargeError(ConstraintError):
     """A constraint whose compiled grammar is larger than the server allows one grammar to be."""
 
 
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A compiled grammar and the bytes it holds resident: what the compile worker's RSS grew by to hold
+    it, or xgrammar's estimate (`memory_size_bytes`) where that is larger or /proc is missing."""
+
+    grammar: xgr.CompiledGrammar
+    resident_bytes: int
+
+
 def compile_in_process(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> xgr.CompiledGrammar:
     """One compile with `compiler`; JSON without free whitespace, so a model cannot pad forever."""
     if kind == "json_schema":
@@ -125,7 +140,7 @@ def compile_in_process(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> x
 
 def _child_main(conn: Connection, tokenizer_info_path: str, max_grammar_bytes: int) -> None:
     """The compile worker. Per (kind, spec) it answers ("error", 0, message), ("too_large", size, ""), or
-    ("compiled", size, "") followed by ("grammar", size, the grammar's JSON); sizes in bytes.
+    ("compiled", size, ""); size is the grammar's resident bytes (`_resident_size`). Never a grammar.
 
     Exits when the core closes the pipe, or dies with it: a dead parent closes the pipe too.
     """
@@ -133,24 +148,35 @@ def _child_main(conn: Connection, tokenizer_info_path: str, max_grammar_bytes: i
 
     with open(tokenizer_info_path, encoding="utf-8") as file:
         info = xgr.TokenizerInfo.deserialize_json(file.read())
-    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+    # What any first compile sets up once is not charged to the first grammar.
+    compile_in_process(compiler, "json_object", "")
+    release_free_memory()
     conn.send(("ready", 0, ""))
     try:
         while True:
             kind, spec = conn.recv()
+            before = resident_bytes()
             try:
                 compiled = compile_in_process(compiler, kind, spec)
             except Exception as exc:  # xgrammar raises RuntimeError, ValueError, TypeError for bad input
                 conn.send(("error", 0, clean_error_message(str(exc))))
                 continue
-            size = compiled.memory_size_bytes
-            if size > max_grammar_bytes:
-                conn.send(("too_large", size, ""))
-                continue
-            conn.send(("compiled", size, ""))
-            conn.send(("grammar", size, compiled.serialize_json()))
+            size = _resident_size(compiled, before)
+            del compiled
+            release_free_memory()
+            conn.send(("too_large" if size > max_grammar_bytes else "compiled", size, ""))
     except (EOFError, OSError):
         return
+
+
+def _resident_size(compiled: xgr.CompiledGrammar, before: int | None) -> int:
+    """Bytes `compiled` holds: this process's RSS growth since `before` with the compile's free memory
+    trimmed, or xgrammar's estimate where that is larger (or the RSS is unknown)."""
+    release_free_memory()
+    after = resident_bytes()
+    grown = after - before if after is not None and before is not None else 0
+    return max(compiled.memory_size_bytes, grown)
 
 
 class GrammarCompiler:
@@ -167,13 +193,11 @@ class GrammarCompiler:
         max_grammar_bytes: int = 64 * _MIB,
         restart_above_bytes: int = RESTART_ABOVE_BYTES,
         compile_observer: Callable[[float], None] | None = None,
-        json_timeout_s: float | None = None,
     ) -> None:
-        """`json_timeout_s`: how long the grammar's JSON may take to arrive after the compile (default
-        `timeout_s`)."""
+        """`compile_observer` gets the seconds of each constraint's compiles, the worker's and this
+        process's together."""
         self.info = info
         self.timeout_s = timeout_s
-        self.json_timeout_s = timeout_s if json_timeout_s is None else json_timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self.restart_above_bytes = restart_above_bytes
         self.compile_observer = compile_observer
@@ -182,7 +206,7 @@ class GrammarCompiler:
         self._process: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._closed = False
-        # For grammars whose JSON the worker did not send in time, made on first use.
+        # This process's compiler, for the grammars the worker passed; made on first use.
         self._here: xgr.GrammarCompiler | None = None
 
     @property
@@ -190,34 +214,35 @@ class GrammarCompiler:
         """The compile worker's process id while one runs (tests check it is gone after close)."""
         return self._process.pid if self._process is not None else None
 
-    def compile(self, kind: str, spec: str, field: str) -> xgr.CompiledGrammar:
+    def compile(self, kind: str, spec: str, field: str) -> CompiledConstraint:
         """(kind, spec) compiled; a ConstraintError naming `field` when xgrammar refuses it, when it does
-        not compile within `timeout_s` or is too large."""
+        not compile within `timeout_s` or holds more than `max_grammar_bytes` resident."""
         if kind not in KINDS:
             raise ValueError(f"unknown grammar kind {kind!r}")
         with self._worker_lock:
             status, size, message, seconds = self._compile_in_worker(kind, spec, field)
-            # Read before anything here can raise: a JSON left in the pipe would answer the next compile.
-            text = self._grammar_json(kind, size) if status == "compiled" else None
-            if status == "too_large":
+            if status != "error":
                 self._restart_after(size)
-        if self.compile_observer is not None:
-            self.compile_observer(seconds)
         if status == "error":
+            self._observe(seconds)
             raise ConstraintError(field, message)
         if status == "too_large":
+            self._observe(seconds)
             raise GrammarTooLargeError(
                 field,
                 f"compiles to a grammar of {size / _MIB:.1f} MiB, above this server's limit of "
                 f"{self.max_grammar_bytes / _MIB:.1f} MiB (--max-grammar-memory); simplify it (fewer "
                 "enum values or alternatives, smaller repetition and length bounds)",
             )
-        logger.debug("compiled a %s grammar of %d bytes in %.3f s", kind, size, seconds)
-        if text is None:
-            return self._compile_here(kind, spec)
-        import xgrammar as xgr
+        started = time.perf_counter()
+        grammar = self._compile_here(kind, spec)
+        self._observe(seconds + time.perf_counter() - started)
+        logger.debug("compiled a %s grammar of %d resident bytes in %.3f s", kind, size, seconds)
+        return CompiledConstraint(grammar, size)
 
-        return xgr.CompiledGrammar.deserialize_json(text, self.info)
+    def _observe(self, seconds: float) -> None:
+        if self.compile_observer is not None:
+            self.compile_observer(seconds)
 
     def _compile_in_worker(self, kind: str, spec: str, field: str) -> tuple[str, int, str, float]:
         """The worker's verdict on (kind, spec) and the seconds it took; restarts the worker when it ran
@@ -247,23 +272,6 @@ class GrammarCompiler:
             )
         return status, size, message, seconds
 
-    def _grammar_json(self, kind: str, size: int) -> str | None:
-        """The JSON the worker writes after it compiled, or None when it did not come within
-        `json_timeout_s` (the worker is then restarted)."""
-        text = None
-        conn = self._conn
-        try:
-            if conn is not None and conn.poll(self.json_timeout_s):
-                text = conn.recv()[2]
-        except (EOFError, OSError):
-            pass
-        if text is None:
-            logger.warning("a %s grammar of %d bytes was not sent in time; compiling it here", kind, size)
-            self._stop_worker()
-        else:
-            self._restart_after(size)
-        return text
-
     def _restart_after(self, size: int) -> None:
         """Restart the worker after a large grammar: what the compile took stays in its heap."""
         if size > self.restart_above_bytes:
@@ -271,17 +279,16 @@ class GrammarCompiler:
             self._stop_worker()
 
     def _compile_here(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        """Compile again in this process what the worker compiled within the timeout but did not send."""
+        """Compile in this process what the worker passed; then trim what the compile freed, which
+        glibc would otherwise keep in this process's RSS."""
         if self._here is None:
             import xgrammar as xgr
 
-            # One thread: this compile shares the process with the engine's step threads.
-            self._here = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        started = time.perf_counter()
-        compiled = compile_in_process(self._here, kind, spec)
-        if self.compile_observer is not None:
-            self.compile_observer(time.perf_counter() - started)
-        return compiled
+            self._here = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        try:
+            return compile_in_process(self._here, kind, spec)
+        finally:
+            release_free_memory()
 
     def _ensure_worker(self) -> Connection:
         """The live worker's pipe, starting the worker first if there is none."""

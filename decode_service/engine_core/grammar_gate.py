@@ -15,12 +15,16 @@ RESOURCE_EXHAUSTED), so a client sending slow schemas delays another tenant's ne
 compile of its own. An abort of a request still waiting drops it (its stream gets its ABORT delta), and
 a compile nobody waits for any more is not started.
 
-Compiled grammars are cached by (kind, spec) in a `GrammarCache` bounded in bytes as well as entries;
-constraints xgrammar refused are remembered too, so that a repeated bad one costs no compile.
+Compiled grammars are cached by (kind, spec) in a `GrammarCache` bounded in resident bytes (each grammar
+charged what the compile worker measured it to hold) as well as entries, and this process trims its heap
+after a compile, so what eviction freed leaves its RSS. Constraints xgrammar refused are remembered too,
+so that a repeated bad one costs no compile: by a digest of the spec and the error's text (at most
+`grammar_cache_size` of them, about 600 bytes each), never by the spec, which may be megabytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import OrderedDict, deque
@@ -30,12 +34,14 @@ from typing import TYPE_CHECKING
 
 from base.errors import TandemError
 from decode_service.engine_core.grammar_compiler import (
+    CompiledConstraint,
     CompileTimeoutError,
     ConstraintError,
     GrammarCompiler,
     GrammarConfig,
 )
 from decode_service.engine_core.messages import GrammarSource
+from decode_service.engine_core.resident_memory import release_free_memory
 from engine.grammar import GrammarState, control_free_tokens
 from engine.utf8_tokens import Utf8Tokens
 from serving.errors import QueueFullError
@@ -52,11 +58,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GrammarKey = tuple[str, str]
+# What a refused constraint is remembered by: its kind and the SHA-256 of its spec.
+RefusalKey = tuple[str, bytes]
 
 
 class GrammarCache:
     """Compiled grammars by (kind, spec), least recently used dropped first, at most `max_entries` of
-    them and `max_bytes` in all (each counted as xgrammar's `memory_size_bytes` plus its spec).
+    them and `max_bytes` in all (each counted as the resident bytes it was measured to hold, plus its
+    spec).
 
     A grammar larger than the whole budget is not kept: the requests using it hold it while they run.
     Thread-safe.
@@ -83,15 +92,15 @@ class GrammarCache:
             self._entries.move_to_end(key)
             return entry[0]
 
-    def put(self, key: GrammarKey, compiled: xgr.CompiledGrammar) -> None:
-        size = compiled.memory_size_bytes + len(key[0]) + len(key[1])
+    def put(self, key: GrammarKey, compiled: CompiledConstraint) -> None:
+        size = compiled.resident_bytes + len(key[0]) + len(key[1])
         if size > self.max_bytes or self.max_entries < 1:
             return
         with self._lock:
             previous = self._entries.pop(key, None)
             if previous is not None:
                 self.num_bytes -= previous[1]
-            self._entries[key] = (compiled, size)
+            self._entries[key] = (compiled.grammar, size)
             self.num_bytes += size
             while self.num_bytes > self.max_bytes or len(self._entries) > self.max_entries:
                 _, (_, dropped) = self._entries.popitem(last=False)
@@ -142,8 +151,9 @@ class GrammarGate:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._vocabulary: _Vocabulary | None = None
-        # Constraints xgrammar refused (not timeouts): (kind, spec) -> the error's class and detail.
-        self._refused: OrderedDict[GrammarKey, tuple[type[ConstraintError], str]] = OrderedDict()
+        # Constraints xgrammar refused (not timeouts), least recently refused first: the error's class and
+        # detail (at most 500 characters: `clean_error_message`).
+        self._refused: OrderedDict[RefusalKey, tuple[type[ConstraintError], str]] = OrderedDict()
         self._pending: dict[GrammarKey, _Pending] = {}
         # Tenants with constraints to compile, the next one's turn first; each tenant's in arrival order.
         self._turns: OrderedDict[str, deque[GrammarKey]] = OrderedDict()
@@ -188,7 +198,7 @@ class GrammarGate:
                 request.seq.grammar = self._state(compiled, source)
                 self.loop.submit(request)
                 return
-            refused = self._refused.get(key)
+            refused = self._refused.get(_refusal_key(key))
             if refused is not None:
                 error_type, detail = refused
                 raise error_type(source.field, detail)
@@ -313,21 +323,24 @@ class GrammarGate:
 
     def _compiled(self, key: GrammarKey, source: GrammarSource) -> xgr.CompiledGrammar:
         """`key`'s grammar from the cache or the compiler; a refusal xgrammar gave is remembered."""
-        compiled = self.cache.get(key)
-        if compiled is not None:
-            return compiled
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
         try:
             compiled = self._vocab().compiler.compile(source.kind, source.source, source.field)
         except CompileTimeoutError:
             raise
         except ConstraintError as exc:
             with self._condition:
-                self._refused[key] = (type(exc), exc.detail)
+                self._refused[_refusal_key(key)] = (type(exc), exc.detail)
                 while len(self._refused) > max(self.config.grammar_cache_size, 1):
                     self._refused.popitem(last=False)
             raise
         self.cache.put(key, compiled)
-        return compiled
+        # What the grammars this put evicted freed (if no running request holds them), and the heap the
+        # compile left, go back to the system; glibc would keep both in this process's RSS.
+        release_free_memory()
+        return compiled.grammar
 
     def _vocab(self) -> _Vocabulary:
         """The compiler and masks of the engine's vocabulary, built on first use (seconds, on this thread)."""
@@ -358,6 +371,10 @@ class GrammarGate:
         allowed = vocabulary.control_free if source.control_free else None
         key = (source.kind, source.source)
         return GrammarState(compiled, source.activate_after, allowed, key, vocabulary.utf8)
+
+
+def _refusal_key(key: GrammarKey) -> RefusalKey:
+    return key[0], hashlib.sha256(key[1].encode("utf-8", "surrogatepass")).digest()
 
 
 def _for_field(error: Exception | None, source: GrammarSource | None) -> Exception | None:
