@@ -56,7 +56,7 @@ class PrefillEngineLoop(EngineThread[tuple[str, PrefillJob], tuple[PrefillJob, J
         if plan.admitted:
             # Before the forward, so the queue bound counts them as admitted while it runs.
             self._deliver_safely([(job, Admitted()) for job in plan.admitted])
-        events: JobEvents = []
+        events: JobEvents = plan.failed
         failed = False
         if plan.chunks:
             try:

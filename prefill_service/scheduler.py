@@ -14,6 +14,7 @@ engine thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from prefill_service.job import JobEvent, KVReady, PrefillFailed, PrefillFinishe
 
 JobEvents = list[tuple[PrefillJob, JobEvent]]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class StepPlan:
@@ -33,6 +36,8 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     admitted: list[PrefillJob] = field(default_factory=list)
+    # Jobs whose admission or chunk planning raised: they fail alone, the step goes on without them.
+    failed: JobEvents = field(default_factory=list)
 
 
 class ChunkedPrefillScheduler:
@@ -102,25 +107,44 @@ class ChunkedPrefillScheduler:
         now = self._clock()
         while self.waiting and self._can_admit_head():
             job = self.waiting.popleft()
-            self.engine.admit(job.seq, job.num_prompt_tokens, self.max_num_batched_tokens)
-            job.admitted_time = now
             self.running.append(job)
+            try:
+                self.engine.admit(job.seq, job.num_prompt_tokens, self.max_num_batched_tokens)
+            except Exception as exc:
+                self._fail_alone(plan, job, exc)
+                continue
+            job.admitted_time = now
             plan.admitted.append(job)
         budget = self.max_num_batched_tokens
-        for job in self.running:
+        for job in list(self.running):
             if budget == 0:
                 break
-            # A prompt admitted beside one sharing its prefix reuses what that one computed meanwhile.
-            self.engine.catch_up_prefix(job.seq)
-            take = min(job.seq.num_uncomputed_tokens, budget)
-            if self._grows_chunks:
-                self.engine.allocate(job.seq, job.seq.num_computed_tokens + take)
+            try:
+                take = self._plan_chunk(job, budget)
+            except Exception as exc:
+                self._fail_alone(plan, job, exc)
+                continue
             plan.chunks.append(ScheduledChunk(job.seq, take))
             plan.jobs.append(job)
             budget -= take
             if job.first_step_time is None:
                 job.first_step_time = now
         return plan
+
+    def _plan_chunk(self, job: PrefillJob, budget: int) -> int:
+        """The tokens `job` computes this step, its blocks grown to hold them."""
+        # A prompt admitted beside one sharing its prefix reuses what that one computed meanwhile.
+        self.engine.catch_up_prefix(job.seq)
+        take = min(job.seq.num_uncomputed_tokens, budget)
+        if self._grows_chunks:
+            self.engine.allocate(job.seq, job.seq.num_computed_tokens + take)
+        return take
+
+    def _fail_alone(self, plan: StepPlan, job: PrefillJob, error: Exception) -> None:
+        """Scheduling `job` raised (a bug, not a full pool): it fails with that error, its blocks held
+        until its stream is over, and the other jobs and later steps go on as if it never came."""
+        logger.exception("scheduling %s failed; failing it alone", job.seq.request_id)
+        plan.failed.append((job, self._fail(job, error)))
 
     def complete_step(self, plan: StepPlan, outputs: list[TokenOutput], ready: object | None) -> JobEvents:
         """The events of a step that ran: blocks each chunk completed, and first tokens of finished prompts.

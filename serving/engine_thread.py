@@ -30,6 +30,16 @@ RecordT = TypeVar("RecordT")
 
 Deliver = Callable[[list[EventT]], None]
 
+# After a step raises, the next waits this long, doubled per failure in a row up to the cap: a loop that
+# keeps failing logs a traceback a second at most instead of spinning a core.
+FIRST_BACKOFF_S = 0.01
+MAX_BACKOFF_S = 1.0
+
+
+def backoff_seconds(failures: int) -> float:
+    """The wait after `failures` failed steps in a row."""
+    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (failures - 1))
+
 
 class EngineThread(ABC, Generic[CommandT, EventT, RecordT]):
     """Inbox, warm-up, stop and per-step delivery around one engine; a tier adds its step.
@@ -112,17 +122,27 @@ class EngineThread(ABC, Generic[CommandT, EventT, RecordT]):
         finally:
             self._ready.set()
         ran = False
+        failures = 0
         while True:
             self._wait_for_work(ran)
             if self._stopping:
                 break
             try:
                 ran = self.step_once()
+                failures = 0
             except Exception:
-                # A bug in scheduling must not silently kill the thread every call waits on.
-                logger.exception("%s step failed", self.thread_name)
+                # A bug in scheduling must not silently kill the thread every call waits on, nor spin it:
+                # the work that failed is still there, so the next step would fail at once again.
+                failures += 1
+                logger.exception("%s step failed (%d in a row)", self.thread_name, failures)
                 ran = False
+                self._back_off(failures)
         self._on_stop()
+
+    def _back_off(self, failures: int) -> None:
+        """Wait `backoff_seconds(failures)` before the next step, or until asked to stop."""
+        with self._wakeup:
+            self._wakeup.wait_for(lambda: self._stopping, backoff_seconds(failures))
 
     def _wait_for_work(self, ran: bool) -> None:
         with self._wakeup:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import grpc
 import pytest
-from conftest import engine_for, tiny_hf_model
+from conftest import engine_for, tiny_hf_model, wait_until
 
 from base.errors import ConfigError, InvalidRequestError
 from base.logs import JsonFormatter, log_event
@@ -23,6 +24,7 @@ from prefill_service.scheduler import ChunkedPrefillScheduler
 from prefill_service.validation import build_job, sampling_params
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
+from serving.engine_thread import backoff_seconds
 from serving.errors import DrainingError, QueueFullError
 from serving.event_log import EventLog
 from serving.status import status_for
@@ -164,6 +166,33 @@ def test_a_failed_step_fails_its_prompts_and_keeps_their_blocks_until_release(hf
     assert harness.free_blocks == 16
 
 
+@pytest.mark.parametrize("where", ["admit", "catch_up_prefix"])
+def test_a_prompt_whose_scheduling_raises_fails_alone(hf_model, where):
+    """A scheduling bug hit by one prompt fails that prompt's call; the prompts beside it and after it
+    are prefilled as if it never came, and its blocks come back when its stream is over."""
+    harness = Harness(hf_model, num_blocks=32)
+    real = getattr(harness.engine, where)
+
+    def broken(seq, *args):
+        if seq.request_id == "doomed":
+            raise KeyError(-1)
+        return real(seq, *args)
+
+    setattr(harness.engine, where, broken)
+    before = harness.job("before", 12)
+    doomed = harness.job("doomed", 20)
+    after = harness.job("after", 9)
+    harness.run()
+    (failed,) = harness.of(doomed, PrefillFailed)
+    assert isinstance(failed.error, KeyError)
+    assert harness.of(before, PrefillFinished) and harness.of(after, PrefillFinished)
+    assert not harness.of(doomed, PrefillFinished) and not harness.scheduler.can_step()
+    for job in (before, doomed, after):
+        harness.loop.release(job)
+    harness.loop.step_once()
+    assert harness.free_blocks == 32
+
+
 def test_stopping_fails_queued_and_running_prompts_with_draining(hf_model):
     harness = Harness(hf_model, num_blocks=8, budget=8)
     running = harness.job("running", 40)
@@ -278,3 +307,31 @@ def test_log_events_carry_their_fields_as_text_and_json(caplog):
     assert record.getMessage() == "prefill finished request_id=r-1 queue_s=0.2500"
     entry = json.loads(JsonFormatter().format(record))
     assert (entry["event"], entry["request_id"], entry["queue_s"]) == ("prefill finished", "r-1", 0.25)
+
+
+def test_backoff_doubles_per_failure_up_to_a_second():
+    assert [backoff_seconds(n) for n in (1, 2, 3)] == [0.01, 0.02, 0.04]
+    assert backoff_seconds(7) == 0.64 and backoff_seconds(8) == backoff_seconds(100) == 1.0
+
+
+def test_a_loop_whose_steps_keep_raising_backs_off_instead_of_spinning(hf_model, caplog):
+    """A step that raises on work that stays (a scheduling bug) is retried after a growing wait: a
+    thread that spun would make thousands of attempts in the time this one makes a few."""
+    harness = Harness(hf_model)
+    harness.job("stuck", 12)
+    attempts = []
+
+    def broken_schedule():
+        attempts.append(None)
+        raise KeyError(-1)
+
+    harness.scheduler.schedule = broken_schedule
+    harness.loop.start(warm_up=False)
+    try:
+        assert wait_until(lambda: len(attempts) >= 7)
+        time.sleep(1.0)
+    finally:
+        harness.loop.stop()
+    # Seven failures wait 1.27 s in all; the second after them holds one or two more attempts.
+    assert len(attempts) <= 12
+    assert "step failed (7 in a row)" in caplog.text
