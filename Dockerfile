@@ -25,7 +25,7 @@ RUN python3 -m venv --system-site-packages /opt/tandem
 RUN python -c "import torch" 2>/dev/null \
     || pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY base ./base
 COPY tandem ./tandem
 COPY engine ./engine
@@ -39,7 +39,11 @@ COPY bench ./bench
 # A regular (non-editable) install: the runtime stage gets no source tree. The smoke check serves:
 # both tiers start on a tiny random model, answer over gRPC and HTTP and stop cleanly, so a runtime
 # dependency that `pip install .` does not bring fails the build, not every release.
-RUN pip install --no-cache-dir . \
+# Every dependency at the version `make test` passed with (requirements.lock); a base image's own torch
+# keeps the triton it was built with.
+RUN { python -c "import triton" 2>/dev/null && grep -v '^triton==' requirements.lock || cat requirements.lock; } \
+        > /tmp/constraints.txt \
+    && pip install --no-cache-dir --constraint /tmp/constraints.txt . \
     && tandem selftest
 
 # ---- runtime: the virtualenv and an unprivileged user, nothing else ----

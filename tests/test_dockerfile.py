@@ -172,11 +172,13 @@ def test_cpu_torch_pin_matches_the_makefile(dockerfile: tuple[list, list[Stage]]
 
 
 def test_the_build_serves_the_plain_install(dockerfile: tuple[list, list[Stage]]) -> None:
-    """The builder installs without extras and its smoke check starts both tiers (`tandem selftest`), not
-    an import: a server that dies at start must fail the build."""
+    """The builder installs without extras, at the lock's versions (what `make test` passed with), and its
+    smoke check starts both tiers (`tandem selftest`), not an import: a server that dies at start must
+    fail the build."""
     _, stages = dockerfile
-    (install,) = [args for args in stages[0].all("RUN") if "pip install --no-cache-dir ." in args]
-    assert re.search(r"pip install --no-cache-dir \.(\s|$)", install)
+    (install,) = [args for args in stages[0].all("RUN") if "tandem selftest" in args]
+    assert re.search(r"pip install --no-cache-dir --constraint (\S+) \.(\s|$)", install)
+    assert "requirements.lock" in install
     assert install.rstrip().endswith("tandem selftest")
 
 
