@@ -60,7 +60,8 @@ FLAG_HELP = (
     "cache-aware routers (llm-d's precise prefix-cache scorer, Dynamo's KV router): vLLM's KVEventsConfig "
     'as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
     '"tcp://*:5558"}\'; fields enable_kv_cache_events, publisher (zmq or null), endpoint, replay_endpoint, '
-    "buffer_steps, hwm, max_queue_size, topic (default: off)"
+    "buffer_steps, hwm, max_queue_size, topic; a * host is --host's address (tcp://0.0.0.0:PORT: every "
+    "interface), an address of this machine is bound, another connected to (default: off)"
 )
 MEDIUM_BY_DEVICE = {"cuda": "GPU", "cpu": "CPU"}
 PUBLISHERS = ("zmq", "null")
