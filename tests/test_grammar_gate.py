@@ -54,7 +54,7 @@ def test_the_cache_is_bounded_in_resident_bytes_least_recently_used_first(bare) 
     cache.put(keys["a"], grammars["a"])
     cache.put(keys["b"], grammars["b"])
     assert cache.get(keys["a"]) is grammars["a"].grammar  # a is now the most recently used
-    cache.put(keys["c"], grammars["c"])
+    assert cache.put(keys["c"], grammars["c"]) == sizes["b"]  # what it evicted, so the gate trims
     assert keys["b"] not in cache and keys["a"] in cache and keys["c"] in cache
     assert cache.num_bytes <= cache.max_bytes
     assert cache.num_bytes == sizes["a"] + sizes["c"]

@@ -15,7 +15,7 @@ No grammar crosses between the processes: xgrammar's JSON of a grammar grows muc
 grammar (a 14 KB `anyOf` schema of 2.7 MiB of grammar on a 49k-token vocabulary: 98 MiB of JSON, 13 s
 and 1.4 GiB of peak RSS to write in the child, 4 s and 1.1 GiB more to read in the core), where a
 second compile takes 0.2 s and a few MiB. A child that made a large grammar is restarted, so that what
-the compile took goes back to the system; the caller trims its own heap after its compile.
+the compile took goes back to the system (the gate trims the core's heap after a large one).
 `compile` blocks: the gate calls it from its compile thread, one at a time.
 """
 
@@ -279,16 +279,12 @@ class GrammarCompiler:
             self._stop_worker()
 
     def _compile_here(self, kind: str, spec: str) -> xgr.CompiledGrammar:
-        """Compile in this process what the worker passed; then trim what the compile freed, which
-        glibc would otherwise keep in this process's RSS."""
+        """Compile in this process what the worker passed (the gate trims the heap after it caches it)."""
         if self._here is None:
             import xgrammar as xgr
 
             self._here = xgr.GrammarCompiler(self.info, max_threads=COMPILE_THREADS, cache_enabled=False)
-        try:
-            return compile_in_process(self._here, kind, spec)
-        finally:
-            release_free_memory()
+        return compile_in_process(self._here, kind, spec)
 
     def _ensure_worker(self) -> Connection:
         """The live worker's pipe, starting the worker first if there is none."""

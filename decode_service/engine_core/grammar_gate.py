@@ -17,9 +17,10 @@ a compile nobody waits for any more is not started.
 
 Compiled grammars are cached by (kind, spec) in a `GrammarCache` bounded in resident bytes (each grammar
 charged what the compile worker measured it to hold) as well as entries, and this process trims its heap
-after a compile, so what eviction freed leaves its RSS. Constraints xgrammar refused are remembered too,
-so that a repeated bad one costs no compile: by a digest of the spec and the error's text (at most
-`grammar_cache_size` of them, about 600 bytes each), never by the spec, which may be megabytes.
+after a large compile or an eviction, so what they freed leaves its RSS. Constraints xgrammar refused
+are remembered too, so that a repeated bad one costs no compile: by a digest of the spec and the error's
+text (at most `grammar_cache_size` of them, about 600 bytes each), never by the spec, which may be
+megabytes.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ logger = logging.getLogger(__name__)
 GrammarKey = tuple[str, str]
 # What a refused constraint is remembered by: its kind and the SHA-256 of its spec.
 RefusalKey = tuple[str, bytes]
+# After caching a grammar at least this large, or evicting any, the gate trims its heap: a trim walks the
+# whole heap (40 ms for 1 GB of half-freed small blocks, AMD EPYC), too much for every small schema.
+TRIM_AFTER_BYTES = 2**20
 
 
 class GrammarCache:
@@ -92,10 +96,12 @@ class GrammarCache:
             self._entries.move_to_end(key)
             return entry[0]
 
-    def put(self, key: GrammarKey, compiled: CompiledConstraint) -> None:
+    def put(self, key: GrammarKey, compiled: CompiledConstraint) -> int:
+        """Keep `compiled` (unless it alone is over the budget); returns the bytes of what it evicted."""
         size = compiled.resident_bytes + len(key[0]) + len(key[1])
         if size > self.max_bytes or self.max_entries < 1:
-            return
+            return 0
+        evicted = 0
         with self._lock:
             previous = self._entries.pop(key, None)
             if previous is not None:
@@ -105,6 +111,8 @@ class GrammarCache:
             while self.num_bytes > self.max_bytes or len(self._entries) > self.max_entries:
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self.num_bytes -= dropped
+                evicted += dropped
+        return evicted
 
 
 @dataclass(frozen=True)
@@ -336,10 +344,11 @@ class GrammarGate:
                 while len(self._refused) > max(self.config.grammar_cache_size, 1):
                     self._refused.popitem(last=False)
             raise
-        self.cache.put(key, compiled)
-        # What the grammars this put evicted freed (if no running request holds them), and the heap the
-        # compile left, go back to the system; glibc would keep both in this process's RSS.
-        release_free_memory()
+        evicted = self.cache.put(key, compiled)
+        if evicted or compiled.resident_bytes >= TRIM_AFTER_BYTES:
+            # What the evicted grammars freed (those no running request holds) and the heap the compile
+            # left go back to the system: glibc would keep both in this process's RSS.
+            release_free_memory()
         return compiled.grammar
 
     def _vocab(self) -> _Vocabulary:
