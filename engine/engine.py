@@ -22,6 +22,7 @@ from engine import quantization, quantized_layers
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarDeadEndError, GrammarMask, GrammarState, GrammarViolationError
+from engine.grammar_budget import GrammarFillTimeoutError
 from engine.kv_cache import KVCache
 from engine.kv_events import MEDIUM_BY_DEVICE, KVEventRecorder, KVEventsConfig
 from engine.model_facts import ModelFacts
@@ -446,9 +447,10 @@ class Engine:
                     break
                 seq.append_token(forced_id, self.eos_token_ids, self.max_model_len)
                 forced.append(forced_id)
-        except (GrammarDeadEndError, GrammarViolationError) as exc:
-            # This sequence's grammar cannot go on; the others sampled in the same step can.
-            log = logger.warning if isinstance(exc, GrammarDeadEndError) else logger.error
+        except (GrammarDeadEndError, GrammarFillTimeoutError, GrammarViolationError) as exc:
+            # This sequence's grammar cannot go on (or costs too much to); the others sampled in the same
+            # step can.
+            log = logger.error if isinstance(exc, GrammarViolationError) else logger.warning
             log("%s: ending it alone: %s", seq.request_id, exc)
             seq.abort()
             return TokenOutput(seq, token_id, logprob, top_logprobs, seq.finish_reason, error=exc)

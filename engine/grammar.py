@@ -11,7 +11,8 @@ the constraint applies to what it writes after `</think>`.
 What the client receives is text, so the mask also keeps the bytes valid UTF-8 (`engine.utf8_tokens`):
 xgrammar alone lets surrogates and split characters through, which decode to U+FFFD. A grammar that
 allows no token at all (an impossible pattern, a rule with no way out) ends its own request with
-`GrammarDeadEndError` when its next token is accepted; the rest of the batch goes on.
+`GrammarDeadEndError` when its next token is accepted; the rest of the batch goes on. So does one whose
+masks take longer to fill than its `FillBudget` allows (`engine.grammar_budget`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import xgrammar as xgr
 
 from base.errors import InvalidRequestError, TandemError
+from engine.grammar_budget import FillBudget
 from engine.utf8_tokens import BOUNDARY, Utf8Tokens, pack_bitmask_row
 
 
@@ -51,7 +53,8 @@ class GrammarState:
     allows; `utf8` (shared by every state of a vocabulary) keeps the bytes valid UTF-8, and the servers
     always pass it. `activate_after` keeps the grammar dormant until that token has been generated.
     `source` (xgrammar kind, text) is what it was compiled from, so an engine in another process can
-    compile it again.
+    compile it again. `budget` bounds the time its masks may take to fill per token, shared with the
+    states of the request's other choices (None: unbounded).
     """
 
     def __init__(
@@ -61,12 +64,14 @@ class GrammarState:
         allowed_tokens: torch.Tensor | None = None,
         source: tuple[str, str] | None = None,
         utf8: Utf8Tokens | None = None,
+        budget: FillBudget | None = None,
     ) -> None:
         self.compiled = compiled
         self.activate_after = activate_after
         self.allowed_tokens = allowed_tokens
         self.source = source
         self.utf8 = utf8
+        self.budget = budget
         self.active = activate_after is None
         self._matcher = xgr.GrammarMatcher(compiled)
         self._utf8_state = BOUNDARY
@@ -74,8 +79,10 @@ class GrammarState:
         self._dead_end = False
 
     def fork(self) -> GrammarState:
-        """A fresh state at the grammar's start (another choice of the same request)."""
-        return GrammarState(self.compiled, self.activate_after, self.allowed_tokens, self.source, self.utf8)
+        """A fresh state at the grammar's start (another choice of the same request: the same budget)."""
+        return GrammarState(
+            self.compiled, self.activate_after, self.allowed_tokens, self.source, self.utf8, self.budget
+        )
 
     @property
     def is_terminated(self) -> bool:
@@ -85,12 +92,15 @@ class GrammarState:
     def accept(self, token_id: int) -> None:
         """Advance past a generated token (before activation: only watch for the activating token).
 
-        Raises GrammarDeadEndError when the last mask allowed no token (whatever was sampled then is
-        not the grammar's), GrammarViolationError for a token the mask should have refused.
+        Raises GrammarFillTimeoutError when the request's masks took longer to fill than its budget
+        allows (whatever was sampled then may not be the grammar's), GrammarDeadEndError when the last
+        mask allowed no token, GrammarViolationError for a token the mask should have refused.
         """
         if not self.active:
             self.active = token_id == self.activate_after
             return
+        if self.budget is not None and self.budget.exceeded is not None:
+            raise self.budget.exceeded
         if self._dead_end:
             raise GrammarDeadEndError(
                 "the request's constraint allows no token at this point of the answer, so no text can "
@@ -137,14 +147,32 @@ def _restrict(bitmask: torch.Tensor, row: int, allowed: torch.Tensor) -> None:
 
 
 class GrammarMask:
-    """The allowed-token bitmask of one sampling batch's constrained rows, filled before the logits exist."""
+    """The allowed-token bitmask of one sampling batch's constrained rows, filled before the logits exist.
+
+    The rows of a request with a `FillBudget` are timed together (its choices share it); once they pass
+    its limit, its remaining rows stay unfilled (all tokens allowed) and the request ends when its
+    sampled tokens are accepted, none of them appended.
+    """
 
     def __init__(self, grammars: Sequence[GrammarState | None], vocab_size: int) -> None:
         self.rows = [row for row, grammar in enumerate(grammars) if grammar is not None and grammar.active]
         self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+        # Per request budget: (seconds its rows took to fill in this mask, rows filled).
+        spent: dict[FillBudget, tuple[float, int]] = {}
         for row in self.rows:
-            grammars[row].fill(self.bitmask, row)
+            grammar = grammars[row]
+            budget = grammar.budget
+            if budget is None:
+                grammar.fill(self.bitmask, row)
+                continue
+            if budget.exceeded is not None:
+                continue
+            start = budget.clock()
+            grammar.fill(self.bitmask, row)
+            seconds, num_rows = spent.get(budget, (0.0, 0))
+            spent[budget] = (seconds + budget.clock() - start, num_rows + 1)
+            budget.charge(*spent[budget])
 
     @classmethod
     def fill(cls, grammars: Sequence[GrammarState | None], vocab_size: int) -> GrammarMask | None:
