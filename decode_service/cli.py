@@ -236,6 +236,16 @@ def _add_structured_output_arguments(parser: argparse.ArgumentParser) -> None:
         "compile (default: 4)",
     )
     group.add_argument(
+        "--structured-output-fill-timeout-ms",
+        type=float,
+        default=1000.0,
+        metavar="MS",
+        help="milliseconds a constrained request's token masks may take to fill for one token, all its "
+        "choices (n) together; past it the request ends with INVALID_ARGUMENT (HTTP 400), and a grammar "
+        "whose fills already take over a quarter of it on a trial answer is refused before it runs. "
+        "Bounds what one ambiguous grammar can stall every stream's step by (default: 1000)",
+    )
+    group.add_argument(
         "--jump-forward",
         action="store_true",
         help="append the text a grammar forces at once and compute it in one chunk of the next step, instead "
@@ -448,6 +458,7 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         grammar_cache_memory=parse_memory_size(args.grammar_cache_memory),
         max_grammar_memory=parse_memory_size(args.max_grammar_memory),
         max_compiles_per_tenant=args.max_compiles_per_tenant,
+        structured_output_fill_timeout_ms=args.structured_output_fill_timeout_ms,
         chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -74,6 +74,7 @@ class DecodeServiceConfig(ServerConfig):
     grammar_cache_memory: int = 512 * 2**20
     max_grammar_memory: int = 64 * 2**20
     max_compiles_per_tenant: int = 4
+    structured_output_fill_timeout_ms: float = 1000.0
     chat_template: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None

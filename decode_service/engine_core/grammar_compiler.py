@@ -70,7 +70,8 @@ class GrammarConfig:
     grammar holds more than `max_grammar_memory` bytes resident, is refused; a tenant may have at most
     `max_compiles_per_tenant` compiles waiting or running, and tenants take turns at the compiler. At
     most `grammar_cache_size` compiled grammars, and `grammar_cache_memory` resident bytes of them, are
-    kept.
+    kept. A request's token masks may take `structured_output_fill_timeout_ms` to fill per token, all its
+    choices together (`engine.grammar_budget`; a grammar steep on a probe is refused: `fill_vetting`).
     """
 
     structured_output_compile_timeout_s: float = 10.0
@@ -78,13 +79,12 @@ class GrammarConfig:
     grammar_cache_memory: int = 512 * 2**20
     max_grammar_memory: int = 64 * 2**20
     max_compiles_per_tenant: int = 4
+    structured_output_fill_timeout_ms: float = 1000.0
 
     def validate(self) -> None:
-        if not self.structured_output_compile_timeout_s > 0:
-            raise ConfigError(
-                "structured_output_compile_timeout_s must be > 0, got "
-                f"{self.structured_output_compile_timeout_s}"
-            )
+        for name in ("structured_output_compile_timeout_s", "structured_output_fill_timeout_ms"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("grammar_cache_size", "grammar_cache_memory"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

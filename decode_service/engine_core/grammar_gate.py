@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from base.errors import TandemError
+from decode_service.engine_core.fill_vetting import vet_fill_cost
 from decode_service.engine_core.grammar_compiler import (
     CompiledConstraint,
     CompileTimeoutError,
@@ -44,6 +45,7 @@ from decode_service.engine_core.grammar_compiler import (
 from decode_service.engine_core.messages import GrammarSource
 from decode_service.engine_core.resident_memory import release_free_memory
 from engine.grammar import GrammarState, control_free_tokens
+from engine.grammar_budget import FillBudget
 from engine.utf8_tokens import Utf8Tokens
 from serving.errors import QueueFullError
 
@@ -344,6 +346,8 @@ class GrammarGate:
                 while len(self._refused) > max(self.config.grammar_cache_size, 1):
                     self._refused.popitem(last=False)
             raise
+        # Before anything can use it: a grammar whose masks are already slow to fill is refused, uncached.
+        vet_fill_cost(self._state(compiled.grammar, source), source.field, self._fill_limit_s())
         evicted = self.cache.put(key, compiled)
         if evicted or compiled.resident_bytes >= TRIM_AFTER_BYTES:
             # What the evicted grammars freed (those no running request holds) and the heap the compile
@@ -379,7 +383,11 @@ class GrammarGate:
         vocabulary = self._vocab()
         allowed = vocabulary.control_free if source.control_free else None
         key = (source.kind, source.source)
-        return GrammarState(compiled, source.activate_after, allowed, key, vocabulary.utf8)
+        budget = FillBudget(self._fill_limit_s(), source.field)
+        return GrammarState(compiled, source.activate_after, allowed, key, vocabulary.utf8, budget)
+
+    def _fill_limit_s(self) -> float:
+        return self.config.structured_output_fill_timeout_ms / 1000
 
 
 def _refusal_key(key: GrammarKey) -> RefusalKey:
