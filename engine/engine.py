@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +101,7 @@ class Engine:
     def __init__(
         self,
         model_config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         tokenizer: Tokenizer | None,
         config: EngineConfig,
         block_order: SequenceOf[int] | None = None,
@@ -131,7 +131,9 @@ class Engine:
         # weights this drops were never written, so they never took memory).
         self.platform.quantize_linears(model.layers)
         self.platform.quantize_embeddings(model)
-        model.load_weights(state_dict)
+        # A state dict (tests' in-memory models) or a stream of (name, tensor) (a checkpoint on disk,
+        # `Checkpoint.tensors`), each tensor converted or quantized into its place as it comes.
+        model.load_weights(weights.items() if isinstance(weights, Mapping) else weights)
         self.platform.specialize(model)
         self.model = model.eval()
         # What the front door knows of this model; the pool, EOS and length rules below are its.
@@ -184,13 +186,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig, **kwargs) -> Engine:
-        """Load a local Hugging Face checkpoint directory (safetensors, config, tokenizer)."""
-        from engine.model_store import load_checkpoint
+        """Load a local Hugging Face checkpoint directory (safetensors, config, tokenizer), streaming its
+        weights into the model one tensor at a time (`engine.checkpoint_stream`): the load peaks at about
+        the resident model, never at a second copy of the checkpoint."""
+        from engine.model_store import open_checkpoint
 
-        hf_config, state_dict = load_checkpoint(Path(model_dir), dtype=config.dtype)
+        checkpoint = open_checkpoint(Path(model_dir))
         tokenizer = Tokenizer.from_pretrained(model_dir)
         name = kwargs.pop("model_name", Path(model_dir).name)
-        return cls(ModelConfig.from_hf(hf_config), state_dict, tokenizer, config, model_name=name, **kwargs)
+        model_config = ModelConfig.from_hf(checkpoint.config)
+        return cls(model_config, checkpoint.tensors(), tokenizer, config, model_name=name, **kwargs)
 
     @property
     def vocab_size(self) -> int:

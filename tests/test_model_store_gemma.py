@@ -28,8 +28,8 @@ from engine.model_store import (
     ModelDownloadError,
     fetch_model,
     is_complete,
-    load_checkpoint,
     model_cache_dir,
+    open_checkpoint,
     resolve_model,
 )
 from tandem import cli
@@ -194,8 +194,7 @@ def test_fetch_gemma_writes_a_plain_checkpoint_beside_the_default(
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
     assert "quantization_config" not in config
     assert (config["rope_theta"], config["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
-    _, state_dict = load_checkpoint(model_dir)
-    assert "lm_head.weight" not in state_dict
+    assert "lm_head.weight" not in open_checkpoint(model_dir).names
 
     reloaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert reloaded.config.rope_parameters == fake_dequantize["model"].config.rope_parameters
@@ -247,7 +246,8 @@ def gemma_dir() -> Path:
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_gemma_config_has_the_model_facts(gemma_dir: Path):
-    config, state_dict = load_checkpoint(gemma_dir)
+    checkpoint = open_checkpoint(gemma_dir)
+    config, state_dict = checkpoint.config, dict(checkpoint.tensors())
     assert config.model_type == "gemma3_text"
     assert (config.num_hidden_layers, config.hidden_size) == (18, 640)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 1, 256)

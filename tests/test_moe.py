@@ -247,7 +247,7 @@ def test_block_matches_hugging_face_from_fused_and_per_expert_names(kind, norm):
             if target is None:
                 model.get_parameter(name.replace("block_sparse_moe", "mlp")).data.copy_(tensor)
             else:
-                loaded.update(load_expert_tensor(model, target, tensor))
+                loaded.update(load_expert_tensor(model, target, tensor, torch.float32))
         assert loaded == expected_shards(model)
         got = model.layers[0]["mlp"](x[0])
         torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-5)

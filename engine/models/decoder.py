@@ -16,7 +16,7 @@ names.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +30,20 @@ from kernels.cpu_decode_stack import CpuDecodeStack
 from kernels.metadata import AttentionMetadata
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+
+# Bytes of fp32 a quantized layer is handed at once while loading (`row_blocks`): the quantizer makes a
+# few temporaries of its input's size, which for a whole 262k-row embedding would be GiBs.
+ROW_BLOCK_BYTES = 16 << 20
+
+
+def row_blocks(tensor: torch.Tensor, dtype: torch.dtype, dim: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """`(first row, rows)` of `tensor` along `dim`, a block of about `ROW_BLOCK_BYTES` (in fp32) at a time,
+    each converted to `dtype`: what a loader that quantizes rows independently takes, one block at a time."""
+    rows = tensor.shape[dim]
+    per_row = max(1, tensor.numel() // max(rows, 1)) * 4
+    step = max(1, ROW_BLOCK_BYTES // per_row)
+    for start in range(0, rows, step):
+        yield start, tensor.narrow(dim, start, min(step, rows - start)).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -295,37 +309,58 @@ class CausalLM(nn.Module):
             return self.greedy_head(hidden)
         return greedy_argmax(self.compute_logits(hidden))
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy Hugging Face parameters in, concatenating the `stacked_params` into our fused layers.
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine cast the model to (its final norm's: norms are never quantized)."""
+        return self.norm.weight.dtype
 
-        A quantized layer (`engine.quantization`) has no full-precision weight to copy into: its
-        `load_weight_rows(offset, tensor)` quantizes each checkpoint tensor into its rows instead.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face parameters in as they come, concatenating the `stacked_params` into our
+        fused layers; raises KeyError for a tensor with no place here, or for parameters never given.
+
+        `weights` may be a stream (`engine.checkpoint_stream`): each tensor is used once, as stored, and
+        never kept, so a load holds the model and one checkpoint tensor. A full-precision parameter
+        converts as it copies; a quantized layer (`engine.quantization`) has no full-precision weight to
+        copy into, and its `load_weight_rows(offset, tensor)` quantizes the tensor a block of rows at a
+        time (`row_blocks`), so the quantizer's fp32 temporaries stay small whatever the tensor's size.
         """
         params = dict(self.named_parameters())
         row_loaders = self._weight_row_loaders()
         loaded: set[str] = set()
-        for hf_name, tensor in state_dict.items():
+        for hf_name, tensor in weights:
             name = self.checkpoint_name(hf_name)
-            if name is None:
-                continue
-            shard = None
-            for hf_part, (ours, index) in self.stacked_params.items():
-                if f".{hf_part}." in name:
-                    name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
-                    break
-            offset = 0 if shard is None else self._shard_offset(name, shard)
-            if name in row_loaders:
-                row_loaders[name](offset, tensor)
-            elif name not in params:
-                raise KeyError(f"checkpoint parameter {hf_name!r} has no place in the model")
-            elif shard is None:
-                params[name].data.copy_(tensor)
-            else:
-                params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
-            loaded.add(f"{name}#{shard}")
+            if name is not None:
+                loaded.update(self._load_tensor(hf_name, name, tensor, params, row_loaders))
         missing = self._expected_shards() - loaded
         if missing:
             raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
+
+    def _load_tensor(
+        self,
+        hf_name: str,
+        name: str,
+        tensor: torch.Tensor,
+        params: Mapping[str, nn.Parameter],
+        row_loaders: Mapping[str, Callable[[int, torch.Tensor], None]],
+    ) -> list[str]:
+        """Put one checkpoint tensor (our name `name`) in its place; return the `_expected_shards` keys
+        it filled."""
+        shard = None
+        for hf_part, (ours, index) in self.stacked_params.items():
+            if f".{hf_part}." in name:
+                name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
+                break
+        offset = 0 if shard is None else self._shard_offset(name, shard)
+        if name in row_loaders:
+            for start, rows in row_blocks(tensor, self.dtype):
+                row_loaders[name](offset + start, rows)
+        elif name not in params:
+            raise KeyError(f"checkpoint parameter {hf_name!r} has no place in the model")
+        elif shard is None:
+            params[name].data.copy_(tensor)
+        else:
+            params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+        return [f"{name}#{shard}"]
 
     def _shard_offset(self, name: str, shard: int) -> int:
         cfg = self.config

@@ -19,14 +19,14 @@ what the quantizer swaps): it is E rows, and a flipped expert choice would chang
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.decoder import CausalLM
+from engine.models.decoder import CausalLM, row_blocks
 from kernels.backend import AttentionBackend
 from kernels.moe import Experts, Int8Experts, fused_experts, route
 
@@ -131,14 +131,19 @@ def expert_target(name: str) -> ExpertTarget | None:
     return ExpertTarget(experts, which, int(match["expert"]), shard)
 
 
-def load_expert_tensor(model: nn.Module, target: ExpertTarget, tensor: torch.Tensor) -> list[str]:
-    """Copy (or quantize) `tensor` into its experts; return the `expected_shards` keys it filled."""
+def load_expert_tensor(
+    model: nn.Module, target: ExpertTarget, tensor: torch.Tensor, dtype: torch.dtype
+) -> list[str]:
+    """Copy (or quantize) `tensor` into its experts, converted to `dtype` a block of output rows at a time
+    (`row_blocks`: quantized experts quantize each row alone); return the `expected_shards` keys it filled."""
     module = model.get_submodule(target.experts)
     if target.expert is None:
-        module.load(target.which, None, 0, tensor)
+        for start, rows in row_blocks(tensor, dtype, dim=1):
+            module.load(target.which, None, start, rows)
     else:
         offset = (target.shard or 0) * module.intermediate_size if target.which == "gate_up" else 0
-        module.load(target.which, target.expert, offset, tensor)
+        for start, rows in row_blocks(tensor, dtype):
+            module.load(target.which, target.expert, offset + start, rows)
     return target.shards(module.num_experts)
 
 
@@ -151,25 +156,6 @@ def expected_shards(model: nn.Module) -> set[str]:
                 expected.update(shard_key(name, "gate_up", e, s) for s in (0, 1))
                 expected.add(shard_key(name, "down", e, 0))
     return expected
-
-
-class _WithoutExperts(Mapping[str, torch.Tensor]):
-    """A checkpoint seen without its expert tensors (which `MoeCausalLM` loads itself), lazily: a
-    lazily loaded checkpoint reads each tensor once, when the skeleton's loader asks for it."""
-
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], expert_names: set[str]) -> None:
-        self._state_dict, self._expert_names = state_dict, expert_names
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self._expert_names:
-            raise KeyError(name)
-        return self._state_dict[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return (name for name in self._state_dict if name not in self._expert_names)
-
-    def __len__(self) -> int:
-        return len(self._state_dict) - len(self._expert_names)
 
 
 class MoeCausalLM(CausalLM):
@@ -192,20 +178,22 @@ class MoeCausalLM(CausalLM):
         name = super().checkpoint_name(hf_name)
         return None if name is None else router_name(name)
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        loaded: set[str] = set()
-        expert_names: set[str] = set()
-        for hf_name in state_dict:
-            name = self.checkpoint_name(hf_name)
-            target = None if name is None else expert_target(name)
-            if target is not None:
-                loaded.update(load_expert_tensor(self, target, state_dict[hf_name]))
-                expert_names.add(hf_name)
-        super().load_weights(_WithoutExperts(state_dict, expert_names))
-        missing = expected_shards(self) - loaded
-        if missing:
-            raise KeyError(f"checkpoint lacks expert weights: {sorted(missing)[:5]}")
+    def _load_tensor(
+        self,
+        hf_name: str,
+        name: str,
+        tensor: torch.Tensor,
+        params: Mapping[str, nn.Parameter],
+        row_loaders: Mapping[str, Callable[[int, torch.Tensor], None]],
+    ) -> list[str]:
+        """An expert's tensor goes straight into its slot of the stacked experts (each expert's matrix
+        has its own rows there, so none waits for the others); anything else as the skeleton loads it."""
+        target = expert_target(name)
+        if target is None:
+            return super()._load_tensor(hf_name, name, tensor, params, row_loaders)
+        return load_expert_tensor(self, target, tensor, self.dtype)
 
     def _expected_shards(self) -> set[str]:
-        """The skeleton's, less the experts' tensors (`load_weights` checks those by expert)."""
-        return {key for key in super()._expected_shards() if ".mlp.experts." not in key}
+        """The skeleton's without the experts' parameters, which are expected by expert and matrix."""
+        skeleton = {key for key in super()._expected_shards() if ".mlp.experts." not in key}
+        return skeleton | expected_shards(self)
