@@ -16,7 +16,7 @@ from conftest import save_tiny_model
 from tiny_tokenizer import ENDOFTEXT_ID, IM_END_ID, TINY_VOCAB_SIZE
 
 from base.errors import InvalidRequestError
-from engine import model_store
+from engine import checkpoint_stream
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.model_facts import ModelFacts
@@ -76,7 +76,7 @@ def test_loading_facts_never_reads_the_weights(model_dir, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("ModelFacts.load read the weights")
 
-    monkeypatch.setattr(model_store, "load_file", no_weights)
+    monkeypatch.setattr(checkpoint_stream, "safe_open", no_weights)
     facts = ModelFacts.load(model_dir, EngineConfig(), model_name="served")
     assert facts.model_name == "served" and facts.vocab_size == TINY_VOCAB_SIZE
 

@@ -177,7 +177,7 @@ def read_checkpoint(path: Path):
     return checkpoint.config, dict(checkpoint.tensors())
 
 
-def test_load_checkpoint_matches_saved_model(tmp_path: Path):
+def test_open_checkpoint_matches_saved_model(tmp_path: Path):
     model = save_tiny_checkpoint(tmp_path, tie_word_embeddings=False)
     config, state_dict = read_checkpoint(tmp_path)
     assert config.model_type == "llama"
@@ -188,7 +188,7 @@ def test_load_checkpoint_matches_saved_model(tmp_path: Path):
         assert torch.equal(state_dict[name], tensor), name
 
 
-def test_load_checkpoint_keeps_tied_lm_head_absent(tmp_path: Path):
+def test_open_checkpoint_keeps_tied_lm_head_absent(tmp_path: Path):
     model = save_tiny_checkpoint(tmp_path, tie_word_embeddings=True)
     config, state_dict = read_checkpoint(tmp_path)
     assert config.tie_word_embeddings
@@ -196,7 +196,7 @@ def test_load_checkpoint_keeps_tied_lm_head_absent(tmp_path: Path):
     assert torch.equal(state_dict["model.embed_tokens.weight"], model.lm_head.weight)
 
 
-def test_load_checkpoint_streams_tensors_as_stored(tmp_path: Path):
+def test_open_checkpoint_streams_tensors_as_stored(tmp_path: Path):
     """No cast on the way: the model converts (or quantizes) each tensor as it copies it in."""
     model = tiny_llama().to(torch.bfloat16)
     model.save_pretrained(tmp_path)
@@ -207,7 +207,7 @@ def test_load_checkpoint_streams_tensors_as_stored(tmp_path: Path):
     assert torch.equal(state_dict["model.norm.weight"], model.state_dict()["model.norm.weight"])
 
 
-def test_load_checkpoint_reads_every_shard(tmp_path: Path):
+def test_open_checkpoint_reads_every_shard(tmp_path: Path):
     model = tiny_llama(tie_word_embeddings=False)
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     shards = sorted(tmp_path.glob("*.safetensors"))
@@ -216,27 +216,27 @@ def test_load_checkpoint_reads_every_shard(tmp_path: Path):
     assert state_dict.keys() == model.state_dict().keys()
 
 
-def test_load_checkpoint_rejects_tensors_repeated_across_shards(tmp_path: Path):
+def test_open_checkpoint_rejects_tensors_repeated_across_shards(tmp_path: Path):
     save_tiny_checkpoint(tmp_path)
     shutil.copy(tmp_path / "model.safetensors", tmp_path / "model-copy.safetensors")
     with pytest.raises(ModelNotFoundError, match="repeats tensors"):
         open_checkpoint(tmp_path)
 
 
-def test_load_checkpoint_corrupt_weights(tmp_path: Path):
+def test_open_checkpoint_corrupt_weights(tmp_path: Path):
     save_tiny_checkpoint(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(ModelNotFoundError, match="cannot read weights"):
         open_checkpoint(tmp_path)
 
 
-def test_load_checkpoint_missing_directory(tmp_path: Path):
+def test_open_checkpoint_missing_directory(tmp_path: Path):
     with pytest.raises(ModelNotFoundError):
         open_checkpoint(tmp_path / "absent")
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
-def test_load_checkpoint_refuses_non_finite_weights(tmp_path: Path, bad_value: float):
+def test_open_checkpoint_refuses_non_finite_weights(tmp_path: Path, bad_value: float):
     save_tiny_checkpoint(tmp_path)
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
@@ -246,7 +246,7 @@ def test_load_checkpoint_refuses_non_finite_weights(tmp_path: Path, bad_value: f
         read_checkpoint(tmp_path)
 
 
-def test_load_checkpoint_accepts_finite_weights_whose_sum_overflows(tmp_path: Path):
+def test_open_checkpoint_accepts_finite_weights_whose_sum_overflows(tmp_path: Path):
     save_tiny_checkpoint(tmp_path)
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
