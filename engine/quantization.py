@@ -8,10 +8,10 @@ token embedding are quantized; norms and biases keep the model's dtype. The head
 module; the embedding is the method's table of the same rows, and when the two are tied it reads the
 head's quantized rows, so one quantized copy of the matrix is held (for a 262k vocabulary that matrix
 is most of the model: Gemma 3 270M). Logits stay fp32. Quantization happens at load: the engine swaps
-the empty model's linears, head and embedding for the method's modules before the checkpoint is copied
-in, and each checkpoint tensor is quantized as it is loaded (`load_weight_rows`), so the full-precision
-weights never live in the model, and an int8 load peaks lower than an fp32 one (bench/README.md, "CPU
-kernels", has the figures).
+the empty model's linears, head and embedding for the method's modules before the checkpoint streams
+in, and each checkpoint tensor is quantized as it arrives, a block of rows at a time (`load_weight_rows`,
+`engine.models.decoder.row_blocks`), so the full-precision weights never live in the model and an int8
+load peaks at the int8 model plus about one checkpoint tensor (tests/test_streamed_load.py).
 
 The default model's GGUF (what `tandem fetch-model` gets) stores the decoder linears as Q4_1 (blocks
 of 32 weights, each with its own scale and minimum) and the embedding as Q8_0 (blocks of 32, own
