@@ -27,19 +27,26 @@ WINDOW = 40
 LENGTHS = [23, 41, 55, 71, 100, 150, 233]
 
 
-@pytest.fixture(scope="module")
-def sliding_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    directory = tmp_path_factory.mktemp("tiny-sliding-model")
-    torch.manual_seed(33)
-    config = tiny_hf_config("qwen2", num_layers=6, vocab_size=TINY_VOCAB_SIZE)
+def _save_windowed(directory: Path, seed: int, layer_types: list[str], window: int) -> torch.nn.Module:
+    """A tiny random Qwen2 whose layers attend as `layer_types` say, saved with its tokenizer."""
+    torch.manual_seed(seed)
+    config = tiny_hf_config("qwen2", num_layers=len(layer_types), vocab_size=TINY_VOCAB_SIZE)
     config.tie_word_embeddings = False
     config.use_sliding_window = True
-    config.sliding_window = WINDOW
-    config.layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    config.sliding_window = window
+    config.max_window_layers = 0
+    config.layer_types = layer_types
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     hf.save_pretrained(directory)
     build_tiny_tokenizer(directory)
-    return directory, hf
+    return hf
+
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    directory = tmp_path_factory.mktemp("tiny-sliding-model")
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return directory, _save_windowed(directory, 33, layer_types, WINDOW)
 
 
 def prompts(seed: int, shared: list[int] | None = None) -> list[list[int]]:
@@ -99,16 +106,7 @@ def test_sliding_window_model_disaggregated_equals_aggregated_equals_hf(sliding_
 def all_sliding_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """Every layer windowed over 20 tokens (Mistral v0.1's shape of layout): one sliding KV group."""
     directory = tmp_path_factory.mktemp("tiny-all-sliding-model")
-    torch.manual_seed(34)
-    config = tiny_hf_config("qwen2", num_layers=2, vocab_size=TINY_VOCAB_SIZE)
-    config.use_sliding_window = True
-    config.sliding_window = 20
-    config.max_window_layers = 0
-    config.layer_types = ["sliding_attention"] * 2
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    hf.save_pretrained(directory)
-    build_tiny_tokenizer(directory)
-    return directory, hf
+    return directory, _save_windowed(directory, 34, ["sliding_attention"] * 2, 20)
 
 
 def _burst_behind_a_held_step(

@@ -154,35 +154,31 @@ def test_the_wheel_admits_no_runtime_older_than_the_stubs_need() -> None:
         assert _floor(by_name["protobuf"]) >= tuple(int(part) for part in protobuf_needs.groups())
 
 
-def test_freshness_check_catches_a_changed_proto(tmp_path: Path) -> None:
+def _stale_after_edit(tmp_path: Path, old: str, new: str) -> list[str]:
+    """The stale stubs once the public proto's `old` text reads `new` (in a copy of the protos)."""
     source_root = tmp_path / "src"
     for proto in PROTO_FILES:
         (source_root / proto).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / proto, source_root / proto)
     changed = source_root / PROTO_FILES[0]
     text = changed.read_text()
-    changed.write_text(text.replace("  string tenant = 8;\n", "  string tenant = 8;\n  string added = 99;\n"))
-    assert changed.read_text() != text
-    stale = _stale_stubs(source_root, tmp_path / "out")
+    assert old in text
+    changed.write_text(text.replace(old, new))
+    return _stale_stubs(source_root, tmp_path / "out")
+
+
+def test_freshness_check_catches_a_changed_proto(tmp_path: Path) -> None:
+    stale = _stale_after_edit(
+        tmp_path, "  string tenant = 8;\n", "  string tenant = 8;\n  string added = 99;\n"
+    )
     assert "protos/tandem/v1/generation_pb2.py" in stale
     assert "protos/tandem/v1/generation_pb2.pyi" in stale
 
 
 def test_freshness_check_catches_a_changed_rpc(tmp_path: Path) -> None:
-    source_root = tmp_path / "src"
-    for proto in PROTO_FILES:
-        (source_root / proto).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO_ROOT / proto, source_root / proto)
-    changed = source_root / PROTO_FILES[0]
-    text = changed.read_text()
-    assert "rpc Abort(AbortRequest) returns (AbortResponse)" in text
-    changed.write_text(
-        text.replace(
-            "rpc Abort(AbortRequest) returns (AbortResponse)",
-            "rpc Abort(AbortRequest) returns (stream AbortResponse)",
-        )
-    )
-    assert "protos/tandem/v1/generation_pb2_grpc.py" in _stale_stubs(source_root, tmp_path / "out")
+    abort = "rpc Abort(AbortRequest) returns (AbortResponse)"
+    stale = _stale_after_edit(tmp_path, abort, abort.replace("(AbortResponse)", "(stream AbortResponse)"))
+    assert "protos/tandem/v1/generation_pb2_grpc.py" in stale
 
 
 def _fields(message_type) -> dict[str, FieldDescriptor]:
