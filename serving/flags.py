@@ -214,6 +214,21 @@ def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 ServeFn = Callable[[Path, "EngineConfig", "CollectorRegistry"], Coroutine[Any, Any, int]]
 
 
+def check_tier_memory(args: argparse.Namespace, model_dir: Path, engine_config: EngineConfig) -> None:
+    """Log what the tier's processes will hold and refuse (ModelTooLargeError, one line) before any weight
+    is read when that exceeds the memory this machine allows (`engine.load_plan`). Decode runs its engine
+    core in a process of its own beside the front door unless `--engine-in-process` (a prefill tier has no
+    such flag: it is one process)."""
+    from engine.load_plan import check_memory
+    from engine.model_store import open_checkpoint
+
+    tier = getattr(args, "tier", None) or "engine"
+    roles: list[tuple[str, EngineConfig | None]] = [(tier, engine_config)]
+    if not getattr(args, "engine_in_process", True):
+        roles = [(f"{tier} core", engine_config), (f"{tier} front door", None)]
+    check_memory(open_checkpoint(model_dir), roles)
+
+
 def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     """Set up logging and threads, find the model, then serve until SIGTERM/SIGINT; the exit status.
 
@@ -239,6 +254,7 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     check_positive(args, "max_concurrent_streams")
     engine_config = engine_config_from_args(args)
     model_dir = resolve_model(args.model)
+    check_tier_memory(args, model_dir, engine_config)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     metrics_registry = CollectorRegistry()
