@@ -343,15 +343,18 @@ def _runs_int8(config: EngineConfig) -> bool:
 
 def _kv_budget(candidate: LoadPlan, limit: MemoryLimit) -> int | None:
     """Bytes of KV pool per engine process (whole MiB) that bring `candidate` within `WARN_FRACTION` of
-    the limit; None when it is within already, or when what is left would hold under
-    `MIN_SUGGESTED_BLOCKS` blocks."""
+    the limit, else (the rest leaves too little for that) within the limit; None when it fits already,
+    or when the pool left would hold under `MIN_SUGGESTED_BLOCKS` blocks."""
     engines = [p for p in candidate.processes if p.kv_bytes]
     if not engines or candidate.total_bytes <= WARN_FRACTION * limit.bytes:
         return None
-    room = WARN_FRACTION * limit.bytes - (candidate.total_bytes - candidate.kv_bytes)
-    budget = int(room // len(engines)) // MIB * MIB
     smallest = MIN_SUGGESTED_BLOCKS * max(p.kv_block_bytes for p in engines)
-    return budget if budget >= smallest else None
+    for target in (WARN_FRACTION * limit.bytes, limit.bytes):
+        room = target - (candidate.total_bytes - candidate.kv_bytes)
+        budget = int(room // len(engines)) // MIB * MIB
+        if budget >= smallest:
+            return budget
+    return None
 
 
 def _with_kv_budget(config: EngineConfig, budget: int) -> EngineConfig:
