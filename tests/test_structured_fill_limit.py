@@ -113,3 +113,22 @@ def test_past_the_probe_the_step_ends_it_once_its_fills_outgrow_the_limit(server
     assert "to compute for one token" in details and f"limit of {FILL_LIMIT_MS:g} ms" in details
     assert_streams_completed(streams)
     assert wait_until(server.pool_is_full, timeout=10), "an ended request still holds KV blocks"
+
+
+def test_the_fill_limit_flag_reaches_the_core_and_must_be_positive():
+    import argparse
+
+    from base.errors import ConfigError
+    from decode_service.cli import add_arguments, service_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def limit(*flags: str) -> float:
+        config = service_config_from_args(parser.parse_args(["--model", "m", *flags]))
+        return config.core.grammar.structured_output_fill_timeout_ms
+
+    assert limit() == 1000.0
+    assert limit("--structured-output-fill-timeout-ms", "250") == 250.0
+    with pytest.raises(ConfigError, match="structured_output_fill_timeout_ms must be > 0"):
+        limit("--structured-output-fill-timeout-ms", "0")

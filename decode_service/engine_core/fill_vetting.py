@@ -14,7 +14,7 @@ limit of 1,000 ms (250 ms per probe fill): the probe of each schema of the struc
 takes 0.3 to 22 ms, its slowest fill under 10 ms (the first fill of a server's life computes a UTF-8
 row); a 20,000-word enum 91 ms, slowest fill 24 to 42 ms (a string's first characters), then cheaper.
 The ambiguous EBNF `x ::= [a-z] | [a-z] x | x [a-z] | x x` fills in 0.14, 12, 36, 98 then 263 ms along
-the probe: refused after 5 fills, 0.42 s; `(([a-z]*)*[a-z]*)*` after 7, 0.66 s.
+the probe: refused within 5 or 6 fills, 0.4 s; `(([a-z]*)*[a-z]*)*` within 7 to 9, 0.7 s.
 
 The probe follows one answer, so a grammar steep only on another passes it: the step's bound still holds
 for that one. A refusal is a measurement, so it is not remembered as xgrammar's refusals are: a repeat is
