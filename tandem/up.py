@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from base.errors import TandemError
 from base.logs import log_event, use_log_format
 from tandem.up_status import StatusLine
 from tandem.up_tiers import LogForwarder, Tier, TierSpec, connect_host, start_in_order, stop_tier
@@ -422,6 +423,29 @@ def _model_dir(name_or_path: str | None) -> Path:
     return resolve_model(name_or_path)
 
 
+def check_memory_of(specs: Sequence[TierSpec], model_dir: Path) -> None:
+    """Plan every process the tiers will run (each tier's engine, a decode front door beside each decode
+    engine core) from the flags each child gets, log it, and raise ModelTooLargeError (`engine.load_plan`)
+    before any tier starts when together they exceed the memory this machine allows: each tier checks
+    itself too, but alone it would not see the others' share."""
+    from engine.load_plan import check_memory
+    from engine.model_store import open_checkpoint
+    from serving.flags import engine_config_from_args
+    from tandem.cli import build_parser
+
+    parser = build_parser()
+    roles = []
+    for spec in specs:
+        # The child's own argv after `python -m tandem.cli`: its flags parsed as the child will parse them.
+        tier_args = parser.parse_args(spec.argv[3:])
+        config = engine_config_from_args(tier_args)
+        if spec.role == "decode" and not tier_args.engine_in_process:
+            roles += [(f"{spec.name} core", config), (f"{spec.name} front door", None)]
+        else:
+            roles.append((spec.name, config))
+    check_memory(open_checkpoint(model_dir), roles)
+
+
 def _watch(tiers: Sequence[Tier], stop: threading.Event, status: StatusLine | None) -> Tier | None:
     """Until a stop is requested or a tier exits (returned), refresh the status line every tick."""
     while not stop.is_set():
@@ -459,6 +483,12 @@ def run(args: argparse.Namespace) -> int:
     if stop.event.is_set():
         return EXIT_OK
     specs = tier_specs(args, model_dir)
+    try:
+        check_memory_of(specs, model_dir)
+    except (TandemError, SystemExit) as exc:  # SystemExit: argparse refused --decode-args/--prefill-args
+        if isinstance(exc, TandemError):
+            logger.error("%s", exc)
+        return EXIT_STARTUP_FAILED
     tiers: list[Tier] = []
     forwarder = LogForwarder(json_lines=args.log_format == "json")
     try:

@@ -256,3 +256,16 @@ def test_elsewhere_a_log_line_every_interval(caplog: pytest.LogCaptureFixture):
     first = lines[0]
     assert first.tensors == 10 and first.total_tensors == 100
     assert first.mib_per_s == pytest.approx(2.0) and first.seconds_left == pytest.approx(45.0)
+
+
+def test_up_refuses_both_tiers_together_before_starting_either(tiny_dir: Path):
+    """Each tier's pool fits alone; the prefill tier, decode core and front door together do not."""
+    limit_gib = memory_limit().bytes / (1 << 30)
+    pool = f"{int(limit_gib * 0.6 * 1024)}MiB"
+    command = [sys.executable, "-m", "tandem.cli", "up", "--model", str(tiny_dir), "--kv-cache-memory", pool]
+    command += ["--metrics-port", "0", "--prefill-metrics-port", "0", "--no-status"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "in 3 processes" in errors[0] and "--kv-cache-memory" in errors[0]
+    assert "tier started" not in done.stderr
