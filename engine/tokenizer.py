@@ -93,8 +93,11 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer saved in the local directory `path` (tokenizer.json and friends)."""
+        """Load the tokenizer saved in the local directory `path` (tokenizer.json and friends), or the one
+        a GGUF file `path` describes in its metadata (`from_gguf`)."""
         directory = Path(path)
+        if directory.is_file():
+            return cls.from_gguf(directory)
         if not directory.is_dir():
             raise ModelNotFoundError(f"tokenizer directory {directory} does not exist")
         try:
@@ -106,6 +109,25 @@ class Tokenizer:
         logger.info(
             "loaded tokenizer from %s: vocab %d, eos ids %s",
             directory,
+            tokenizer.vocab_size,
+            sorted(tokenizer.eos_token_ids),
+        )
+        return tokenizer
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> Tokenizer:
+        """The tokenizer, end-of-sequence id and chat template in a GGUF's metadata (llama.cpp's
+        `tokenizer.ggml.*` and `tokenizer.chat_template`), built by `transformers` as a fast tokenizer."""
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, local_files_only=True
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelNotFoundError(f"no loadable tokenizer in the GGUF metadata of {path}: {exc}") from exc
+        tokenizer = cls(hf_tokenizer)
+        logger.info(
+            "loaded tokenizer from %s: vocab %d, eos ids %s",
+            path,
             tokenizer.vocab_size,
             sorted(tokenizer.eos_token_ids),
         )

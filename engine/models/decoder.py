@@ -28,6 +28,7 @@ from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
 from kernels.metadata import AttentionMetadata
+from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -280,8 +281,9 @@ class CausalLM(nn.Module):
     @property
     def fits_decode_stack(self) -> bool:
         """Whether the C++ decode stack computes this model's layers exactly: Llama layers (each with
-        its own window, if any) over one KV group's block table."""
-        return self.llama_layers and self.config.kv_layout.num_groups == 1
+        its own window, if any) over one KV group's block table, none of them on Q8_0 blocks."""
+        q8_0 = any(isinstance(module, Q8_0Linear) for module in self.layers.modules())
+        return self.llama_layers and self.config.kv_layout.num_groups == 1 and not q8_0
 
     @torch.inference_mode()
     def forward(
@@ -323,6 +325,8 @@ class CausalLM(nn.Module):
         converts as it copies; a quantized layer (`engine.quantization`) has no full-precision weight to
         copy into, and its `load_weight_rows(offset, tensor)` quantizes the tensor a block of rows at a
         time (`row_blocks`), so the quantizer's fp32 temporaries stay small whatever the tensor's size.
+        A GGUF's Q8_0 weight (`kernels.q8_0_linear.Q8_0Weight`) bound for a full-precision linear turns
+        that linear into a `Q8_0Linear` holding the blocks as stored; anywhere else it is dequantized.
         """
         params = dict(self.named_parameters())
         row_loaders = self._weight_row_loaders()
@@ -332,6 +336,9 @@ class CausalLM(nn.Module):
             if name is not None:
                 loaded.update(self._load_tensor(hf_name, name, tensor, params, row_loaders))
         missing = self._expected_shards() - loaded
+        missing.update(
+            f"{n}.weight" for n, m in self.named_modules() if isinstance(m, Q8_0Linear) and m.missing_rows()
+        )
         if missing:
             raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
 
@@ -351,6 +358,12 @@ class CausalLM(nn.Module):
                 name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
                 break
         offset = 0 if shard is None else self._shard_offset(name, shard)
+        if isinstance(tensor, Q8_0Weight):
+            if self._place_q8_0(name, offset, tensor):
+                return [f"{name}#{shard}"]
+            tensor = tensor.dequantize()
+        elif isinstance(self._weight_owner(name), Q8_0Linear):
+            raise ValueError(f"checkpoint tensor {hf_name!r} is not Q8_0 but shares a layer with Q8_0 ones")
         if name in row_loaders:
             for start, rows in row_blocks(tensor, self.dtype):
                 row_loaders[name](offset + start, rows)
@@ -361,6 +374,29 @@ class CausalLM(nn.Module):
         else:
             params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
         return [f"{name}#{shard}"]
+
+    def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
+        """Give `weight` to the linear whose weight is `name` as its rows `offset..`, first making that
+        linear a `Q8_0Linear` (a tied LM head, an embedding or a quantized linear is no such place:
+        False)."""
+        module = self._weight_owner(name)
+        tied = module is self.lm_head and self.config.tie_word_embeddings
+        if tied or not (type(module) is nn.Linear or isinstance(module, Q8_0Linear)):
+            return False
+        if type(module) is nn.Linear:
+            module = Q8_0Linear.empty_like(module)
+            self.set_submodule(name.removesuffix(".weight"), module)
+        module.load_blocks(offset, weight)
+        return True
+
+    def _weight_owner(self, name: str) -> nn.Module | None:
+        """The module whose `weight` is `name`, or None when `name` names no module's weight."""
+        if not name.endswith(".weight"):
+            return None
+        try:
+            return self.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            return None
 
     def _shard_offset(self, name: str, shard: int) -> int:
         cfg = self.config
