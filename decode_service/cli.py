@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine import kv_events
 from engine.speculation import METHODS, SpeculativeConfig
-from serving.flags import add_engine_arguments, add_server_arguments
+from serving.flags import add_engine_arguments, add_server_arguments, add_token_budget_argument
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds the engine core process may leave a heartbeat unanswered (stopped, wedged) before "
         "it is killed, every live request ends with UNAVAILABLE and the server exits non-zero; must "
-        "outlast the longest engine step, a long prefill on a slow CPU (default: 30)",
+        "outlast the longest engine step, which --max-num-batched-tokens auto keeps within a quarter of it "
+        "(default: 30)",
     )
     parser.add_argument(
         "--http-port",
@@ -69,11 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model name the HTTP API answers to and lists in /v1/models (default: the model's name)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: 64)")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="tokens per step, decodes plus prefill chunks (default: 512)",
+    add_token_budget_argument(
+        parser,
+        512,
+        "tokens per step, decodes plus prefill chunks",
+        "2 s (a quarter of --engine-heartbeat-timeout if that is shorter)",
     )
     parser.add_argument(
         "--max-prefills-per-step",

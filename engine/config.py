@@ -269,6 +269,11 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # `--max-num-batched-tokens auto`: the serving tiers fit the per-step token budget to the step cost
+    # measured at start (`engine.step_cost`), at most `max_num_batched_tokens`, so that no step of a large
+    # model on a small host takes long enough to stall every stream or miss the engine heartbeat. False:
+    # `max_num_batched_tokens` is the budget as set.
+    fit_token_budget: bool = False
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     # Text a request's grammar forces is appended without sampling and computed in the next step's chunk.

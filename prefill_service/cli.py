@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import kv_events
-from serving.flags import add_engine_arguments, add_server_arguments
+from serving.flags import add_engine_arguments, add_server_arguments, add_token_budget_argument
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -27,12 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_server_arguments(parser, default_port=50052)
     # Larger than decode's 512: prefill is compute-bound, and bigger chunks use the matmuls better.
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="prompt tokens per forward, across all prompts in it (default: 2048)",
-    )
+    add_token_budget_argument(parser, 2048, "prompt tokens per forward, across all prompts in it", "2 s")
     parser.add_argument(
         "--max-num-seqs", type=int, default=64, help="prompts in progress at once, at most (default: 64)"
     )

@@ -3,7 +3,9 @@
 Handlers reach it through `submit` and `release`; each step reports every job's events at once.
 Right after reporting a step it starts the next one: the event loop sends the KV of the step just
 done while this thread computes the next chunk. The thread itself (inbox, warm-up with error
-propagation, stop) is `serving.engine_thread.EngineThread`.
+propagation, stop) is `serving.engine_thread.EngineThread`. After the warm-up forward it measures what
+a step costs and sets the scheduler's token budget from it (`engine.step_cost`, the decode tier's rule):
+a chunk of a large model never holds the thread, and every stream waiting on it, for long.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import time
 
 from engine.engine import Engine
+from engine.step_cost import Probe, TokenBudget, probe_step_cost, size_token_budget
 from prefill_service.job import Admitted, JobEvent, PrefillJob
 from prefill_service.kv_sender import mark_step_done
 from prefill_service.scheduler import ChunkedPrefillScheduler, JobEvents, StepPlan
@@ -34,9 +37,22 @@ class PrefillEngineLoop(EngineThread[tuple[str, PrefillJob], tuple[PrefillJob, J
         scheduler: ChunkedPrefillScheduler,
         deliver: Deliver[tuple[PrefillJob, JobEvent]],
         event_log: EventLog[StepRecord],
+        probe: Probe = probe_step_cost,
     ) -> None:
+        """`probe` measures the step cost after warm-up (injectable: tests give a large model's cost)."""
         super().__init__(engine, deliver, event_log)
         self.scheduler = scheduler
+        self._probe = probe
+        self.token_budget: TokenBudget | None = None
+
+    def warm_up(self) -> None:
+        """The warm-up forward, then the step cost probe and the token budget it gives (logged). The
+        prefill tier has no heartbeat: the step target alone bounds its chunks."""
+        super().warm_up()
+        self.token_budget = size_token_budget(
+            self.engine, floor=1, fit=self.engine.config.fit_token_budget, probe=self._probe
+        )
+        self.scheduler.max_num_batched_tokens = self.token_budget.tokens
 
     def submit(self, job: PrefillJob) -> None:
         """Queue a validated job; it is considered for admission from the next step on."""

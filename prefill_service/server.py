@@ -96,7 +96,8 @@ class PrefillServer(TierServer):
     def _serving_details(self) -> str:
         return (
             f"compatibility {self.compatibility_hash[:16]}, {self.engine.num_blocks} KV blocks of "
-            f"{self.engine.block_size} tokens, {self.engine.config.max_num_batched_tokens} tokens per step"
+            f"{self.engine.block_size} tokens, {self.engine_loop.scheduler.max_num_batched_tokens} tokens "
+            "per step"
         )
 
 

@@ -8,7 +8,9 @@ contract the Helm chart uses. Each tier adds its own flags (batch sizes, queue, 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +71,41 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+@dataclass(frozen=True)
+class AutoTokenBudget:
+    """`--max-num-batched-tokens auto`: the budget is fitted at start to the step cost measured then
+    (`engine.step_cost`), at most `ceiling` (the tier's default budget)."""
+
+    ceiling: int
+
+    def __str__(self) -> str:
+        return "auto"
+
+
+def parse_token_budget(ceiling: int, value: str) -> AutoTokenBudget | int:
+    """`--max-num-batched-tokens`: `auto` or a count of tokens."""
+    if value == "auto":
+        return AutoTokenBudget(ceiling)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count of tokens, got {value!r}") from None
+
+
+def add_token_budget_argument(parser: argparse.ArgumentParser, ceiling: int, what: str, target: str) -> None:
+    """The tier's `--max-num-batched-tokens auto|N`: `what` the tokens of a step are, and the `target`
+    duration of a step that `auto` fits the budget to (`engine.step_cost.step_target_s`)."""
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=functools.partial(parse_token_budget, ceiling),
+        default="auto",
+        metavar="auto|N",
+        help=f"{what}, at most. auto: as many as one step computes in {target}, timed at start on this "
+        f"host, at most {ceiling}; the start log says what a step costs. N: N tokens, however long their "
+        "step takes (default: auto)",
+    )
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -146,7 +183,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe (sizes checked here, where the flag names are known)."""
     from engine.config import CacheConfig, EngineConfig, parse_dtype, parse_memory_size
 
-    check_positive(args, "block_size", "max_num_seqs", "max_num_batched_tokens")
+    check_positive(args, "block_size", "max_num_seqs")
+    budget = args.max_num_batched_tokens
+    fit = isinstance(budget, AutoTokenBudget)
+    if not fit:
+        check_positive(args, "max_num_batched_tokens")
     return EngineConfig(
         dtype=parse_dtype(args.dtype),
         device=args.device,
@@ -158,7 +199,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget.ceiling if fit else budget,
+        fit_token_budget=fit,
         enable_prefix_caching=not args.no_prefix_caching,
         # A decode flag: the prefill tier never samples under a grammar.
         grammar_jump_forward=getattr(args, "jump_forward", False),

@@ -77,7 +77,8 @@ class CoreConfig:
     publishes the prefix cache's block events for cache-aware routers (`engine.kv_events`). A core in a
     process of its own that leaves a heartbeat unanswered for `engine_heartbeat_timeout_s` (stopped,
     wedged) is killed and the server exits non-zero, as when the core dies; the timeout must outlast the
-    longest step (a long prefill on a slow CPU).
+    longest step, which a budget fitted to the measured step cost keeps within a quarter of it
+    (`engine.step_cost`).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -183,7 +183,9 @@ class EngineCore:
         stage = self.remote_prefill.stage if self.remote_prefill is not None else None
         self.scheduler = scheduler_type(engine, policy, scheduling, prefill_stage=stage)
         self.events: EventLog[StepRecord] | None = EventLog(config.event_log_size) if record_steps else None
-        self.loop = EngineLoop(engine, self.scheduler, self._step_done, self.events)
+        self.loop = EngineLoop(
+            engine, self.scheduler, self._step_done, self.events, config.engine_heartbeat_timeout_s
+        )
         # Here, in the process that owns the block pool; a taken events port fails the start.
         engine.start_kv_events(config.kv_events)
         self.grammars = GrammarGate.for_engine(self.loop, engine, config.grammar, self._observe_compile)

@@ -4,6 +4,10 @@ Handlers talk to it through `submit` and `abort`, a remote prefill stage through
 wait in the stage until the step collects them); each step delivers every request's delta at once.
 The thread itself (inbox, warm-up, stop) is `serving.engine_thread.EngineThread`.
 
+After the warm-up forward it measures what a step costs and sets the scheduler's token budget from it
+(`engine.step_cost`), before any request is admitted: no step then comes near the engine heartbeat,
+which the loop answers between steps, so a long prompt proves the core alive between its chunks.
+
 It runs on a thread of the server process (`--engine-in-process`, tests) or of the engine-core process
 (`engine_core.core.run_core`); the front door reaches either through `core.EngineCore.apply`.
 """
@@ -21,6 +25,7 @@ from decode_service.engine_core.scheduler import ContinuousScheduler, StepPlan
 from decode_service.engine_core.step_record import ChunkRecord, StepRecord
 from engine.engine import Engine
 from engine.sequence import FinishReason
+from engine.step_cost import Probe, TokenBudget, probe_step_cost, size_token_budget
 from serving.engine_thread import Deliver, EngineThread
 from serving.event_log import EventLog
 
@@ -71,11 +76,30 @@ class EngineLoop(
         scheduler: ContinuousScheduler,
         deliver: Deliver[StreamDelta],
         event_log: EventLog[StepRecord] | None,
+        heartbeat_timeout_s: float | None = None,
+        probe: Probe = probe_step_cost,
     ) -> None:
-        """`event_log`: where each step's record goes; None records nothing (no one could read it)."""
+        """`event_log`: where each step's record goes; None records nothing (no one could read it).
+        `heartbeat_timeout_s`: the engine heartbeat's timeout, which bounds the step (`engine.step_cost`);
+        `probe` measures the step cost after warm-up (injectable: tests give a large model's cost)."""
         super().__init__(engine, deliver, event_log)
         self.scheduler = scheduler
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._probe = probe
+        self.token_budget: TokenBudget | None = None
         scheduler.prefill_stage.set_wakeup(self.wake)
+
+    def warm_up(self) -> None:
+        """The warm-up forward, then the step cost probe and the token budget it gives (logged)."""
+        super().warm_up()
+        self.token_budget = size_token_budget(
+            self.engine,
+            floor=self.scheduler.max_num_seqs,
+            fit=self.engine.config.fit_token_budget,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            probe=self._probe,
+        )
+        self.scheduler.set_token_budget(self.token_budget.tokens)
 
     def submit(self, request: ServedRequest) -> None:
         """Queue a validated request; it is scheduled from the next step on."""

@@ -163,12 +163,8 @@ class ContinuousScheduler:
         self.prefill_stage = prefill_stage if prefill_stage is not None else LocalPrefillStage()
         self.clock = clock
         self.max_num_seqs = engine.config.max_num_seqs
-        self.token_budget = engine.config.max_num_batched_tokens
-        if self.token_budget < self.max_num_seqs:
-            raise ConfigError(
-                f"max_num_batched_tokens ({self.token_budget}) must be >= max_num_seqs ({self.max_num_seqs}) "
-                "so that every running sequence gets its token each step"
-            )
+        self.token_budget = 0
+        self.set_token_budget(engine.config.max_num_batched_tokens)
         self.watermark_blocks = int(config.admission_watermark * engine.num_blocks)
         # `auto` chooses the prefills of each step on a CPU only: on a GPU a prefill token costs little
         # beside a step's fixed cost, and batching prompts raises the kernels' arithmetic intensity.
@@ -184,6 +180,16 @@ class ContinuousScheduler:
         # request_id -> its live choices (one unless the request asked for n > 1).
         self._live: dict[str, list[ServedRequest]] = {}
         self._next_arrival_index = 0
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Tokens each step may compute from now on: the configured budget, or the one fitted to the step
+        cost measured at start (`engine.step_cost`), set before any request is admitted."""
+        if tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that every running sequence gets its token each step"
+            )
+        self.token_budget = tokens
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
