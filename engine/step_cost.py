@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,9 +60,10 @@ class StepCost:
         return self.fixed_s + self.per_token_s * tokens
 
     def tokens_within(self, seconds: float) -> int:
-        """The most tokens one step computes within `seconds` (0 when the fixed part alone is longer)."""
+        """The most tokens one step computes within `seconds`: 0 when the fixed part alone is longer, no
+        limit when a token costs nothing measurable beside the step (the tier's ceiling bounds it then)."""
         if self.per_token_s <= 0:
-            return 2**31 - 1
+            return sys.maxsize
         return max(0, int((seconds - self.fixed_s) / self.per_token_s))
 
 
