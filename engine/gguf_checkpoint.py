@@ -15,6 +15,7 @@ permuted for its RoPE are put back in Hugging Face order, as transformers' loade
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -103,6 +104,11 @@ def gguf_hf_config(path: Path) -> PretrainedConfig:
         raise ModelNotFoundError(f"cannot read a model config from the GGUF metadata of {path}: {exc}") from (
             exc
         )
+
+
+def gguf_has_chat_template(path: Path) -> bool:
+    """Whether the GGUF's metadata holds a chat template (`tokenizer.chat_template`)."""
+    return _reader(path).get_field("tokenizer.chat_template") is not None
 
 
 def gguf_fingerprint(path: Path) -> bytes:
@@ -245,6 +251,18 @@ def _rows_first(tensor: ReaderTensor) -> tuple[int, ...]:
 
 
 def _reader(path: Path) -> GGUFReader:
+    """The file's reader, parsed once per version of the file: parsing the metadata of a real model (a
+    49k-entry vocabulary) takes seconds of Python, and a start reads it for the plan, the fingerprint
+    and the weights."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
+    return _parsed(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     from gguf import GGUFReader
 
     try:

@@ -343,7 +343,11 @@ def tier_specs(args: argparse.Namespace, model_dir: Path) -> list[TierSpec]:
 
 def has_chat_template(model_dir: Path) -> bool:
     """Whether the checkpoint ships a chat template (`chat_template.jinja` or in `tokenizer_config.json`),
-    read without loading the tokenizer."""
+    read without loading the tokenizer; a GGUF file's is in its metadata."""
+    if model_dir.is_file():
+        from engine.gguf_checkpoint import gguf_has_chat_template
+
+        return gguf_has_chat_template(model_dir)
     if (model_dir / "chat_template.jinja").is_file():
         return True
     config = model_dir / "tokenizer_config.json"
