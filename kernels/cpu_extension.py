@@ -40,6 +40,7 @@ SOURCES = [
     CPU_DIR / "fused_ops.cpp",
     CPU_DIR / "gemv.cpp",
     CPU_DIR / "gemv_int8.cpp",
+    CPU_DIR / "gemv_q8_0.cpp",
     CPU_DIR / "gemm_int8.cpp",
     CPU_DIR / "w8a8.cpp",
     CPU_DIR / "lm_head.cpp",

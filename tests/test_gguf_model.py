@@ -25,7 +25,7 @@ from engine.gguf_checkpoint import UnsupportedWeightTypeError, unpermute_order
 from engine.model_store import model_fingerprint, open_checkpoint, resolve_model
 from engine.params import SamplingParams, StoppingParams
 from engine.tokenizer import Tokenizer
-from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight, q8_0_linear_reference
+from kernels.q8_0_linear import GEMV_MAX_ROWS, Q8_0Linear, Q8_0Weight, q8_0_linear_reference
 from tandem.tiny_model import IM_END_ID, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,6 +78,8 @@ def test_q8_0_weights_stay_in_their_blocks_viewing_the_mapped_file(gguf_files):
             assert weight.blocks.dtype == torch.uint8
             assert any(low <= begin and begin + weight.blocks.nbytes <= high for low, high in mapped)
     assert not engine.model.fits_decode_stack
+    # Decode rows run the C++ GEMV wherever the extension is built.
+    assert all(layer.extension is engine.platform.extension for layer in layers)
 
 
 def test_q8_0_linear_matches_float64_reference_over_odd_shapes():
@@ -103,6 +105,45 @@ def test_q8_0_linear_matches_float64_reference_over_odd_shapes():
         assert layer.missing_rows() == 0
         both = torch.cat([expected_weight, torch.full((5, cols), 127.0, dtype=torch.float64)])
         _assert_fp32_accurate(layer(x), x, both)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_q8_0_gemv_every_instruction_set_matches_float64(extension, isa: str):
+    """The C++ GEMV reads the blocks in place: rows of x 1 to 9 (its 4-row tiles and their remainders),
+    odd row counts, K of one block and many, with and without bias, within fp32 rounding of float64."""
+    best = extension.gemv_isa()
+    try:
+        extension.set_gemv_isa(isa)
+    except RuntimeError as exc:
+        assert "cannot run" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for i, (tokens, rows, cols) in enumerate(
+            ((1, 7, 32), (2, 33, 96), (3, 64, 160), (5, 13, 1024), (9, 3, 64))
+        ):
+            dense = torch.randn(rows, cols, generator=generator)
+            blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
+            weight = Q8_0Weight(blocks, cols).dequantize().double()
+            x = torch.randn(tokens, cols, generator=generator)
+            bias = torch.randn(rows, generator=generator) if i % 2 else None
+            out = extension.linear_q8_0_gemv(x, blocks, bias)
+            _assert_fp32_accurate(out - (0 if bias is None else bias), x, weight)
+    finally:
+        extension.set_gemv_isa(best)
+
+
+def test_q8_0_layer_runs_the_gemv_for_decode_rows_and_the_reference_beyond(extension):
+    generator = torch.Generator().manual_seed(2)
+    dense = torch.randn(48, 128, generator=generator)
+    blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
+    layer = Q8_0Linear(48, 128, None, "cpu")
+    layer.load_blocks(0, Q8_0Weight(blocks, 128, unpermute_order(48, 3)))
+    weight = layer.segments[0][1].dequantize().double()
+    layer.extension = extension
+    for tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+        x = torch.randn(tokens, 128, generator=generator)
+        _assert_fp32_accurate(layer(x), x, weight)
 
 
 def test_config_tokenizer_and_template_come_from_the_metadata(gguf_files, tmp_path: Path):

@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_gemm", &linear_int8_gemm,
         "(x Wq^T) * scale + b for many rows: panels of Wq converted to fp32 for a register-tiled GEMM",
         call_guard<gil_scoped_release>());
+  m.def("linear_q8_0_gemv", &linear_q8_0_gemv,
+        "x W^T + b for a few rows of fp32 x over GGUF Q8_0 blocks read in place (each weight d * q exact in fp32)",
+        arg("x"), arg("blocks"), arg("bias") = pybind11::none(), call_guard<gil_scoped_release>());
   m.def("quantize_rows_int8", &quantize_rows_int8,
         "each fp32 row as int8 round(x / s) with s = max|x| / 127: (int8 rows, fp32 scales)",
         call_guard<gil_scoped_release>());

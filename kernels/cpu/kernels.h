@@ -72,6 +72,9 @@ torch::Tensor linear_int8_gemv(torch::Tensor x, torch::Tensor qweight, torch::Te
 // The same for many rows: panels of Wq converted to fp32 q * scale, multiplied by a register-tiled GEMM.
 torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scale,
                                std::optional<torch::Tensor> bias);
+// `y = x W^T + b` for a few rows of fp32 x over GGUF Q8_0 blocks [N, K / 32 * 34] (fp16 scale + 32 int8 each),
+// read in place; each weight is the exact fp32 d * q (gemv_q8_0.cpp).
+torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias);
 // W8A8: x quantized to int8 per row (`quantize_rows_int8`: int8 rows and one fp32 scale each), multiplied by
 // int8 Wq in exact int32 sums, scaled back by both scales (w8a8.cpp); the GEMV up to gemv_max_rows rows of x,
 // oneDNN's int8 GEMM beyond.

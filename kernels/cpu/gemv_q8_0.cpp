@@ -1,0 +1,190 @@
+// The few-row linear layer over GGUF Q8_0 weights as stored, with fp32 activations (the exact mode).
+//
+// A Q8_0 row is K / 32 blocks of 34 bytes: an fp16 scale d, then 32 int8 q; the weight is d * q. Decode
+// reads every weight once per step, so reading the 8.5-bit blocks in place (they view the memory-mapped
+// GGUF) streams about a quarter of fp32's bytes. Each weight is widened int8 -> fp32 in registers and
+// multiplied by its block's scale, which is exact in fp32 (an 11-bit by 8-bit product): the FMAs then
+// multiply x by exactly the dequantized weight, so the result is the fp32 product with it up to
+// summation order, as gemv_int8.cpp's is (quantizing x as well would change the numbers).
+//
+// Threads share W's rows in contiguous runs; each reads one W row's blocks front to back against up to
+// 4 rows of x at a time (more rows of x go round again, as a decode step has few), with 2 (AVX-512) or 4
+// (AVX2) FMA chains per x row. Many rows are the torch reference's (dequantize, then one GEMM).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kBlockWeights = 32;
+constexpr int64_t kBlockBytes = 34;
+constexpr int kMaxTileRows = 4;
+
+struct Problem {
+  const float* x;  // [M, K], row stride ldx
+  const uint8_t* w;  // [N, K / 32 * 34]
+  const float* bias;  // [N] or null
+  float* y;  // [M, N], contiguous
+  int64_t m, n, k, ldx;
+};
+
+// IEEE half -> float by bit manipulation (every path, so the scale never depends on the ISA).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline float block_scale(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, sizeof(h));
+  return half_to_float(h);
+}
+
+inline void store(const Problem& p, int64_t n, int64_t m, float dot) {
+  p.y[m * p.n + n] = dot + (p.bias ? p.bias[n] : 0.f);
+}
+
+TANDEM_AVX512 inline __m512 widen16(const uint8_t* q, __m512 d) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+}
+
+// W row `r` against MR rows of x from m0: per block, its two halves of 16 weights on two FMA chains.
+template <int MR>
+TANDEM_AVX512 void row_avx512(const Problem& p, int64_t r, int64_t m0) {
+  __m512 acc[2][MR];
+  for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
+  const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
+  for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
+    const uint8_t* block = row + b * kBlockBytes;
+    const __m512 d = _mm512_set1_ps(block_scale(block));
+    const __m512 w0 = widen16(block + 2, d), w1 = widen16(block + 18, d);
+    for (int j = 0; j < MR; ++j) {
+      const float* x = p.x + (m0 + j) * p.ldx + c;
+      acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[0][j]);
+      acc[1][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[1][j]);
+    }
+  }
+  for (int j = 0; j < MR; ++j) store(p, r, m0 + j, _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j])));
+}
+
+TANDEM_AVX2 inline __m256 widen8(const uint8_t* q, __m256 d) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+}
+
+TANDEM_AVX2 inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MR>
+TANDEM_AVX2 void row_avx2(const Problem& p, int64_t r, int64_t m0) {
+  __m256 acc[4][MR];
+  for (int u = 0; u < 4; ++u)
+    for (int j = 0; j < MR; ++j) acc[u][j] = _mm256_setzero_ps();
+  const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
+  for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
+    const uint8_t* block = row + b * kBlockBytes;
+    const __m256 d = _mm256_set1_ps(block_scale(block));
+    __m256 w[4];
+    for (int u = 0; u < 4; ++u) w[u] = widen8(block + 2 + 8 * u, d);
+    for (int j = 0; j < MR; ++j) {
+      const float* x = p.x + (m0 + j) * p.ldx + c;
+      for (int u = 0; u < 4; ++u) acc[u][j] = _mm256_fmadd_ps(w[u], _mm256_loadu_ps(x + 8 * u), acc[u][j]);
+    }
+  }
+  for (int j = 0; j < MR; ++j)
+    store(p, r, m0 + j, reduce8(_mm256_add_ps(_mm256_add_ps(acc[0][j], acc[1][j]), _mm256_add_ps(acc[2][j], acc[3][j]))));
+}
+
+template <int MR>
+void row_portable(const Problem& p, int64_t r, int64_t m0) {
+  const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
+  for (int j = 0; j < MR; ++j) {
+    const float* x = p.x + (m0 + j) * p.ldx;
+    float sum = 0.f;
+    for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
+      const uint8_t* block = row + b * kBlockBytes;
+      const float d = block_scale(block);
+      for (int64_t t = 0; t < kBlockWeights; ++t)
+        sum += (static_cast<float>(static_cast<int8_t>(block[2 + t])) * d) * x[c + t];
+    }
+    store(p, r, m0 + j, sum);
+  }
+}
+
+template <int MR>
+void row(const Problem& p, int64_t r, int64_t m0) {
+  switch (current_gemv_isa()) {
+    case GemvIsa::kAvx512: return row_avx512<MR>(p, r, m0);
+    case GemvIsa::kAvx2: return row_avx2<MR>(p, r, m0);
+    case GemvIsa::kPortable: return row_portable<MR>(p, r, m0);
+  }
+}
+
+// W row `r` against every row of x, up to kMaxTileRows at a time.
+void row_against_x(const Problem& p, int64_t r) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
+    switch (std::min<int64_t>(kMaxTileRows, p.m - m0)) {
+      case 1: row<1>(p, r, m0); break;
+      case 2: row<2>(p, r, m0); break;
+      case 3: row<3>(p, r, m0); break;
+      default: row<4>(p, r, m0); break;
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "Q8_0 linear takes fp32 activations");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
+              "Q8_0 weights must be a contiguous [N, K / 32 * 34] uint8 matrix");
+  const int64_t m = x.size(0), n = blocks.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlockWeights == 0 && blocks.size(1) == k / kBlockWeights * kBlockBytes, "x has ", k,
+              " features; Q8_0 rows of ", blocks.size(1), " bytes hold ", blocks.size(1) / kBlockBytes * kBlockWeights);
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous fp32 vector of ", n);
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const Problem p{x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), bias_ptr, y.data_ptr<float>(), m, n, k, x.stride(0)};
+  // ~64 KiB of blocks per thread at least: below that waking a thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks.size(1)));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row_against_x(p, r);
+  });
+  return y;
+}
