@@ -15,6 +15,7 @@ permuted for its RoPE are put back in Hugging Face order, as transformers' loade
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import logging
@@ -95,7 +96,20 @@ def is_gguf(path: Path) -> bool:
 
 
 def gguf_hf_config(path: Path) -> PretrainedConfig:
-    """The Hugging Face config `transformers` maps from the file's metadata (no tensor is read)."""
+    """The Hugging Face config `transformers` maps from the file's metadata (no tensor is read).
+
+    transformers parses the whole metadata for it (seconds for a real vocabulary), and a start asks for
+    the config several times (the plan, the front door, the engine): it is mapped once per version of
+    the file, each caller getting its own copy."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
+    return copy.deepcopy(_mapped_config(path.resolve(), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _mapped_config(path: Path, size: int, mtime_ns: int) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
