@@ -67,6 +67,12 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_VOCABULARY_FIELDS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -280,9 +286,14 @@ def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(path, "r")
+        reader = GGUFReader(path, "r")
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
+    # The vocabulary's parsed fields (a numpy array per token and merge: ~150 MiB for a 49k vocabulary)
+    # are transformers' to read when it builds the tokenizer; the kept reader needs none of them.
+    for key in [key for key in reader.fields if key.startswith(_VOCABULARY_FIELDS)]:
+        del reader.fields[key]
+    return reader
 
 
 def _field(reader: GGUFReader, key: str) -> str:
