@@ -189,7 +189,7 @@ class Engine:
         """Load a local Hugging Face checkpoint directory (safetensors, config, tokenizer), streaming its
         weights into the model one tensor at a time (`engine.checkpoint_stream`): the load peaks at about
         the resident model, never at a second copy of the checkpoint."""
-        from engine.model_store import open_checkpoint
+        from engine.checkpoints import open_checkpoint
 
         checkpoint = open_checkpoint(Path(model_dir))
         tokenizer = Tokenizer.from_pretrained(model_dir)

@@ -15,9 +15,6 @@ permuted for its RoPE are put back in Hugging Face order, as transformers' loade
 
 from __future__ import annotations
 
-import copy
-import functools
-import hashlib
 import logging
 import re
 import warnings
@@ -27,24 +24,22 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from base.errors import ModelNotFoundError
 from engine import mapped_pages
 from engine.checkpoint_stream import StoredTensor
+from engine.gguf_metadata import gguf_field, gguf_reader
 from engine.load_progress import LoadProgress
 from engine.model_cache_check import check_finite
 from kernels.q8_0_linear import Q8_0Weight
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
+    from gguf import ReaderTensor
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
-GGUF_MAGIC = b"GGUF"
-GGUF_SUFFIX = ".gguf"
 # Block types read here, by GGML's name for them; the rest are refused with `UnsupportedWeightTypeError`.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
 # Architectures whose tensors are named as llama's; "llama" alone has its q/k rows permuted.
@@ -67,12 +62,6 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_VOCABULARY_FIELDS = (
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.scores",
-    "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges",
-)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -92,54 +81,6 @@ class GgufStoredTensor(StoredTensor):
         return self.stored_bytes
 
 
-def is_gguf(path: Path) -> bool:
-    """Whether `path` is a GGUF file (by its magic, so a misnamed file is still recognised)."""
-    try:
-        with Path(path).open("rb") as handle:
-            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def gguf_hf_config(path: Path) -> PretrainedConfig:
-    """The Hugging Face config `transformers` maps from the file's metadata (no tensor is read).
-
-    transformers parses the whole metadata for it (seconds for a real vocabulary), and a start asks for
-    the config several times (the plan, the front door, the engine): it is mapped once per version of
-    the file, each caller getting its own copy."""
-    try:
-        stat = path.stat()
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
-    return copy.deepcopy(_mapped_config(path.resolve(), stat.st_size, stat.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=4)
-def _mapped_config(path: Path, size: int, mtime_ns: int) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelNotFoundError(f"cannot read a model config from the GGUF metadata of {path}: {exc}") from (
-            exc
-        )
-
-
-def gguf_has_chat_template(path: Path) -> bool:
-    """Whether the GGUF's metadata holds a chat template (`tokenizer.chat_template`)."""
-    return _reader(path).get_field("tokenizer.chat_template") is not None
-
-
-def gguf_fingerprint(path: Path) -> bytes:
-    """The bytes that identify a GGUF's model: its size, metadata and tensor table (names, block types,
-    shapes, offsets), everything before the tensor data, which is not read."""
-    reader = _reader(path)
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
-    digest.update(np.asarray(reader.data[: reader.data_offset]).tobytes())
-    return digest.digest()
-
-
 class GgufCheckpoint:
     """A GGUF's config and tensor table, its weights left in the mapped file for `tensors` to stream.
 
@@ -150,8 +91,8 @@ class GgufCheckpoint:
     def __init__(self, path: Path, config: PretrainedConfig) -> None:
         self.path = Path(path)
         self.config = config
-        self._reader = _reader(self.path)
-        self.architecture = _field(self._reader, "general.architecture")
+        self._reader = gguf_reader(self.path)
+        self.architecture = gguf_field(self._reader, "general.architecture")
         if self.architecture not in LLAMA_FAMILY:
             raise ModelNotFoundError(
                 f"{self.path} is a GGUF of architecture {self.architecture!r}; tandem reads "
@@ -268,36 +209,3 @@ def hf_name(gguf_name: str) -> str:
 def _rows_first(tensor: ReaderTensor) -> tuple[int, ...]:
     """A GGUF tensor's shape as torch writes it (GGUF lists the fastest-running dimension first)."""
     return tuple(int(n) for n in reversed(tensor.shape))
-
-
-def _reader(path: Path) -> GGUFReader:
-    """The file's reader, parsed once per version of the file: parsing the metadata of a real model (a
-    49k-entry vocabulary) takes seconds of Python, and a start reads it for the plan, the fingerprint
-    and the weights."""
-    try:
-        stat = path.stat()
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
-    return _parsed(path.resolve(), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed(path: Path, size: int, mtime_ns: int) -> GGUFReader:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path, "r")
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot read the GGUF file {path}: {exc}") from exc
-    # The vocabulary's parsed fields (a numpy array per token and merge: ~150 MiB for a 49k vocabulary)
-    # are transformers' to read when it builds the tokenizer; the kept reader needs none of them.
-    for key in [key for key in reader.fields if key.startswith(_VOCABULARY_FIELDS)]:
-        del reader.fields[key]
-    return reader
-
-
-def _field(reader: GGUFReader, key: str) -> str:
-    field = reader.get_field(key)
-    if field is None:
-        raise ModelNotFoundError(f"GGUF metadata lacks {key}")
-    return str(field.contents())

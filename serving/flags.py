@@ -261,8 +261,8 @@ def check_tier_memory(args: argparse.Namespace, model_dir: Path, engine_config: 
     is read when that exceeds the memory this machine allows (`engine.load_plan`). Decode runs its engine
     core in a process of its own beside the front door unless `--engine-in-process` (a prefill tier has no
     such flag: it is one process)."""
+    from engine.checkpoints import open_checkpoint
     from engine.load_plan import check_memory
-    from engine.model_store import open_checkpoint
 
     tier = getattr(args, "tier", None) or "engine"
     roles: list[tuple[str, EngineConfig | None]] = [(tier, engine_config)]

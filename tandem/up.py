@@ -345,7 +345,7 @@ def has_chat_template(model_dir: Path) -> bool:
     """Whether the checkpoint ships a chat template (`chat_template.jinja` or in `tokenizer_config.json`),
     read without loading the tokenizer; a GGUF file's is in its metadata."""
     if model_dir.is_file():
-        from engine.gguf_checkpoint import gguf_has_chat_template
+        from engine.gguf_metadata import gguf_has_chat_template
 
         return gguf_has_chat_template(model_dir)
     if (model_dir / "chat_template.jinja").is_file():
@@ -432,8 +432,8 @@ def check_memory_of(specs: Sequence[TierSpec], model_dir: Path) -> None:
     engine core) from the flags each child gets, log it, and raise ModelTooLargeError (`engine.load_plan`)
     before any tier starts when together they exceed the memory this machine allows: each tier checks
     itself too, but alone it would not see the others' share."""
+    from engine.checkpoints import open_checkpoint
     from engine.load_plan import check_memory
-    from engine.model_store import open_checkpoint
     from serving.flags import engine_config_from_args
     from tandem.cli import build_parser
 

@@ -19,10 +19,11 @@ from tiny_gguf import llama_cpp_permute, tiny_gguf_llama, write_tiny_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from base.errors import ModelNotFoundError
+from engine.checkpoints import open_checkpoint
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine, GenerateRequest
 from engine.gguf_checkpoint import UnsupportedWeightTypeError, unpermute_order
-from engine.model_store import model_fingerprint, open_checkpoint, resolve_model
+from engine.model_store import model_fingerprint, resolve_model
 from engine.params import SamplingParams, StoppingParams
 from engine.tokenizer import Tokenizer
 from kernels.q8_0_linear import GEMV_MAX_ROWS, Q8_0Linear, Q8_0Weight, q8_0_linear_reference

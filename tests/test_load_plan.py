@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.checkpoint_stream import Checkpoint
+from engine.checkpoints import open_checkpoint
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
 from engine.load_plan import (
@@ -29,7 +30,6 @@ from engine.load_plan import (
 )
 from engine.load_progress import LOG_INTERVAL_S, QUIET_S, LoadProgress
 from engine.memory_limit import MemoryLimit, available_memory, memory_limit
-from engine.model_store import open_checkpoint
 from tandem.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent

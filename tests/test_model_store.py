@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from base.errors import ModelNotFoundError
 from engine import model_store
+from engine.checkpoints import open_checkpoint
 from engine.model_cache_check import ModelCacheDamagedError, NonFiniteWeightsError, build_manifest
 from engine.model_store import (
     COMPLETE_MARKER,
@@ -35,7 +36,6 @@ from engine.model_store import (
     fetch_default_model,
     is_complete,
     model_fingerprint,
-    open_checkpoint,
     resolve_model,
     tandem_home,
 )

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM,
 
 from base.errors import ModelNotFoundError
 from engine import model_store
+from engine.checkpoints import open_checkpoint
 from engine.model_catalog import DEFAULT_SOURCE, GEMMA3_270M, known_names
 from engine.model_store import (
     COMPLETE_MARKER,
@@ -29,7 +30,6 @@ from engine.model_store import (
     fetch_model,
     is_complete,
     model_cache_dir,
-    open_checkpoint,
     resolve_model,
 )
 from tandem import cli

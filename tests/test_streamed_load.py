@@ -32,9 +32,9 @@ from test_moe_families import tiny_moe
 from tiny_tokenizer import build_tiny_tokenizer
 from transformers import LlamaConfig
 
+from engine.checkpoints import open_checkpoint
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import Engine, GenerateRequest
-from engine.model_store import open_checkpoint
 from engine.params import SamplingParams, StoppingParams
 
 ROOT = Path(__file__).resolve().parent.parent
