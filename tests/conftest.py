@@ -219,3 +219,31 @@ def save_tiny_model(directory: Path, seed: int, **config_kwargs) -> torch.nn.Mod
     hf.save_pretrained(directory)
     build_tiny_tokenizer(directory)
     return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny test vocabulary's tokenizer, as the engine wraps it."""
+    from tiny_tokenizer import build_tiny_tokenizer
+
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def tiny_xgr_info(tiny_tokenizer):
+    """xgrammar's view of the tiny vocabulary, for grammar tests (xgrammar imported only by them)."""
+    import xgrammar as xgr
+    from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE
+
+    return xgr.TokenizerInfo.from_huggingface(
+        tiny_tokenizer.hf, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=list(TINY_EOS_TOKEN_IDS)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_xgr_compiler(tiny_xgr_info):
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(tiny_xgr_info, max_threads=1)

@@ -6,8 +6,10 @@ the decode tier still reads cross the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,6 +51,25 @@ def sliding_model(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return directory, _save_windowed(directory, 33, layer_types, WINDOW)
 
 
+@contextlib.contextmanager
+def _both_topologies(
+    model_dir: Path, prefix_caching: bool = True
+) -> Iterator[tuple[RunningPrefill, RunningDecode, RunningDecode]]:
+    """A prefill server, a decode server that uses it and an aggregated one; on leaving, every pool has
+    all its blocks back."""
+    prefill = RunningPrefill(model_dir, prefix_caching=prefix_caching)
+    disaggregated = RunningDecode(model_dir, prefill=prefill.address, prefix_caching=prefix_caching)
+    aggregated = RunningDecode(model_dir, prefix_caching=prefix_caching)
+    try:
+        yield prefill, disaggregated, aggregated
+        assert wait_until(disaggregated.pool_is_full) and wait_until(aggregated.pool_is_full)
+        assert wait_until(prefill.pool_is_full)
+    finally:
+        disaggregated.close()
+        aggregated.close()
+        prefill.close()
+
+
 def prompts(seed: int, shared: list[int] | None = None) -> list[list[int]]:
     rng = random.Random(seed)
     head = shared or []
@@ -59,10 +80,7 @@ def prompts(seed: int, shared: list[int] | None = None) -> list[list[int]]:
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_sliding_window_model_disaggregated_equals_aggregated_equals_hf(sliding_model, prefix_caching):
     model_dir, hf = sliding_model
-    prefill = RunningPrefill(model_dir, prefix_caching=prefix_caching)
-    disaggregated = RunningDecode(model_dir, prefill=prefill.address, prefix_caching=prefix_caching)
-    aggregated = RunningDecode(model_dir, prefix_caching=prefix_caching)
-    try:
+    with _both_topologies(model_dir, prefix_caching) as (prefill, disaggregated, aggregated):
         layout = engine_kv_layout(disaggregated.engine)
         assert layout.sliding and layout.num_groups == 3
         first = prompts(seed=2)
@@ -94,12 +112,6 @@ def test_sliding_window_model_disaggregated_equals_aggregated_equals_hf(sliding_
         assert stats.remote_prefills_completed == 2 * len(LENGTHS) + 2 and stats.attempt_failures == 0
         assert not disaggregated.locally_prefilled_request_ids(), "a prompt was prefilled on decode"
         assert (stats.kv_blocks_skipped > 0) == prefix_caching
-        assert wait_until(disaggregated.pool_is_full) and wait_until(aggregated.pool_is_full)
-        assert wait_until(prefill.pool_is_full)
-    finally:
-        disaggregated.close()
-        aggregated.close()
-        prefill.close()
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +149,7 @@ def test_prompts_sharing_more_than_a_window_arrive_together_and_all_succeed(all_
     batch = [shared + [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(5 + i)] for i in range(6)]
     batch.append([rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(30)])
     expected = [hf_greedy(hf, prompt, 6) for prompt in batch]
-    prefill = RunningPrefill(model_dir)
-    disaggregated = RunningDecode(model_dir, prefill=prefill.address)
-    aggregated = RunningDecode(model_dir)
-    try:
+    with _both_topologies(model_dir) as (prefill, disaggregated, aggregated):
         assert engine_kv_layout(aggregated.engine).num_groups == 1
         aggregated.gate = StepGate(aggregated.engine)
         assert _burst_behind_a_held_step(aggregated, aggregated, batch) == expected
@@ -148,9 +157,3 @@ def test_prompts_sharing_more_than_a_window_arrive_together_and_all_succeed(all_
         assert disaggregated.stats.attempt_failures == 0
         for engine in (aggregated.engine, prefill.engine):
             assert engine.block_manager.num_hit_tokens >= 5 * 64, "each twin reused the shared prefix"
-        assert wait_until(disaggregated.pool_is_full) and wait_until(aggregated.pool_is_full)
-        assert wait_until(prefill.pool_is_full)
-    finally:
-        disaggregated.close()
-        aggregated.close()
-        prefill.close()

@@ -14,7 +14,7 @@ import pytest
 import xgrammar as xgr
 from conftest import engine_for, random_prompts, tiny_hf_model
 from test_decode_scheduler import Harness
-from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
+from tiny_tokenizer import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE
 
 from decode_service.engine_core.fill_vetting import PROBE_SHARE, PROBE_TOKENS, FillCostError, vet_fill_cost
 from decode_service.engine_core.request import ServedRequest
@@ -22,7 +22,6 @@ from engine.grammar import GrammarMask, GrammarState
 from engine.grammar_budget import FillBudget, GrammarFillTimeoutError, probe_fill_times, token_byte_lengths
 from engine.params import SamplingParams, StoppingParams
 from engine.sequence import FinishReason
-from engine.tokenizer import Tokenizer
 from engine.utf8_tokens import Utf8Tokens
 from serving.status import status_for
 
@@ -44,30 +43,13 @@ class FillClock:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
+def utf8(tiny_xgr_info) -> Utf8Tokens:
+    return Utf8Tokens.of(tiny_xgr_info)
 
 
 @pytest.fixture(scope="module")
-def info(tokenizer) -> xgr.TokenizerInfo:
-    return xgr.TokenizerInfo.from_huggingface(
-        tokenizer.hf, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=list(TINY_EOS_TOKEN_IDS)
-    )
-
-
-@pytest.fixture(scope="module")
-def compiler(info) -> xgr.GrammarCompiler:
-    return xgr.GrammarCompiler(info, max_threads=1)
-
-
-@pytest.fixture(scope="module")
-def utf8(info) -> Utf8Tokens:
-    return Utf8Tokens.of(info)
-
-
-@pytest.fixture(scope="module")
-def letters(compiler) -> xgr.CompiledGrammar:
-    return compiler.compile_regex(LETTERS)
+def letters(tiny_xgr_compiler) -> xgr.CompiledGrammar:
+    return tiny_xgr_compiler.compile_regex(LETTERS)
 
 
 def state(compiled, utf8, budget=None) -> GrammarState:
@@ -155,15 +137,17 @@ def constrained(engine, compiled, utf8, request_id, budget, n=1, max_tokens=24) 
     return ServedRequest(seq, n=n)
 
 
-def test_a_request_past_its_bound_ends_alone_and_the_batch_goes_on(hf_model, tokenizer, compiler, utf8):
+def test_a_request_past_its_bound_ends_alone_and_the_batch_goes_on(
+    hf_model, tiny_tokenizer, tiny_xgr_compiler, utf8
+):
     """n = 3 at 0.4 s a fill: the prefill's one row fits 1 s, the first decode step's three rows do not.
     The request ends with its error and holds nothing; a constrained request within its bound, and plain
     ones, complete."""
-    engine = engine_for(hf_model, tokenizer=tokenizer)
+    engine = engine_for(hf_model, tokenizer=tiny_tokenizer)
     harness = Harness(engine)
     for i, prompt in enumerate(random_prompts(3, 12, min_len=3, max_len=9, vocab=TINY_VOCAB_SIZE)):
         harness.submit(f"free-{i}", prompt, max_tokens=16)
-    letters = compiler.compile_regex("[a-z]{1,40}")
+    letters = tiny_xgr_compiler.compile_regex("[a-z]{1,40}")
     bad = constrained(engine, letters, utf8, "bad", FillBudget(1.0, FIELD, FillClock(0.4)), n=3)
     fine = constrained(engine, letters, utf8, "fine", FillBudget(1.0, FIELD, FillClock(0.3)), n=3)
     harness.loop.submit(bad)
@@ -182,13 +166,17 @@ def test_a_request_past_its_bound_ends_alone_and_the_batch_goes_on(hf_model, tok
 # -- the probe before admission -----------------------------------------------------------------------------
 
 
-def test_the_probe_follows_the_longest_allowed_token_until_the_grammar_can_only_end(compiler, utf8, info):
-    compiled = compiler.compile_regex("[a-z]{30}")
-    lengths = token_byte_lengths(info.decoded_vocab)
+def test_the_probe_follows_the_longest_allowed_token_until_the_grammar_can_only_end(
+    tiny_xgr_compiler, utf8, tiny_xgr_info
+):
+    compiled = tiny_xgr_compiler.compile_regex("[a-z]{30}")
+    lengths = token_byte_lengths(tiny_xgr_info.decoded_vocab)
     probe = GrammarState(compiled, utf8=utf8)
     times = probe_fill_times(probe, lengths, PROBE_TOKENS, 1.0, FillClock(0.001))
     assert times == pytest.approx([0.001] * len(times))
-    longest = int(lengths[[i for i in range(TINY_VOCAB_SIZE) if info.decoded_vocab[i].isalpha()]].max())
+    longest = int(
+        lengths[[i for i in range(TINY_VOCAB_SIZE) if tiny_xgr_info.decoded_vocab[i].isalpha()]].max()
+    )
     assert len(times) - 1 <= -(-30 // longest) + 1 < 30, "long tokens, not letter by letter"
     assert allowed_ids(probe) <= set(TINY_EOS_TOKEN_IDS), "it stopped where only the end is left"
 
@@ -200,8 +188,8 @@ def allowed_ids(grammar: GrammarState) -> set[int]:
     return {int(i) for i in np.flatnonzero(bits)}
 
 
-def test_the_probe_stops_at_the_first_fill_past_its_threshold(letters, utf8, info):
-    lengths = token_byte_lengths(info.decoded_vocab)
+def test_the_probe_stops_at_the_first_fill_past_its_threshold(letters, utf8, tiny_xgr_info):
+    lengths = token_byte_lengths(tiny_xgr_info.decoded_vocab)
     times = probe_fill_times(state(letters, utf8), lengths, PROBE_TOKENS, 0.25, FillClock(0.3))
     assert times == pytest.approx([0.3])
 
