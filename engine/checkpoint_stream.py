@@ -14,7 +14,6 @@ they stream (`engine.model_cache_check.check_finite`).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from engine.model_cache_check import check_finite
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-logger = logging.getLogger(__name__)
 
 
 # Bytes per element of each safetensors dtype, by the name its header gives it.
@@ -107,17 +104,7 @@ class Checkpoint:
                     progress.advance(1, tensor.nbytes)
                     mapped_pages.release(tensor, shard.path)
                     del tensor
-        seconds = progress.finish()
-        logger.info(
-            "checkpoint streamed",
-            extra={
-                "path": str(self.path),
-                "tensors": progress.items,
-                "bytes": progress.bytes,
-                "seconds": round(seconds, 2),
-                "mib_per_s": round(progress.bytes / (1 << 20) / max(seconds, 1e-9), 1),
-            },
-        )
+        progress.finish("checkpoint streamed", path=str(self.path))
 
 
 def read_shards(paths: Sequence[Path]) -> tuple[Shard, ...]:

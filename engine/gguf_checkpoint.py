@@ -15,7 +15,6 @@ permuted for its RoPE are put back in Hugging Face order, as transformers' loade
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 from collections.abc import Iterator
@@ -37,8 +36,6 @@ from kernels.q8_0_linear import Q8_0Weight
 if TYPE_CHECKING:
     from gguf import ReaderTensor
     from transformers import PretrainedConfig
-
-logger = logging.getLogger(__name__)
 
 # Block types read here, by GGML's name for them; the rest are refused with `UnsupportedWeightTypeError`.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
@@ -150,17 +147,7 @@ class GgufCheckpoint:
             if isinstance(tensor, torch.Tensor):
                 mapped_pages.release(tensor, self.path)
             del tensor
-        seconds = progress.finish()
-        logger.info(
-            "gguf checkpoint streamed",
-            extra={
-                "path": str(self.path),
-                "tensors": progress.items,
-                "bytes": progress.bytes,
-                "types": self.weight_types,
-                "seconds": round(seconds, 2),
-            },
-        )
+        progress.finish("gguf checkpoint streamed", path=str(self.path), types=self.weight_types)
 
     def _tensor(self, stored: ReaderTensor) -> torch.Tensor | Q8_0Weight:
         """One tensor as a view of the file: its own float dtype, or Q8_0 blocks, HF row order."""

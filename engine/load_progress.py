@@ -65,14 +65,27 @@ class LoadProgress:
             self._last_shown = now
             self._show(now)
 
-    def finish(self) -> float:
-        """End the load, completing and closing a terminal line if one was drawn (a logged load ends with
-        its caller's own summary line); returns the seconds it took."""
+    def finish(self, event: str | None = None, **fields: object) -> float:
+        """End the load, completing and closing a terminal line if one was drawn; with `event`, log the
+        load's summary line under that name (items, bytes, seconds, rate and `fields`). Returns the
+        seconds it took."""
         now = self._clock()
         if self._drawn:
             self._stream.write(f"\r\033[K{self.line(now)}\n")
             self._stream.flush()
-        return now - self._started
+        seconds = now - self._started
+        if event is not None:
+            log_event(
+                logger,
+                logging.INFO,
+                event,
+                **fields,
+                **{self.unit: self.items},
+                bytes=self.bytes,
+                seconds=round(seconds, 2),
+                mib_per_s=round(self.bytes / MIB / max(seconds, 1e-9), 1),
+            )
+        return seconds
 
     def line(self, now: float) -> str:
         """The progress as text: `what: 120/291 tensors, 5.1/14.8 GiB, 95 MiB/s, 1 min 44 s left`."""
