@@ -25,7 +25,7 @@ RUN python3 -m venv --system-site-packages /opt/tandem
 RUN python -c "import torch" 2>/dev/null \
     || pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-COPY pyproject.toml README.md requirements.lock ./
+COPY pyproject.toml README.md requirements-lock.txt ./
 COPY base ./base
 COPY tandem ./tandem
 COPY engine ./engine
@@ -39,11 +39,13 @@ COPY bench ./bench
 # A regular (non-editable) install: the runtime stage gets no source tree. The smoke check serves:
 # both tiers start on a tiny random model, answer over gRPC and HTTP and stop cleanly, so a runtime
 # dependency that `pip install .` does not bring fails the build, not every release.
-# Every dependency at the version `make test` passed with (requirements.lock); a base image's own torch
-# keeps the triton it was built with.
-RUN { python -c "import triton" 2>/dev/null && grep -v '^triton==' requirements.lock || cat requirements.lock; } \
+# Every dependency at the version `make test` passed with (requirements-lock.txt); a base image's own torch
+# (CUDA builds bring triton; the CPU wheel does not) keeps its version and the triton it was built with.
+# PIP_CONSTRAINT, unlike --constraint, also pins the build backend in pip's isolated build environment.
+RUN { python -c "import triton" 2>/dev/null && grep -v -E '^(torch|triton)==' requirements-lock.txt \
+        || cat requirements-lock.txt; } \
         > /tmp/constraints.txt \
-    && pip install --no-cache-dir --constraint /tmp/constraints.txt . \
+    && PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir . \
     && tandem selftest
 
 # ---- runtime: the virtualenv and an unprivileged user, nothing else ----

@@ -162,12 +162,15 @@ def test_multi_stage_from_one_base_image_build_arg(dockerfile: tuple[list, list[
     assert {stage.base for stage in stages} == {"${BASE_IMAGE}"}, "builder and runtime share the interpreter"
 
 
-def test_cpu_torch_pin_matches_the_makefile(dockerfile: tuple[list, list[Stage]]) -> None:
+def test_cpu_torch_pin_matches_the_lock(dockerfile: tuple[list, list[Stage]]) -> None:
+    """The image's CPU torch is the version the lock names (which the Makefile reads its pin from)."""
     _, stages = dockerfile
     builder = stages[0]
     (pin,) = [args.split("=", 1)[1] for args in builder.all("ARG") if args.startswith("TORCH_VERSION=")]
-    makefile_pin = re.search(r"^TORCH_VERSION \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert makefile_pin is not None and pin == makefile_pin.group(1)
+    lock_pin = re.search(r"^torch==(\S+)$", (ROOT / "requirements-lock.txt").read_text(), re.MULTILINE)
+    assert lock_pin is not None and pin == lock_pin.group(1)
+    makefile_pin = re.search(r"^TORCH_VERSION \?= (.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert makefile_pin is not None and "$(LOCK)" in makefile_pin.group(1)
     assert any("download.pytorch.org/whl/cpu" in args for args in builder.all("ARG"))
 
 
@@ -177,8 +180,8 @@ def test_the_build_serves_the_plain_install(dockerfile: tuple[list, list[Stage]]
     fail the build."""
     _, stages = dockerfile
     (install,) = [args for args in stages[0].all("RUN") if "tandem selftest" in args]
-    assert re.search(r"pip install --no-cache-dir --constraint (\S+) \.(\s|$)", install)
-    assert "requirements.lock" in install
+    assert re.search(r"PIP_CONSTRAINT=(\S+) pip install --no-cache-dir \.(\s|$)", install)
+    assert "requirements-lock.txt" in install
     assert install.rstrip().endswith("tandem selftest")
 
 
