@@ -48,6 +48,11 @@ BENCH_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "tandem fp32 / int8 / int8 + int8 KV against llama-server F32 and Q8_0: one run, the README table",
     ),
     (
+        "ladder",
+        "bench.model_ladder",
+        "0.5 B / 3 B / 8 B Llama shapes: start time, memory, decode of tandem and llama-server, same weights",
+    ),
+    (
         "gemma",
         "bench.gemma",
         "Gemma 3 270M: tandem int8 against llama-server on the same Q4_K_M GGUF, completions",

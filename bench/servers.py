@@ -87,7 +87,10 @@ class ServerProcess:
     def log_path(self) -> Path:
         return self.log_dir / f"{self.name}.log"
 
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def start(
+        self, timeout_s: float = START_TIMEOUT_S, on_spawn: Callable[[int], None] | None = None
+    ) -> None:
+        """Spawn the server, wait until it is healthy; `on_spawn` gets its pid at once (to watch it load)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("starting %s: %s", self.name, " ".join(self.command))
         with self.log_path.open("w") as log:
@@ -98,6 +101,8 @@ class ServerProcess:
                 env={**os.environ, **self.env},
                 start_new_session=True,
             )
+        if on_spawn is not None:
+            on_spawn(self._process.pid)
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if self._process.poll() is not None:
