@@ -175,7 +175,7 @@ def plan(
         if config is None
         else ProcessPlan(
             name,
-            resident_weights(model_config, config, settings),
+            resident_weights(model_config, config, settings, stored),
             kv_pool_bytes(model_config, config),
             ENGINE_RUNTIME_BYTES,
             config.cache.block_bytes(model_config, config.kv_dtype),
@@ -185,19 +185,36 @@ def plan(
     return LoadPlan(model, by_stored, processes)
 
 
-def resident_weights(model_config: ModelConfig, config: EngineConfig, settings: Settings) -> dict[str, int]:
-    """Bytes the engine's model holds by type once loaded under `config` (module docstring)."""
+def resident_weights(
+    model_config: ModelConfig, config: EngineConfig, settings: Settings, stored: Sequence[StoredTensor] = ()
+) -> dict[str, int]:
+    """Bytes the engine's model holds by type once loaded under `config` (module docstring). A GGUF's Q8_0
+    tensors bound for a full-precision linear stay as stored (`CausalLM.q8_0_owner`): that linear counts
+    its blocks, not its dtype's weight, and gets no kernel copy."""
     model = meta_model(model_config, config)
+    as_stored: dict[int, nn.Module] = {}
+    q8_0_bytes = 0
+    for tensor in stored:
+        name = model.checkpoint_name(tensor.name) if tensor.dtype == "Q8_0" else None
+        owner = None if name is None else model.q8_0_owner(model.fused_name(name)[0])
+        if owner is not None:
+            as_stored[id(owner.weight)] = owner
+            q8_0_bytes += tensor.nbytes
     storages: dict[int, tuple[torch.dtype, int]] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         # Meta tensors have no address: a tied weight is the same tensor object, so its id identifies it.
-        storages[id(tensor)] = (tensor.dtype, tensor.numel() * tensor.element_size())
-    by_type: dict[str, int] = {}
+        if id(tensor) not in as_stored:
+            storages[id(tensor)] = (tensor.dtype, tensor.numel() * tensor.element_size())
+    by_type: dict[str, int] = {"q8_0": q8_0_bytes} if q8_0_bytes else {}
     for dtype, nbytes in storages.values():
         kind = TYPE_NAMES.get(dtype, dtype_name(dtype))
         by_type[kind] = by_type.get(kind, 0) + nbytes
     if _kernel_copies(config, settings):
-        linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32]
+        linears = [
+            m
+            for m in model.modules()
+            if type(m) is nn.Linear and m.weight.dtype == torch.float32 and id(m.weight) not in as_stored
+        ]
         by_type[KERNEL_COPIES] = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return by_type
 

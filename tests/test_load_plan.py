@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from tiny_gguf import tiny_gguf_llama, write_tiny_gguf
 
 from engine.checkpoint_stream import Checkpoint
 from engine.checkpoints import open_checkpoint
@@ -53,6 +55,8 @@ def held_bytes(engine: Engine) -> tuple[int, int]:
     for module in engine.model.modules():
         tensors = [*module._parameters.values(), *module._buffers.values()]
         tensors += [value for value in vars(module).values() if isinstance(value, torch.Tensor)]
+        # A Q8_0 linear's blocks (views of the mapped GGUF; the q/k row orders beside them are not counted).
+        tensors += [weight.blocks for _, weight in getattr(module, "segments", [])]
         for tensor in tensors:
             if tensor is None:
                 continue
@@ -90,6 +94,24 @@ def test_plan_matches_the_engine_it_describes(tiny_dir: Path, quantization: str)
     assert ("int8" in process.weights) == (quantization == "int8")
     if quantization == "none" and engine.platform.cpu_linears:
         assert process.weights[KERNEL_COPIES] > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_counts_a_q8_0_gguf_as_stored(tmp_path: Path, tied: bool):
+    """Q8_0 linears hold their blocks (no fp32 weight, no kernel copy); a tied head, read through the
+    embedding, is dequantized into it. Without this an 8 B Q8_0 GGUF was planned as 60 GB and refused."""
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_tiny_gguf(path, GGMLQuantizationType.Q8_0, tiny_gguf_llama(tie_word_embeddings=tied))
+    config = engine_config()
+    plan = check_memory(
+        open_checkpoint(path), [("engine", config)], limit=MemoryLimit(1 << 40, "t"), available=None
+    )
+    engine = Engine.from_pretrained(path, config)
+    weights, kv = held_bytes(engine)
+    (process,) = plan.processes
+    assert process.weight_bytes == weights
+    assert process.kv_bytes == kv
+    assert process.weights["q8_0"] > 0
 
 
 def test_plan_counts_each_process_of_the_command(tiny_dir: Path):

@@ -352,11 +352,7 @@ class CausalLM(nn.Module):
     ) -> list[str]:
         """Put one checkpoint tensor (our name `name`) in its place; return the `_expected_shards` keys
         it filled."""
-        shard = None
-        for hf_part, (ours, index) in self.stacked_params.items():
-            if f".{hf_part}." in name:
-                name, shard = name.replace(f".{hf_part}.", f".{ours}."), index
-                break
+        name, shard = self.fused_name(name)
         offset = 0 if shard is None else self._shard_offset(name, shard)
         if isinstance(tensor, Q8_0Weight):
             if self._place_q8_0(name, offset, tensor):
@@ -375,13 +371,28 @@ class CausalLM(nn.Module):
             params[name].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
         return [f"{name}#{shard}"]
 
-    def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
-        """Give `weight` to the linear whose weight is `name` as its rows `offset..`, first making that
-        linear a `Q8_0Linear` (a tied LM head, an embedding or a quantized linear is no such place:
-        False)."""
+    def fused_name(self, name: str) -> tuple[str, int | None]:
+        """Our parameter name for the (unfused) parameter `name`, and its shard in the fused one (None:
+        not fused)."""
+        for hf_part, (ours, index) in self.stacked_params.items():
+            if f".{hf_part}." in name:
+                return name.replace(f".{hf_part}.", f".{ours}."), index
+        return name, None
+
+    def q8_0_owner(self, name: str) -> nn.Module | None:
+        """The linear that keeps a Q8_0 weight bound for our parameter `name` as stored, or None where it
+        is dequantized instead (a tied LM head, an embedding, a linear already quantized another way)."""
         module = self._weight_owner(name)
         tied = module is self.lm_head and self.config.tie_word_embeddings
         if tied or not (type(module) is nn.Linear or isinstance(module, Q8_0Linear)):
+            return None
+        return module
+
+    def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
+        """Give `weight` to the linear whose weight is `name` as its rows `offset..`, first making that
+        linear a `Q8_0Linear` (False where `q8_0_owner` says it has no such place)."""
+        module = self.q8_0_owner(name)
+        if module is None:
             return False
         if type(module) is nn.Linear:
             module = Q8_0Linear.empty_like(module)
