@@ -227,6 +227,8 @@ SCHEMA_VIOLATIONS = {
     "bad-kv-cache-dtype": {"model": {"kvCacheDtype": "int4"}},
     "bad-policy": {"decode": {"policy": "lifo"}},
     "negative-max-prefills": {"decode": {"maxPrefillsPerStep": -1}},
+    "word-token-budget": {"prefill": {"maxNumBatchedTokens": "many"}},
+    "zero-token-budget": {"decode": {"maxNumBatchedTokens": 0}},
     "bad-kv-memory": {"decode": {"kvCacheMemory": "lots"}},
     "mtls-without-secrets": {"tls": {"interTier": {"enabled": True}}},
     "service-monitor-without-metrics": {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
@@ -424,6 +426,21 @@ def test_max_prefills_per_step_reaches_decode_unless_auto(helm: Path, tmp_path: 
     assert "--max-prefills-per-step" not in decode_args({})
     assert arg_value(decode_args({"decode": {"maxPrefillsPerStep": 1}}), "--max-prefills-per-step") == "1"
     assert arg_value(decode_args({"decode": {"maxPrefillsPerStep": 0}}), "--max-prefills-per-step") == "0"
+
+
+def test_step_token_budgets_are_fitted_at_start_unless_a_count_is_given(helm: Path, tmp_path: Path) -> None:
+    def args(values: dict) -> tuple[list[str], list[str]]:
+        manifests = parse_manifests(
+            run_helm(helm, *template_args(CHART, write_values(tmp_path, values))).stdout
+        )
+        return container(manifests, "prefill")["args"], container(manifests, "decode")["args"]
+
+    prefill, decode = args({})
+    assert arg_value(prefill, "--max-num-batched-tokens") == "auto"
+    assert arg_value(decode, "--max-num-batched-tokens") == "auto"
+    prefill, decode = args({"prefill": {"maxNumBatchedTokens": 256}, "decode": {"maxNumBatchedTokens": 64}})
+    assert arg_value(prefill, "--max-num-batched-tokens") == "256"
+    assert arg_value(decode, "--max-num-batched-tokens") == "64"
 
 
 def test_prefix_caching_values_reach_both_tiers(helm: Path, tmp_path: Path) -> None:
