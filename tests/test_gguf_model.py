@@ -26,6 +26,7 @@ from engine.gguf_checkpoint import UnsupportedWeightTypeError, unpermute_order
 from engine.model_store import model_fingerprint, resolve_model
 from engine.params import SamplingParams, StoppingParams
 from engine.tokenizer import Tokenizer
+from kernels.q8_0_embedding import Q8_0Embedding
 from kernels.q8_0_linear import GEMV_MAX_ROWS, Q8_0Linear, Q8_0Weight, q8_0_linear_reference
 from tandem.tiny_model import IM_END_ID, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
@@ -81,6 +82,37 @@ def test_q8_0_weights_stay_in_their_blocks_viewing_the_mapped_file(gguf_files):
     assert not engine.model.fits_decode_stack
     # Decode rows run the C++ GEMV wherever the extension is built.
     assert all(layer.extension is engine.platform.extension for layer in layers)
+
+
+def test_q8_0_embedding_and_its_tied_head_read_one_copy_of_the_blocks(tmp_path: Path):
+    """A tied model's embedding and LM head both read the file's Q8_0 blocks, nothing dequantized whole,
+    and still decode what transformers decodes on the dequantized weights."""
+    path = tmp_path / "tied.Q8_0.gguf"
+    write_tiny_gguf(path, GGMLQuantizationType.Q8_0, tiny_gguf_llama(tie_word_embeddings=True))
+    engine = engine_of(path)
+    embedding, head = engine.model.embed_tokens, engine.model.lm_head
+    assert isinstance(embedding, Q8_0Embedding) and isinstance(head, Q8_0Linear)
+    ((_, head_weight),) = head.segments
+    assert head_weight.blocks.data_ptr() == embedding.blocks.data_ptr()
+    assert any(low <= embedding.blocks.data_ptr() < high for low, high in _file_mappings(path))
+    prompts = random_prompts(3, seed=5, max_len=30, vocab=TINY_VOCAB_SIZE)
+    stopping = StoppingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    requests = [GenerateRequest(p, GREEDY, stopping) for p in prompts]
+    hf = reference(path)
+    for prompt, seq in zip(prompts, engine.generate(requests, max_num_batched_tokens=32), strict=True):
+        assert seq.output_token_ids == hf_greedy(hf, prompt, MAX_NEW)
+
+
+def test_q8_0_embedding_lookup_dequantizes_only_its_rows():
+    dense = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))
+    blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
+    weight = Q8_0Weight(blocks, 96)
+    embedding = Q8_0Embedding(weight, torch.float32)
+    ids = torch.tensor([[3, 39, 0], [3, 17, 5]])
+    expected = weight.dequantize()[ids]
+    assert torch.equal(embedding(ids), expected)
+    with pytest.raises(ValueError, match="token order"):
+        Q8_0Embedding(Q8_0Weight(weight.blocks, weight.cols, torch.arange(40).flip(0)), torch.float32)
 
 
 def test_q8_0_linear_matches_float64_reference_over_odd_shapes():

@@ -28,6 +28,7 @@ from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
 from kernels.cpu_decode_stack import CpuDecodeStack
 from kernels.metadata import AttentionMetadata
+from kernels.q8_0_embedding import Q8_0Embedding
 from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -325,8 +326,9 @@ class CausalLM(nn.Module):
         converts as it copies; a quantized layer (`engine.quantization`) has no full-precision weight to
         copy into, and its `load_weight_rows(offset, tensor)` quantizes the tensor a block of rows at a
         time (`row_blocks`), so the quantizer's fp32 temporaries stay small whatever the tensor's size.
-        A GGUF's Q8_0 weight (`kernels.q8_0_linear.Q8_0Weight`) bound for a full-precision linear turns
-        that linear into a `Q8_0Linear` holding the blocks as stored; anywhere else it is dequantized.
+        A GGUF's Q8_0 weight (`kernels.q8_0_linear.Q8_0Weight`) bound for a full-precision linear or the
+        embedding turns it into a `Q8_0Linear` or `Q8_0Embedding` holding the blocks as stored; anywhere
+        else it is dequantized.
         """
         params = dict(self.named_parameters())
         row_loaders = self._weight_row_loaders()
@@ -380,20 +382,29 @@ class CausalLM(nn.Module):
         return name, None
 
     def q8_0_owner(self, name: str) -> nn.Module | None:
-        """The linear that keeps a Q8_0 weight bound for our parameter `name` as stored, or None where it
-        is dequantized instead (a tied LM head, an embedding, a linear already quantized another way)."""
+        """The linear or embedding that keeps a Q8_0 weight bound for our parameter `name` as stored, or
+        None where it is dequantized instead (a module already quantized another way). A tied LM head
+        has no weight of its own: it reads the embedding's blocks."""
         module = self._weight_owner(name)
         tied = module is self.lm_head and self.config.tie_word_embeddings
-        if tied or not (type(module) is nn.Linear or isinstance(module, Q8_0Linear)):
+        if tied or type(module) not in (nn.Linear, nn.Embedding, Q8_0Linear):
             return None
         return module
 
     def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
-        """Give `weight` to the linear whose weight is `name` as its rows `offset..`, first making that
-        linear a `Q8_0Linear` (False where `q8_0_owner` says it has no such place)."""
+        """Give `weight` to the module whose weight is `name`, as its rows `offset..` for a linear, first
+        making it a `Q8_0Linear` or `Q8_0Embedding` (False where `q8_0_owner` says it has no such place).
+        A tied LM head becomes a `Q8_0Linear` over the embedding's blocks."""
         module = self.q8_0_owner(name)
         if module is None:
             return False
+        if type(module) is nn.Embedding:
+            tied_head = module is self.embed_tokens and self.config.tie_word_embeddings
+            self.set_submodule(name.removesuffix(".weight"), Q8_0Embedding(weight, module.weight.dtype))
+            if tied_head:
+                self.lm_head = Q8_0Linear.empty_like(self.lm_head)
+                self.lm_head.load_blocks(0, weight)
+            return True
         if type(module) is nn.Linear:
             module = Q8_0Linear.empty_like(module)
             self.set_submodule(name.removesuffix(".weight"), module)
