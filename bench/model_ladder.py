@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import random
+import re
 import statistics
 import threading
 import time
@@ -278,6 +279,7 @@ def measure_system(system: str, rung, args: argparse.Namespace, tools) -> dict:
     try:
         server.start(timeout_s=1800, on_spawn=sampler.watch)
         result["ready_s"] = time.monotonic() - started
+        result["plan_bytes"] = planned_bytes(server.log_path.read_text(errors="replace"))
         result["processes_ready"] = process_memory(server.pid)
 
         async def drive() -> None:
@@ -302,6 +304,13 @@ def measure_system(system: str, rung, args: argparse.Namespace, tools) -> dict:
     return result
 
 
+def planned_bytes(log_text: str) -> int | None:
+    """What tandem's memory plan said the command's processes would hold (its `needs_gib`), if it logged
+    one: the figure peak resident memory is held to."""
+    match = re.search(r"memory plan .*?needs_gib=([0-9.]+)", log_text)
+    return None if match is None else int(float(match.group(1)) * 2**30)
+
+
 def _gib(value: int | None) -> str:
     return "—" if not value else f"{value / 2**30:.2f}"
 
@@ -315,9 +324,9 @@ def table(runs: list[dict], host: str) -> str:
     lines = [
         f"Host: {host}. Each system alone, one after another.",
         "",
-        "| rung | system | ready s | peak RSS GiB | idle RSS GiB | idle PSS GiB | 1 stream tok/s "
+        "| rung | system | ready s | plan GiB | peak RSS GiB | idle RSS GiB | idle PSS GiB | 1 stream tok/s "
         "| 4 streams tok/s | peak vs llama Q8_0 | 1 stream vs | 4 streams vs | long prompt: max gap s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peers = {run["rung"]: run for run in runs if run["system"] == "llama-server-q8_0" and "error" not in run}
     for run in runs:
@@ -332,13 +341,14 @@ def table(runs: list[dict], host: str) -> str:
 
         long_gap = (run.get("long_prompt") or {}).get("max_token_gap_s")
         lines.append(
-            f"| {run['rung']} | {run['system']} | {run.get('ready_s', 0):.0f} | {_gib(run['peak_tree_rss'])} "
+            f"| {run['rung']} | {run['system']} | {run.get('ready_s', 0):.0f} "
+            f"| {_gib(run.get('plan_bytes'))} | {_gib(run['peak_tree_rss'])} "
             f"| {_gib(idle_rss)} | {_gib(idle_pss)} | {_rate(run.get('single_tok_s'))} "
             f"| {_rate(run.get('four_streams_tok_s'))} | {ratio('peak_tree_rss')} | {ratio('single_tok_s')} "
             f"| {ratio('four_streams_tok_s')} | {_rate(long_gap)} |"
         )
         if "error" in run:
-            lines.append(f"| | ↳ {run['error'][:150]} | | | | | | | | | | |")
+            lines.append(f"| | ↳ {run['error'][:150]} | | | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
