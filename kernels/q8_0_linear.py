@@ -12,6 +12,7 @@ floats a token) after the matmul.
 
 On the CPU with fp32 activations, up to `GEMV_MAX_ROWS` rows (decode steps), the C++ extension's
 `linear_q8_0_gemv` reads the blocks in place (`kernels/cpu/gemv_q8_0.cpp`; AVX-512, AVX2 or portable).
+On CUDA the Triton kernels of `kernels.triton_q8_0` read the blocks in place.
 Everywhere else the torch reference runs: it dequantizes each segment (`d * q` in fp32 is exact: an
 11-bit by 8-bit product) and multiplies in the activations' dtype, fp32 being the exact mode. Both compute
 what `transformers` computes on the dequantized GGUF, up to summation order.
@@ -121,6 +122,11 @@ class Q8_0Linear(nn.Module):
         return [(segment.offset, segment.weight) for segment in self._segments]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            # Imported here: a CPU process never imports Triton for this.
+            from kernels import triton_q8_0
+
+            return triton_q8_0.q8_0_layer(x, self.segments, self.out_features, self.bias)
         gemv = (
             self.extension is not None
             and x.dtype == torch.float32
