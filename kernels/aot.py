@@ -12,7 +12,9 @@ backend launches and compiles exactly that:
   the split planner sees, so every split count it can choose appears, and attention runs once more
   with each sliding window of `SLIDING_WINDOWS` (a window's size is a runtime scalar, so one windowed
   prefill kernel serves every size, and decode's kernels are the causal ones; a window can still
-  change the split plan, hence the launches). Tile
+  change the split plan, hence the launches); the linears of a GGUF's Q8_0 weights (`triton_q8_0`) run
+  over every decode batch and a full step budget, as `Q8_0Linear` lays them out (one launch per
+  checkpoint tensor, llama.cpp's q/k row orders, Qwen2's qkv bias). Tile
   sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
 - each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
   the signature, constexprs and divisibility attributes, and `triton.compile(ASTSource(...),
@@ -58,9 +60,17 @@ from base.kv_dtypes import (  # noqa: E402
     is_quantized,
     resolve_kv_cache_dtype,
 )
-from kernels import triton_cache, triton_decode, triton_fused, triton_moe, triton_prefill  # noqa: E402
+from kernels import (  # noqa: E402
+    triton_cache,
+    triton_decode,
+    triton_fused,
+    triton_moe,
+    triton_prefill,
+    triton_q8_0,
+)
 from kernels.kv_quant import FP8_MIN_CUDA_CAPABILITY  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.q8_0_linear import BLOCK_BYTES, BLOCK_WEIGHTS, Q8_0Weight  # noqa: E402
 from kernels.triton_common import KernelLaunch, is_interpreted, recorded_launches  # noqa: E402
 
 # Largest dynamic shared memory one block may opt into (CUDA programming guide, per compute capability).
@@ -277,6 +287,39 @@ def _moe_layer(model: ModelShape, tokens: int, dtype: torch.dtype, int8: bool) -
     triton_moe.fused_moe_planned(hidden, w_gate_up, w_down, weights, plan, block_m, *(scales if int8 else ()))
 
 
+def _q8_0_weight(rows: int, cols: int, ordered: bool = False) -> Q8_0Weight:
+    """Q8_0 blocks of a `rows x cols` checkpoint tensor, with an output order when `ordered`."""
+    order = _meta(rows, dtype=torch.int64) if ordered else None
+    return Q8_0Weight(_meta(rows, cols // BLOCK_WEIGHTS * BLOCK_BYTES, dtype=torch.uint8), cols, order)
+
+
+def _q8_0_linears(model: ModelShape, tokens: int, dtype: torch.dtype) -> None:
+    """A decoder layer's linears over a GGUF's Q8_0 blocks on a step of `tokens` rows, segment by segment
+    as `Q8_0Linear` holds them: q, k (in llama.cpp's row order) and v of a Llama, the same with a bias
+    and no order (Qwen2's), o, and gate, up and down unless the MLP is made of experts."""
+    q_size, kv_size = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    qkv = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
+    layers = [
+        (
+            [(offset, _q8_0_weight(rows, model.hidden, offset < q_size + kv_size)) for offset, rows in qkv],
+            None,
+        ),
+        (
+            [(offset, _q8_0_weight(rows, model.hidden)) for offset, rows in qkv],
+            _meta(q_size + 2 * kv_size, dtype=dtype),
+        ),
+        ([(0, _q8_0_weight(model.hidden, q_size))], None),
+    ]
+    if not model.experts:
+        gate_up = [(0, _q8_0_weight(model.intermediate, model.hidden))]
+        gate_up.append((model.intermediate, _q8_0_weight(model.intermediate, model.hidden)))
+        layers += [(gate_up, None), ([(0, _q8_0_weight(model.hidden, model.intermediate))], None)]
+    for segments, bias in layers:
+        out_features = sum(weight.shape[0] for _, weight in segments)
+        x = _meta(tokens, segments[0][1].cols, dtype=dtype)
+        triton_q8_0.q8_0_layer(x, segments, out_features, bias)
+
+
 def recorded_configs(
     model: ModelShape, dtype_name: str, kv_cache_dtype: str = "auto"
 ) -> Iterator[tuple[str, KernelLaunch]]:
@@ -304,6 +347,9 @@ def recorded_configs(
         for int8 in (False, True):
             run = lambda t=tokens, q=int8: _moe_layer(model, t, dtype, q)  # noqa: E731
             steps.append((f"experts, {tokens} tokens{', int8' if int8 else ''}", run))
+    for tokens in (*DECODE_BATCHES, budget):
+        run = lambda t=tokens: _q8_0_linears(model, t, dtype)  # noqa: E731
+        steps.append((f"q8_0 linears, {tokens} tokens", run))
     context = max(DECODE_CONTEXTS)
     for window in SLIDING_WINDOWS:
         run = lambda w=window: _prefill_attention(model, budget, block_size, precision, w)  # noqa: E731

@@ -15,7 +15,7 @@ Two kernels, chosen by the rows M of x as `kernels.triton_moe` chooses its M til
 - up to `GEMV_MAX_ROWS` rows (decode): a GEMV. A program dequantizes a `[GEMV_BLOCK_N, 128]` weight
   tile once and multiplies it with each row of x on the FMA units (no tile of padding rows, which a
   tensor-core tile would need); the reduction over K is split across programs when N alone would leave
-  SMs idle, and the fp32 partial sums are added in a fixed order by `_reduce_splits_kernel`, so a
+  SMs idle, and the fp32 partial sums are added in a fixed order by `_q8_0_reduce_kernel`, so a
   result never depends on the scheduling.
 - beyond (prefill): a GEMM over `[BLOCK_M, 64]` tiles with `tl.dot`, the dequantized weight tile
   rounded to the activations' dtype as the torch reference rounds the whole weight. Programs walk M
@@ -54,8 +54,8 @@ REDUCE_BLOCK_N = 256
 PROGRAMS_PER_SM = 4
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_WEIGHTS: tl.constexpr = BLOCK_WEIGHTS
-_BYTES: tl.constexpr = BLOCK_BYTES
+_WEIGHTS = tl.constexpr(BLOCK_WEIGHTS)
+_BYTES = tl.constexpr(BLOCK_BYTES)
 
 
 @triton.jit
@@ -123,7 +123,7 @@ def _q8_0_gemv_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(
+def _q8_0_reduce_kernel(
     partial_ptr, bias_ptr, out_ptr, M, N, splits, stride_out, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """Row `m` of the output: the GEMV's partial sums added split by split, then the bias, rounded."""
@@ -274,7 +274,7 @@ def _gemv(
         args = (partial, bias_arg, out, m, n, splits, out.stride(0))
         constexprs = {"HAS_BIAS": bias is not None, "BLOCK_N": REDUCE_BLOCK_N}
         grid = (m, triton.cdiv(n, REDUCE_BLOCK_N))
-        launch(KernelLaunch(_reduce_splits_kernel, grid, args, constexprs, num_warps=4))
+        launch(KernelLaunch(_q8_0_reduce_kernel, grid, args, constexprs, num_warps=4))
 
 
 def _gemm(

@@ -29,6 +29,9 @@ KERNELS = {
     "_rms_norm_kernel",
     "_rope_kernel",
     "_silu_and_mul_kernel",
+    "_q8_0_gemv_kernel",
+    "_q8_0_reduce_kernel",
+    "_q8_0_gemm_kernel",
 }
 # Launched only for models with expert layers (`kernels.aot.MODELS` with `experts`).
 MOE_KERNELS = {"_fused_moe_kernel"}
@@ -246,3 +249,29 @@ print(json.dumps({"keys": {k: len(v) for k, v in keys.items()}, "windows": sorte
     assert found["keys"] == {"_decode_kernel": 2, "_merge_kernel": 1, "_prefill_kernel": 2}
     assert found["windows"] == [0, 1, 512, 4095]
     assert found["matrix"] == ["4096", "512"]
+
+
+def test_q8_0_linears_cover_every_variant_the_wrappers_pick(repo_root):
+    """The Q8_0 steps launch the GEMV for each row tile (1, 2, 4, 8), split and unsplit (a 70B's
+    28,672-row gate alone fills the SMs), with and without a bias, and the GEMM with each M tile: what
+    the compile tests then compile for every arch."""
+    probe = """
+import json
+from kernels import aot
+seen = set()
+for config, launch in aot.recorded_configs(aot.MODELS[2], "bfloat16"):
+    if "q8_0 linears" in config and launch.kernel.__name__ != "_q8_0_reduce_kernel":
+        c = launch.constexprs
+        seen.add((launch.kernel.__name__, c["BLOCK_M"], c.get("SPLIT", False), c["HAS_BIAS"]))
+print(json.dumps(sorted(seen)))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=repo_root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    seen = {tuple(row) for row in json.loads(done.stdout)}
+    gemv = {(block_m, split) for name, block_m, split, _ in seen if name == "_q8_0_gemv_kernel"}
+    assert gemv == {(block_m, split) for block_m in (1, 2, 4, 8) for split in (False, True)}
+    gemm = {(block_m, bias) for name, block_m, _, bias in seen if name == "_q8_0_gemm_kernel"}
+    assert gemm == {(block_m, bias) for block_m in (16, 32, 64) for bias in (False, True)}

@@ -145,7 +145,7 @@ def test_gemv_splits_cover_k_without_empty_splits(n, num_blocks):
 
 def test_a_split_gemv_launches_the_reduction_and_one_that_is_not_does_not():
     for cols, expected in (
-        (4096, ["_q8_0_gemv_kernel", "_reduce_splits_kernel"]),
+        (4096, ["_q8_0_gemv_kernel", "_q8_0_reduce_kernel"]),
         (128, ["_q8_0_gemv_kernel"]),
     ):
         blocks = torch.empty((64, cols // BLOCK_WEIGHTS * BLOCK_BYTES), dtype=torch.uint8, device="meta")
