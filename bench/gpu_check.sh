@@ -18,12 +18,14 @@
 # and a failed step does not stop the others:
 #
 #   env.log               nvidia-smi, torch/triton versions, device name and compute capability
-#   kernel_tests.log      tests/test_triton_kernels.py compiled and run on the GPU (not interpreted)
+#   kernel_tests.log      tests/test_triton_kernels.py and tests/test_triton_q8_0.py compiled and run
+#                         on the GPU (not interpreted)
 #   parity_triton.log     greedy parity with HF on CUDA, Triton backend (tests/test_engine_parity.py,
 #                         and the real model's tests/test_real_model_parity.py when it is cached)
 #   parity_torch.log      the same tiny-model parity with the torch backend on CUDA
 #   kernels_gpu.json/.log decode bandwidth fraction (contexts 1k-32k, batch 1-256) vs SDPA and, when
-#                         installed, FlashInfer/flash-attn; prefill TFLOP/s; the static roofline
+#                         installed, FlashInfer/flash-attn; prefill TFLOP/s; the static roofline;
+#                         Q8_0 linears' bandwidth fraction (GEMV and GEMM) vs dequantize + matmul
 #   serve.json/.log       `tandem bench serve` (64 requests) against a bf16 CUDA decode server
 #                         (its log: decode-cuda.log)
 #   summary.txt           one line per step: passed / failed / timed out, and its seconds
@@ -138,7 +140,8 @@ export PY OUT SERVE_MODEL
 export -f environment serve
 step env 10 bash -c environment
 # The benchmark's CPU dry run is a CPU test (the interpreter); the GPU run below replaces it.
-step kernel_tests 180 $PY -m pytest -q -p no:cacheprovider -n 8 tests/test_triton_kernels.py -k "not dry_run"
+step kernel_tests 180 $PY -m pytest -q -p no:cacheprovider -n 8 tests/test_triton_kernels.py \
+    tests/test_triton_q8_0.py -k "not dry_run"
 parity_tests=(tests/test_engine_parity.py)
 [ "$MODEL_READY" -eq 1 ] && parity_tests+=(tests/test_real_model_parity.py)
 step parity_triton 100 env TANDEM_ATTENTION_BACKEND=triton $PY -m pytest -q -p no:cacheprovider "${parity_tests[@]}"

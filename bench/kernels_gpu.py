@@ -1,4 +1,4 @@
-"""GPU benchmark of tandem's Triton attention kernels: decode bandwidth and prefill TFLOP/s.
+"""GPU benchmark of tandem's Triton kernels: attention decode bandwidth and prefill TFLOP/s, Q8_0 linears.
 
 Decode is memory-bound, so its figure of merit is achieved bandwidth — the bytes the step must
 move (K/V, block tables, queries, outputs; `bench.roofline.decode_kernel_roofline`) divided by
@@ -7,6 +7,12 @@ batch {1, 8, 64, 256} × context {1k, 4k, 16k, 32k} × GQA group {1, 4, 8} (8 KV
 head_dim 128, bf16, block size 16, randomly placed blocks) against gather + SDPA in torch and,
 when importable, `flash_attn` and `flashinfer`. Prefill is compute-bound: causal TFLOP/s of the
 paged chunked-prefill kernel against `scaled_dot_product_attention` on contiguous tensors.
+
+The Q8_0 linears (`kernels.triton_q8_0`, a GGUF's weights read as stored) stream their weight blocks
+once, so their figure is achieved bandwidth too: block, activation and output bytes over kernel time,
+for Llama 3.1 8B's projections (one checkpoint tensor each) at decode rows (1, 8: the GEMV) and
+prefill rows (64, 512: the GEMM; TFLOP/s as well), against the torch path that dequantizes the whole
+weight first (`q8_0_linear_reference`). The error is against that reference in fp32.
 
 Every launch is timed alone with CUDA events after a 512 MiB memset that flushes L2 (and keeps
 the GPU busy while the host enqueues the launch, so host overhead is not counted); the median
@@ -57,6 +63,8 @@ class Shapes:
     contexts: tuple[int, ...]
     gqa_groups: tuple[int, ...]
     prefill_cases: tuple[tuple[int, int], ...]  # (batch, seq_len)
+    q8_0_rows: tuple[int, ...]  # rows of x for each Q8_0 linear
+    q8_0_layers: tuple[tuple[int, int], ...]  # (out features, in features) of a checkpoint tensor
     num_kv_heads: int
     head_dim: int
     block_size: int
@@ -70,6 +78,8 @@ GPU_SHAPES = Shapes(
     contexts=(1024, 4096, 16384, 32768),
     gqa_groups=(1, 4, 8),
     prefill_cases=((16, 1024), (4, 4096), (1, 16384)),
+    q8_0_rows=(1, 8, 64, 512),
+    q8_0_layers=((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)),  # q/o, k/v, gate/up, down
     num_kv_heads=8,
     head_dim=128,
     block_size=16,
@@ -82,6 +92,8 @@ DRY_RUN_SHAPES = Shapes(
     contexts=(40, 600),  # 600: long enough for the split-KV path
     gqa_groups=(1, 4),
     prefill_cases=((2, 40), (1, 70)),
+    q8_0_rows=(1, 3, 17),  # the GEMV's, then the GEMM's
+    q8_0_layers=((72, 416), (200, 96)),  # the GEMV splits K four ways, then not at all
     num_kv_heads=2,
     head_dim=64,
     block_size=16,
@@ -405,6 +417,54 @@ def bench_prefill_case(env, shapes: Shapes, timer: Timer, batch: int, seq_len: i
     }
 
 
+def q8_0_blocks(torch, rows: int, cols: int, device):
+    """Random Q8_0 blocks `[rows, cols / 32 * 34]`: fp16 scales of ~1/(127 sqrt(cols)), so that outputs of
+    unit-variance rows are of order one, then 32 int8 quants per block."""
+    count = cols // 32
+    scales = (torch.randn(rows, count, device=device) / (127 * cols**0.5)).half()
+    quants = torch.randint(-127, 128, (rows, count, 32), dtype=torch.int8, device=device)
+    blocks = torch.cat([scales.view(torch.uint8).view(rows, count, 2), quants.view(torch.uint8)], dim=-1)
+    return blocks.view(rows, count * 34)
+
+
+def bench_q8_0_case(env, shapes: Shapes, timer: Timer, rows: int, n: int, k: int, peak: float) -> dict:
+    torch, triton_q8_0, q8_0_linear = env["torch"], env["triton_q8_0"], env["q8_0_linear"]
+    device, dtype = torch.device(shapes.device), getattr(torch, shapes.dtype_name)
+    blocks = q8_0_blocks(torch, n, k, device)
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    weight = q8_0_linear.Q8_0Weight(blocks, k)
+    expected = q8_0_linear.q8_0_linear_reference(x.float(), weight)
+    moved = blocks.nbytes + x.nbytes + rows * n * x.itemsize
+    flops = 2 * rows * n * k
+
+    def run_triton():
+        return triton_q8_0.q8_0_linear(x, blocks, k)
+
+    def run_torch():
+        return q8_0_linear.q8_0_linear_reference(x, weight)
+
+    results = {}
+    for name, launch in (("triton", run_triton), ("torch_dequantize", run_torch)):
+        seconds = timer(launch)
+        results[name] = result(
+            seconds,
+            bandwidth_bytes_per_s=moved / seconds,
+            fraction_of_peak=moved / seconds / peak,
+            tflops=flops / seconds / 1e12,
+            max_abs_error=max_error(torch, launch(), expected),
+        )
+    return {
+        "rows": rows,
+        "out_features": n,
+        "in_features": k,
+        "kernel": "gemv" if rows <= triton_q8_0.GEMV_MAX_ROWS else "gemm",
+        "bytes": moved,
+        "flops": flops,
+        "max_abs_reference": float(expected.abs().max()),
+        "results": results,
+    }
+
+
 def load_env(dry_run: bool) -> dict:
     """Import torch and the kernels only now: under --dry-run the interpreter must be on before triton is."""
     if dry_run:
@@ -412,7 +472,7 @@ def load_env(dry_run: bool) -> dict:
     import torch
     import triton
 
-    from kernels import triton_common, triton_decode, triton_prefill
+    from kernels import q8_0_linear, triton_common, triton_decode, triton_prefill, triton_q8_0
     from kernels.metadata import AttentionMetadata
 
     return {
@@ -422,6 +482,8 @@ def load_env(dry_run: bool) -> dict:
         "triton_decode": triton_decode,
         "triton_prefill": triton_prefill,
         "AttentionMetadata": AttentionMetadata,
+        "q8_0_linear": q8_0_linear,
+        "triton_q8_0": triton_q8_0,
     }
 
 
@@ -436,6 +498,7 @@ def peak_bandwidth(device_name: str, override: float | None) -> float:
 
 DECODE_PEERS = ("triton", "torch_gather_sdpa", "flash_attn", "flashinfer")
 PREFILL_PEERS = ("triton", "torch_sdpa")
+Q8_0_PEERS = ("triton", "torch_dequantize")
 CELL = 18
 
 
@@ -474,6 +537,7 @@ def run(shapes: Shapes, env: dict, peak_override: float | None) -> dict:
         "static_roofline": static_roofline(env, GPU_SHAPES, gpu_peak, device),
         "decode": [],
         "prefill": [],
+        "q8_0": [],
     }
     print_static_roofline(report["static_roofline"], gpu_peak, GPU_SHAPES)
     print(f"decode on {device_name}: achieved KV bandwidth / peak {peak / 1e12:.2f} TB/s")
@@ -496,6 +560,15 @@ def run(shapes: Shapes, env: dict, peak_override: float | None) -> dict:
         report["prefill"].append(row)
         cells = "".join(format_cell(row["results"][k], "tflops") for k in PREFILL_PEERS)
         print(f"{batch:>6} {seq_len:>8}  {cells}")
+    print(f"Q8_0 linears ({shapes.dtype_name} x): achieved bandwidth / peak {peak / 1e12:.2f} TB/s")
+    header = "".join(peer.ljust(CELL) for peer in Q8_0_PEERS)
+    print(f"{'rows':>6} {'out':>6} {'in':>6}  {header}")
+    for n, k in shapes.q8_0_layers:
+        for rows in shapes.q8_0_rows:
+            row = bench_q8_0_case(env, shapes, timer, rows, n, k, peak)
+            report["q8_0"].append(row)
+            cells = "".join(format_cell(row["results"][p], "fraction_of_peak") for p in Q8_0_PEERS)
+            print(f"{rows:>6} {n:>6} {k:>6}  {cells}")
     return report
 
 

@@ -764,3 +764,13 @@ def test_gpu_benchmark_dry_run(repo_root, tmp_path):
         assert {"batch", "seq_len", "flops", "results"} <= row.keys()
         assert row["results"]["triton"]["tflops"] > 0
         assert row["results"]["triton"]["max_abs_error"] < 1e-4
+    assert {(row["rows"], row["kernel"]) for row in report["q8_0"]} == {
+        (1, "gemv"),
+        (3, "gemv"),
+        (17, "gemm"),
+    }
+    for row in report["q8_0"]:
+        assert {"out_features", "in_features", "bytes", "flops", "max_abs_reference"} <= row.keys()
+        for peer in ("triton", "torch_dequantize"):
+            assert row["results"][peer]["max_abs_error"] < 1e-4 * max(1.0, row["max_abs_reference"])
+            assert row["results"][peer]["bandwidth_bytes_per_s"] > 0
