@@ -183,9 +183,10 @@ def _q8_0_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & row_mask[None, :])
 
 
-def gemm_block_m(rows: int) -> int:
-    """The GEMM's M tile for `rows` rows of x: the smallest of 16, 32 and 64 that holds them, at most 64."""
-    return min(64, max(16, triton.next_power_of_2(rows)))
+def gemm_block_m(rows: int, dtype: torch.dtype) -> int:
+    """The GEMM's M tile for `rows` rows of x: the smallest of 16, 32 and 64 that holds them, at most 32
+    for fp32 x, whose 64-row tile spills on sm_80 even over 8 warps (`python -m kernels.aot`)."""
+    return min(32 if dtype == torch.float32 else 64, max(16, triton.next_power_of_2(rows)))
 
 
 def gemv_splits(n: int, num_blocks: int, sm_count: int) -> tuple[int, int]:
@@ -281,7 +282,7 @@ def _gemm(
     x: torch.Tensor, blocks: torch.Tensor, num_blocks: int, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
     m, n = out.shape
-    block_m = gemm_block_m(m)
+    block_m = gemm_block_m(m, x.dtype)
     dtype = dot_dtype(_q8_0_gemm_kernel, x.dtype)
     args = (
         x,

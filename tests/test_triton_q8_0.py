@@ -111,25 +111,28 @@ def test_blocks_at_an_odd_address_and_strided_rows_of_x():
 
 
 def test_rows_choose_the_kernel():
-    """Up to GEMV_MAX_ROWS rows the GEMV, beyond it the GEMM with the smallest M tile that holds them."""
+    """Up to GEMV_MAX_ROWS rows the GEMV, beyond it the GEMM with the smallest M tile that holds them (at
+    most 32 rows for fp32 x, whose 64-row tile spills)."""
     blocks = torch.empty((4096, 4096 // BLOCK_WEIGHTS * BLOCK_BYTES), dtype=torch.uint8, device="meta")
     seen = {}
-    for m in (1, 2, 5, 8, 9, 16, 17, 33, 512):
-        with recorded_launches() as launches:
-            triton_q8_0.q8_0_linear(torch.empty((m, 4096), device="meta"), blocks, 4096)
-        seen[m] = [(launch.kernel.__name__, launch.constexprs["BLOCK_M"]) for launch in launches[:1]]
+    for dtype in (torch.bfloat16, torch.float32):
+        for m in (1, 2, 5, 8, 9, 16, 17, 33, 512):
+            with recorded_launches() as launches:
+                triton_q8_0.q8_0_linear(torch.empty((m, 4096), dtype=dtype, device="meta"), blocks, 4096)
+            seen[dtype, m] = (launches[0].kernel.__name__, launches[0].constexprs["BLOCK_M"])
     gemv, gemm = "_q8_0_gemv_kernel", "_q8_0_gemm_kernel"
-    assert seen == {
-        1: [(gemv, 1)],
-        2: [(gemv, 2)],
-        5: [(gemv, 8)],
-        8: [(gemv, 8)],
-        9: [(gemm, 16)],
-        16: [(gemm, 16)],
-        17: [(gemm, 32)],
-        33: [(gemm, 64)],
-        512: [(gemm, 64)],
-    }
+    for dtype in (torch.bfloat16, torch.float32):
+        assert [seen[dtype, m] for m in (1, 2, 5, 8, 9, 16, 17)] == [
+            (gemv, 1),
+            (gemv, 2),
+            (gemv, 8),
+            (gemv, 8),
+            (gemm, 16),
+            (gemm, 16),
+            (gemm, 32),
+        ]
+    assert seen[torch.bfloat16, 33] == seen[torch.bfloat16, 512] == (gemm, 64)
+    assert seen[torch.float32, 33] == seen[torch.float32, 512] == (gemm, 32)
 
 
 @pytest.mark.parametrize("num_blocks", [1, 3, 4, 5, 13, 128, 448])
