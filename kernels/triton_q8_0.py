@@ -42,7 +42,8 @@ from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, launch
 
 # Most rows of x the GEMV takes. It multiplies on the FMA units, 2 FLOPs per weight per row against
 # ~1.06 bytes per weight read: at 8 rows that is ~15 FLOP/byte, under the ~20 of an H100's fp32 FMA
-# rate over its bandwidth; from 9 rows on, the GEMM's tensor-core tile of 16 rows costs no more.
+# rate over its bandwidth. From 9 rows on, the GEMM's 16-row tile (on the tensor cores for half x)
+# takes over; it does not split K, so a few N tiles can leave SMs idle there (untuned without a GPU).
 GEMV_MAX_ROWS = 8
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_BLOCKS = 4  # Q8_0 blocks per K step: 128 weights, 4,352 bytes of a 32-row tile in flight
