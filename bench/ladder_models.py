@@ -39,6 +39,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 GGUF_TYPES = ("Q8_0", "Q4_K_M")
+# What the converter imports from its own tree: the gguf writer and one module per architecture.
+CONVERTER_PACKAGES = ("gguf-py/", "conversion/")
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ def ensure_converter(tools: LlamaCppTools) -> Path:
 
 def _converter_file(name: str, prefix: str) -> bool:
     tail = name.removeprefix(prefix)
-    return name.startswith(prefix) and (tail == "convert_hf_to_gguf.py" or tail.startswith("gguf-py/"))
+    wanted = tail == "convert_hf_to_gguf.py" or tail.startswith(CONVERTER_PACKAGES)
+    return name.startswith(prefix) and wanted
 
 
 def write_ggufs(rung: Rung, tools: LlamaCppTools, home: Path | None = None) -> dict[str, Path]:
