@@ -30,10 +30,13 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     An all-zero row gets scale 0 and q 0, which dequantizes to the same zeros.
     """
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / QMAX
+    # One fp32 copy worked on in place: quantizing at load is a pass over every weight of the checkpoint,
+    # and each temporary of the size of the weight was another pass over memory.
+    w = weight.detach().to(torch.float32, copy=True)
+    low, high = torch.aminmax(w, dim=1)
+    scale = torch.maximum(-low, high) / QMAX
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / divisor.unsqueeze(1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = w.div_(divisor.unsqueeze(1)).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 

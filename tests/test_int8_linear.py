@@ -221,3 +221,12 @@ def test_linear_kernels_bench_measures_every_kernel(extension):
         assert set(result["us_per_layer"]) == set(KERNELS)
         assert all(us > 0 for us in result["us_per_layer"].values())
         assert result["gemv_weight_gbs"]["int8_gemv"] > 0
+
+
+def test_quantizing_leaves_the_weight_as_it_was():
+    """The quantizer works in place on its own fp32 copy, never on the caller's fp32 tensor."""
+    weight = torch.randn(6, 64, generator=torch.Generator().manual_seed(11))
+    kept = weight.clone()
+    q, scale = quantize_per_channel(weight)
+    assert torch.equal(weight, kept)
+    assert torch.equal(q, torch.round(kept / scale.unsqueeze(1)).to(torch.int8))
