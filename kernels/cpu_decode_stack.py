@@ -22,15 +22,19 @@ the whole stack in one parallel region (`decode_region.cpp`): the threads share 
 GEMV's rows and the attention's heads and meet at barriers, where the per-op kernels open five regions a
 layer and leave the small ops between them to one thread. It gives the same values, bit for bit.
 
-Every layer reads the step's one block table, so the stack serves a model whose layers share one KV
-group (`engine.kv_layout`); each layer may still have its own sliding window (Mistral's on every layer),
-which its attention applies. A model with several KV groups keeps the per-op path.
+Each family's layer is described to C++ by what it computes, not by its family
+(`DecoderLayerWeights`): which norm module plays each part (a `LayerNorms` the family declares: Llama's two,
+Gemma 3's four), the q/k norms over each head (Qwen3, Gemma 3), the activation (SiLU, GELU-tanh), the
+attention's scale, the features RoPE rotates (Phi-4-mini's partial rotary), the window, the RoPE table (Gemma
+3's local and global layers have their own) and the KV group, whose block tables and slot mapping the layer
+reads (`engine.kv_layout`: Gemma 3's sliding and full layers keep separate ones).
 `TANDEM_CPU_DECODE_STACK=0` turns the stack off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
@@ -45,6 +49,26 @@ from kernels.window import kernel_window
 
 # Longest query of one sequence the stack takes: a decode token and its draft (`engine.speculation`).
 MAX_QUERY_LEN = 16
+# The gated MLP activations (`ModelConfig.hidden_act`) the stack computes, by the name its kernels give them.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    """Which norm module of a family's decoder layer (by attribute name) plays each part the stack computes.
+
+    `input` norms the residual stream into the attention; `mlp` adds the attention's output to the stream
+    and norms the MLP's input; `attn_out` and `mlp_out`, where the layer has them (Gemma's sandwich), norm
+    the attention's and the MLP's outputs before their residual adds. Each norm module gives the factor
+    its kernel multiplies by (`kernel_weight()`: `weight`, or Gemma's `1 + weight`) and its `eps`.
+    """
+
+    input: str
+    mlp: str
+    attn_out: str | None = None
+    mlp_out: str | None = None
 
 
 class PagedKVCache(Protocol):
@@ -62,33 +86,66 @@ class PagedKVCache(Protocol):
 
 
 class CpuDecodeStack:
-    """The decoder layers of a model, by reference to its own weights (nothing is copied)."""
+    """The decoder layers of a model, by reference to its own weights (nothing is copied but Gemma's
+    `1 + weight` norm factors, which its norms keep too)."""
 
     def __init__(
-        self, layers: nn.ModuleList, extension: ModuleType, windows: Sequence[int | None] | None = None
+        self,
+        layers: nn.ModuleList,
+        extension: ModuleType,
+        norms: LayerNorms,
+        windows: Sequence[int | None] | None = None,
+        rope_keys: Sequence[Hashable] | None = None,
+        rotary_dims: Sequence[int] | None = None,
     ) -> None:
-        """`windows`: each layer's sliding window (None: full attention), as `ModelConfig.layer_windows`
-        gives them; None or empty for a model without windows."""
-        if windows and len(windows) != len(layers):
-            raise ValueError(f"{len(windows)} layer windows for {len(layers)} layers")
+        """`norms`: the family's norm arrangement; `windows`: each layer's sliding window (None: full
+        attention), as `ModelConfig.layer_windows` gives them; `rope_keys`: the key of the cos/sin table each
+        layer's RoPE reads (`CausalLM.layer_rope`), all None for a model with one; `rotary_dims`: the
+        features each layer's RoPE rotates, the head size where None."""
+        for name, values in (("windows", windows), ("rope_keys", rope_keys), ("rotary_dims", rotary_dims)):
+            if values and len(values) != len(layers):
+                raise ValueError(f"{len(values)} layer {name} for {len(layers)} layers")
         self._extension = extension
+        self._norms = norms
         first = layers[0].self_attn
         self._num_heads = first.num_heads
-        self._scale = first.scale
-        self._eps = layers[0].input_layernorm.eps
+        self._eps = getattr(layers[0], norms.input).eps
         windows = windows or (None,) * len(layers)
-        self._layers = [self._weights_of(layer, windows[i]) for i, layer in enumerate(layers)]
+        rope_keys = rope_keys or (None,) * len(layers)
+        # The distinct tables in first-use order; each layer reads its own by index.
+        self._rope_keys = list(dict.fromkeys(rope_keys))
+        rotary_dims = rotary_dims or (first.head_dim,) * len(layers)
+        self._layers = [
+            self._weights_of(layer, windows[i], self._rope_keys.index(rope_keys[i]), rotary_dims[i])
+            for i, layer in enumerate(layers)
+        ]
+        self._num_groups = 1 + max(weights.kv_group for weights in self._layers)
         # Any row count when every linear has a kernel past the GEMV (int8 GEMM, oneDNN); else the GEMV's.
         large = isinstance(layers[0].self_attn.qkv_proj, (Int8Linear, CpuLinear))
         self._max_rows = None if large else cpu_linear.GEMV_MAX_ROWS
 
-    def _weights_of(self, layer: nn.Module, window: int | None) -> object:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _norm_weight(self, module: nn.Module | None) -> torch.Tensor | None:
+        """The factor `module`'s RMSNorm kernel multiplies by; one eps serves every norm of the stack."""
+        if module is None:
+            return None
+        if module.eps != self._eps:
+            raise ValueError(f"a norm's eps {module.eps} differs from the stack's {self._eps}")
+        return module.kernel_weight()
+
+    def _weights_of(self, layer: nn.Module, window: int | None, rope: int, rotary_dim: int) -> object:
+        attn, mlp, norms = layer.self_attn, layer.mlp, self._norms
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
-        weights: dict[str, torch.Tensor | None] = {
-            "input_norm": layer.input_layernorm.weight.detach(),
-            "post_norm": layer.post_attention_layernorm.weight.detach(),
+        parts = {
+            "input_norm": norms.input,
+            "mlp_norm": norms.mlp,
+            "attn_out_norm": norms.attn_out,
+            "mlp_out_norm": norms.mlp_out,
         }
+        weights: dict[str, torch.Tensor | None] = {
+            part: self._norm_weight(getattr(layer, name) if name else None) for part, name in parts.items()
+        }
+        weights["q_norm"] = self._norm_weight(attn.q_norm)
+        weights["k_norm"] = self._norm_weight(attn.k_norm)
         for name, linear in linears.items():
             bias = linear.bias
             weights[f"{name}_bias"] = None if bias is None else bias.detach()
@@ -98,7 +155,15 @@ class CpuDecodeStack:
                 weights[name], weights[f"{name}_blocked"] = linear.weight, linear.blocked_weight
             else:
                 weights[name] = linear.weight.detach()
-        return self._extension.DecoderLayerWeights(**weights, window=kernel_window(window))
+        return self._extension.DecoderLayerWeights(
+            **weights,
+            activation=ACTIVATIONS[mlp.activation],
+            scale=attn.scale,
+            rotary_dim=rotary_dim,
+            window=kernel_window(window),
+            kv_group=attn.kv_group,
+            rope=rope,
+        )
 
     def accepts(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the stack runs this step: decode tokens and drafts only, few enough for fp32 weights
@@ -109,24 +174,26 @@ class CpuDecodeStack:
     def __call__(
         self,
         hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        tables: Mapping[Hashable, CosSin],
         kv_cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's output and residual, before the final norm (what the layer loop returns)."""
+        """The last layer's output and residual, before the final norm (what the layer loop returns);
+        `tables`: the step's cos/sin by RoPE key, as the model computed them for its layers."""
+        groups = [meta.for_group(group) for group in range(self._num_groups)]
         return self._extension.decode_layers(
             hidden,
             self._layers,
             kv_cache.k,
             kv_cache.v,
-            *cos_sin,
-            meta.slot_mapping,
-            meta.block_tables,
+            [tables[key][0] for key in self._rope_keys],
+            [tables[key][1] for key in self._rope_keys],
+            [group.slot_mapping for group in groups],
+            [group.block_tables for group in groups],
             meta.seq_lens,
             meta.query_start_loc,
             self._num_heads,
             self._eps,
-            self._scale,
             kv_cache.k_scales,
             kv_cache.v_scales,
             kv_cache.rotation,

@@ -28,7 +28,6 @@ from torch import nn
 from base.settings import ATTENTION_BACKENDS, Settings, get_settings
 from kernels import cpu_extension, cpu_linear, cpu_lm_head, moe, q8_0_linear
 from kernels.backend import AttentionBackend, TorchBackend
-from kernels.cpu_decode_stack import CpuDecodeStack
 from kernels.w8a8_linear import W8A8Linear
 
 logger = logging.getLogger(__name__)
@@ -111,10 +110,10 @@ class Platform:
         if self.extension is not None:
             moe.use_cpu_kernels(model, self.extension)
             q8_0_linear.use_cpu_kernels(model, self.extension)
-        # The stack computes the Llama layer over one block table with fp32 activations: other families
-        # and W8A8 linears keep the per-op path.
+        # The stack computes the dense families' layers with fp32 activations: a mixture of experts and
+        # W8A8 linears keep the per-op path.
         if self.decode_stack and len(model.layers) > 0 and model.fits_decode_stack and not w8a8(model):
-            model.decode_stack = CpuDecodeStack(model.layers, self.extension, model.config.layer_windows)
+            model.decode_stack = model.build_decode_stack(self.extension)
             logger.info("decode-only steps run the C++ decoder stack", extra={"layers": len(model.layers)})
 
 

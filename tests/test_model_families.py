@@ -215,14 +215,13 @@ def test_longrope_serves_its_short_context_only() -> None:
     assert ModelConfig.from_hf(CONFIGS["phi3_longrope"]()).max_position_embeddings == 96
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3", "gemma3_text", "phi3_window"])
-def test_decode_stack_only_for_llama_layers_over_one_group(name: str) -> None:
-    """The C++ decode stack computes the Llama layer (with its window) over one block table: a model
-    with two KV groups or another family's layer keeps the per-op path."""
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decode_stack_for_every_dense_family(name: str) -> None:
+    """The C++ decode stack computes every dense family's layers (their norms, windows, RoPE tables and KV
+    groups); `test_cpu_decode_stack_families` holds it to their per-op path."""
     if engine_for(hf_model("llama"), num_blocks=8).model.decode_stack is None:
         pytest.skip("no decode stack on this platform (no C++ kernels, or not fp32 on the CPU)")
-    stack = engine_for(hf_model(name), num_blocks=8).model.decode_stack
-    assert (stack is not None) == (name == "mistral_window")
+    assert engine_for(hf_model(name), num_blocks=8).model.decode_stack is not None
 
 
 @pytest.mark.parametrize(

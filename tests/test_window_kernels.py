@@ -15,7 +15,7 @@ from window_cases import hidden_blocks, poison_hidden_blocks, windowed_attention
 
 from kernels import torch_reference as ref
 from kernels.backend import TorchBackend
-from kernels.cpu_decode_stack import CpuDecodeStack
+from kernels.cpu_decode_stack import CpuDecodeStack, LayerNorms
 from kernels.window import InvalidWindowError
 
 QUANTIZED = [torch.int8, torch.float8_e4m3fn]
@@ -154,11 +154,17 @@ class _Norm(torch.nn.Module):
         self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(size, generator=gen), requires_grad=False)
         self.eps = 1e-5
 
+    def kernel_weight(self) -> torch.Tensor:
+        return self.weight.detach()
+
 
 def _linear(rows: int, cols: int, gen: torch.Generator) -> torch.nn.Linear:
     linear = torch.nn.Linear(cols, rows, bias=False)
     linear.weight.data = torch.randn(rows, cols, generator=gen) * cols**-0.5
     return linear
+
+
+_NORMS = LayerNorms(input="input_layernorm", mlp="post_attention_layernorm")
 
 
 class _Layer(torch.nn.Module):
@@ -169,10 +175,17 @@ class _Layer(torch.nn.Module):
         self.input_layernorm = _Norm(hidden, gen)
         self.post_attention_layernorm = _Norm(hidden, gen)
         self.self_attn = torch.nn.Module()
-        self.self_attn.num_heads, self.self_attn.scale = heads, head_dim**-0.5
+        self.self_attn.num_heads, self.self_attn.head_dim, self.self_attn.scale = (
+            heads,
+            head_dim,
+            head_dim**-0.5,
+        )
+        self.self_attn.q_norm = self.self_attn.k_norm = None
+        self.self_attn.kv_group = 0
         self.self_attn.qkv_proj = _linear((heads + 2 * kv_heads) * head_dim, hidden, gen)
         self.self_attn.o_proj = _linear(hidden, heads * head_dim, gen)
         self.mlp = torch.nn.Module()
+        self.mlp.activation = "silu"
         self.mlp.gate_up_proj = _linear(2 * 96, hidden, gen)
         self.mlp.down_proj = _linear(hidden, 96, gen)
 
@@ -221,7 +234,8 @@ def test_decode_stack_applies_each_layers_window(extension):
         k=[c[0] for c in caches], v=[c[1] for c in caches], k_scales=[], v_scales=[], rotation=None
     )
 
-    fused, fused_residual = CpuDecodeStack(layers, extension, windows)(hidden, (cos, sin), kv, meta)
+    stack = CpuDecodeStack(layers, extension, _NORMS, windows)
+    fused, fused_residual = stack(hidden, {None: (cos, sin)}, kv, meta)
     shape = (heads, kv_heads, head_dim)
     expected, residual = _per_op_layers(extension, layers, windows, hidden, copies, cos, sin, meta, *shape)
     assert torch.isfinite(fused).all()
@@ -231,4 +245,4 @@ def test_decode_stack_applies_each_layers_window(extension):
 def test_decode_stack_refuses_a_window_list_of_the_wrong_length(extension):
     layers = torch.nn.ModuleList([_Layer(64, 2, 1, 32, torch.Generator().manual_seed(0))])
     with pytest.raises(ValueError, match="2 layer windows for 1 layers"):
-        CpuDecodeStack(layers, extension, [None, 8])
+        CpuDecodeStack(layers, extension, _NORMS, [None, 8])

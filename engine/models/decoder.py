@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -26,7 +27,7 @@ from engine.config import ModelConfig, rope_parameter_sets
 from engine.kv_cache import KVCache
 from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
-from kernels.cpu_decode_stack import CpuDecodeStack
+from kernels.cpu_decode_stack import ACTIVATIONS, CpuDecodeStack, LayerNorms
 from kernels.metadata import AttentionMetadata
 from kernels.q8_0_embedding import Q8_0Embedding
 from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
@@ -96,6 +97,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.backend = backend
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The factor the fused RMSNorm kernel multiplies the normed values by (the decode stack's too)."""
+        return self.weight.detach()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -193,6 +198,11 @@ class GatedMLP(nn.Module):
         return self.down_proj(nn.functional.gelu(gate, approximate=approximate) * up)
 
 
+# `DecoderLayer`'s norms as the C++ decode stack reads them: the input norm, and the post-attention norm that
+# adds the attention's output to the residual stream and norms the MLP's input.
+PRE_NORMS = LayerNorms(input="input_layernorm", mlp="post_attention_layernorm")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm layer: `h += attn(norm(h))`, then `h += mlp(norm(h))`, the residual add fused into
     the next norm (each returns the normed input and the running residual)."""
@@ -222,9 +232,11 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # True where each layer is exactly the Llama layer the C++ decode stack (`kernels.cpu_decode_stack`)
-    # computes: SiLU MLP, two plain RMSNorms, no q/k norm, 1/sqrt(head_dim) scale, full RoPE.
-    llama_layers: ClassVar[bool] = False
+    # How the C++ decode stack (`kernels.cpu_decode_stack`) reads this family's decoder layers: which norm
+    # module plays each part. The rest it reads from the layers and the config (q/k norms, activation, scale,
+    # partial rotary, windows, RoPE tables, KV groups). None: a family whose layers it does not compute (a
+    # mixture of experts keeps the per-op path).
+    stack_norms: ClassVar[LayerNorms | None] = None
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -281,10 +293,24 @@ class CausalLM(nn.Module):
 
     @property
     def fits_decode_stack(self) -> bool:
-        """Whether the C++ decode stack computes this model's layers exactly: Llama layers (each with
-        its own window, if any) over one KV group's block table, none of them on Q8_0 blocks."""
+        """Whether the C++ decode stack computes this model's layers exactly: a family that declares its
+        `stack_norms`, with an activation the stack has, none of its linears on Q8_0 blocks."""
         q8_0 = any(isinstance(module, Q8_0Linear) for module in self.layers.modules())
-        return self.llama_layers and self.config.kv_layout.num_groups == 1 and not q8_0
+        activations = all(getattr(layer.mlp, "activation", None) in ACTIVATIONS for layer in self.layers)
+        return self.stack_norms is not None and activations and not q8_0
+
+    def build_decode_stack(self, extension: ModuleType) -> CpuDecodeStack:
+        """The C++ decode stack over this model's layers (where `fits_decode_stack`): each layer's window,
+        RoPE table and the features that table rotates, as the layer loop gives them."""
+        dims = {key: 2 * rotary.inv_freq.numel() for key, rotary in self.rotaries.items()}
+        return CpuDecodeStack(
+            self.layers,
+            extension,
+            self.stack_norms,
+            self.config.layer_windows,
+            self.layer_rope,
+            [dims[key] for key in self.layer_rope],
+        )
 
     @torch.inference_mode()
     def forward(
@@ -293,7 +319,7 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids)
         tables = {key: rotary(positions, hidden.dtype) for key, rotary in self.rotaries.items()}
         if self.decode_stack is not None and self.decode_stack.accepts(hidden, meta):
-            hidden, residual = self.decode_stack(hidden, tables[self.layer_rope[0]], kv_cache, meta)
+            hidden, residual = self.decode_stack(hidden, tables, kv_cache, meta)
         else:
             residual = None
             for layer, rope in zip(self.layers, self.layer_rope, strict=True):

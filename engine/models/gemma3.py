@@ -11,6 +11,9 @@ How it differs from the Llama layer, each as Hugging Face computes it:
 - sliding layers (`layer_types`) with their own RoPE base (`rope_parameters["sliding_attention"]`,
   the checkpoint's `rope_local_base_freq`), which the skeleton picks per layer;
 - logits soft-capped by `final_logit_softcapping` where the config sets it (Gemma 3's do not).
+
+The C++ decode stack computes its layers from `SANDWICH_NORMS` and what the skeleton's modules hold (head
+norms, GELU-tanh, scale, windows, RoPE tables, KV groups).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.decoder import Attention, CausalLM, CosSin
 from kernels.backend import AttentionBackend
+from kernels.cpu_decode_stack import LayerNorms
 
 # Prefixes of a multimodal checkpoint's text tensors (transformers 5 names, then 4), and of the rest.
 TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.": ""}
@@ -54,7 +58,9 @@ class GemmaRMSNorm(nn.Module):
         # their cost.
         self._offset: tuple[tuple[int, int], torch.Tensor] | None = None
 
-    def _one_plus_weight(self) -> torch.Tensor:
+    def kernel_weight(self) -> torch.Tensor:
+        """`1 + weight`: the factor the fused fp32 RMSNorm kernel multiplies by (the C++ decode stack's too,
+        which takes it once, after loading)."""
         key = (self.weight.data_ptr(), self.weight._version)
         if self._offset is None or self._offset[0] != key:
             self._offset = (key, 1.0 + self.weight.detach())
@@ -65,12 +71,21 @@ class GemmaRMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dtype == torch.float32:
             # In fp32 the backend's `weight * normed` is the same arithmetic, on its fused kernel.
-            return self.backend.rms_norm(x, self._one_plus_weight(), self.eps, residual)
+            return self.backend.rms_norm(x, self.kernel_weight(), self.eps, residual)
         if residual is not None:
             x = x + residual
         wide = x.float()
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype), x
+
+
+# `SandwichDecoderLayer`'s norms as the C++ decode stack reads them.
+SANDWICH_NORMS = LayerNorms(
+    input="input_layernorm",
+    mlp="pre_feedforward_layernorm",
+    attn_out="post_attention_layernorm",
+    mlp_out="post_feedforward_layernorm",
+)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -96,6 +111,8 @@ class SandwichDecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    stack_norms = SANDWICH_NORMS
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
         self.final_logit_softcap = getattr(config.hf_config, "final_logit_softcapping", None)

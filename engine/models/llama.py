@@ -1,13 +1,13 @@
 """Llama, Mistral and Qwen2: the skeleton's own layer (Qwen2's qkv bias and Mistral's window are config
-facts the skeleton reads), and the one layer the C++ decode stack computes."""
+facts the skeleton reads); the C++ decode stack computes it from `PRE_NORMS`."""
 
 from __future__ import annotations
 
-from engine.models.decoder import CausalLM
+from engine.models.decoder import PRE_NORMS, CausalLM
 
 
 class LlamaForCausalLM(CausalLM):
-    llama_layers = True
+    stack_norms = PRE_NORMS
 
 
 MODEL = LlamaForCausalLM

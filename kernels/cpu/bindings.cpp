@@ -51,30 +51,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
   pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())
       .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
-                             torch::Tensor o, std::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
+                             torch::Tensor o, std::optional<torch::Tensor> o_bias, torch::Tensor mlp_norm,
                              torch::Tensor gate_up, std::optional<torch::Tensor> gate_up_bias, torch::Tensor down,
-                             std::optional<torch::Tensor> down_bias, std::optional<torch::Tensor> qkv_scale,
+                             std::optional<torch::Tensor> down_bias, const std::string& activation, double scale,
+                             int64_t rotary_dim, std::optional<torch::Tensor> qkv_scale,
                              std::optional<torch::Tensor> o_scale, std::optional<torch::Tensor> gate_up_scale,
                              std::optional<torch::Tensor> down_scale, std::optional<torch::Tensor> qkv_blocked,
                              std::optional<torch::Tensor> o_blocked, std::optional<torch::Tensor> gate_up_blocked,
-                             std::optional<torch::Tensor> down_blocked, int64_t window) {
+                             std::optional<torch::Tensor> down_blocked, std::optional<torch::Tensor> q_norm,
+                             std::optional<torch::Tensor> k_norm, std::optional<torch::Tensor> attn_out_norm,
+                             std::optional<torch::Tensor> mlp_out_norm, int64_t window, int64_t kv_group,
+                             int64_t rope) {
              TORCH_CHECK(window >= 0, "window must be a positive number of tokens, or 0 for full attention");
-             return DecoderLayerWeights{input_norm, qkv, o, post_norm, gate_up, down,
-                                        qkv_bias, o_bias, gate_up_bias, down_bias,
-                                        qkv_scale, o_scale, gate_up_scale, down_scale,
-                                        qkv_blocked, o_blocked, gate_up_blocked, down_blocked, window};
+             TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+                         "activation must be silu or gelu_tanh, not ", activation);
+             TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0, "rotary_dim must be a positive even feature count");
+             TORCH_CHECK(kv_group >= 0 && rope >= 0, "kv_group and rope are indices into decode_layers' lists");
+             DecoderLayerWeights w{input_norm, qkv, o, mlp_norm, gate_up, down,
+                                   qkv_bias, o_bias, gate_up_bias, down_bias,
+                                   qkv_scale, o_scale, gate_up_scale, down_scale,
+                                   qkv_blocked, o_blocked, gate_up_blocked, down_blocked,
+                                   q_norm, k_norm, attn_out_norm, mlp_out_norm};
+             w.activation = activation == "silu" ? Activation::kSilu : Activation::kGeluTanh;
+             w.scale = scale, w.rotary_dim = rotary_dim, w.window = window, w.kv_group = kv_group, w.rope = rope;
+             return w;
            }),
-           arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("post_norm"),
+           arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("mlp_norm"),
            arg("gate_up"), arg("gate_up_bias"), arg("down"), arg("down_bias"),
+           // The MLP's activation (silu or gelu_tanh), the attention's score scale, the features RoPE rotates.
+           arg("activation"), arg("scale"), arg("rotary_dim"),
            // int8 linears: a scale per output row (fp32 linears have none).
            arg("qkv_scale") = pybind11::none(), arg("o_scale") = pybind11::none(),
            arg("gate_up_scale") = pybind11::none(), arg("down_scale") = pybind11::none(),
            // fp32 linears: the oneDNN blocked weight, for steps past the GEMV's rows.
            arg("qkv_blocked") = pybind11::none(), arg("o_blocked") = pybind11::none(),
            arg("gate_up_blocked") = pybind11::none(), arg("down_blocked") = pybind11::none(),
-           // The layer's sliding window in tokens, 0 for full attention.
-           arg("window") = 0)
-      .def_readonly("window", &DecoderLayerWeights::window);
+           // Per-head norms of queries and keys before RoPE; norms of the attention's and the MLP's outputs.
+           arg("q_norm") = pybind11::none(), arg("k_norm") = pybind11::none(),
+           arg("attn_out_norm") = pybind11::none(), arg("mlp_out_norm") = pybind11::none(),
+           // The sliding window in tokens (0: full attention), the KV group's and the RoPE table's index in
+           // decode_layers' lists.
+           arg("window") = 0, arg("kv_group") = 0, arg("rope") = 0)
+      .def_readonly("window", &DecoderLayerWeights::window)
+      .def_readonly("kv_group", &DecoderLayerWeights::kv_group)
+      .def_readonly("rope", &DecoderLayerWeights::rope)
+      .def_readonly("rotary_dim", &DecoderLayerWeights::rotary_dim)
+      .def_readonly("scale", &DecoderLayerWeights::scale);
   m.def("decode_region_applies", &decode_region_applies,
         "whether decode_layers runs this step's layers in one parallel region (every row on the GEMVs)", arg("hidden"),
         arg("layers"), arg("k_caches"), arg("v_caches"), arg("k_scales"), arg("v_scales"), arg("gemv_max_rows"),

@@ -12,11 +12,18 @@
 // per-head loop) on buffers laid out as torch lays out the per-op path's tensors, so the result equals it
 // to the last bit.
 //
+// A family's layer differs only in what `DecoderLayerWeights` says: its q/k norms run per head where the head
+// is roped, its sandwich norms on each thread's own rows like the others, its GELU-tanh through ATen's own
+// kernel (on each thread's copy, in the one chunk the per-op path runs it in), and each layer attends with its
+// KV group's block tables and slots, its RoPE table, scale and window.
+//
 // A quantized cache's rows are quantized as they are written (`write_kv_head`) and read through its scales;
 // where its keys are rotated, one thread ropes and rotates every row with torch's matmul while the others wait.
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/types.h>
+// After torch/types.h, which declares the c10 types it uses.
+#include <ATen/ops/gelu_cpu_dispatch.h>
 
 #include <algorithm>
 #include <cstring>
@@ -63,6 +70,24 @@ void linear_rows(const float* x, int64_t m, const torch::Tensor& weight, const s
   }
 }
 
+// Elements above which ATen's GELU kernel splits its work over threads (GeluKernelImpl's
+// GELU_MIN_ELEMENTS_FOR_MULTI_THREADING): each split vectorises from its own start, so a step past it keeps
+// the per-op kernels, whose GELU splits as the per-op path's does.
+constexpr int64_t kGeluOneChunk = 16384;
+
+// act = gelu_tanh(gate) * up for every row, gate [m, inner] a view of the fused gate_up output and act this
+// thread's own [m, inner] rows: ATen's own CPU kernel, called directly (no dispatcher, so from any thread of the
+// region), as one chunk, the way the per-op path's `gelu(gate) * up` runs at these sizes.
+void gelu_tanh_and_mul(const torch::Tensor& gate, torch::Tensor act) {
+  at::cpu::gelu_out(act, gate, "tanh");
+  const int64_t m = gate.size(0), inner = gate.size(1), ld = gate.stride(0);
+  const float* up = gate.data_ptr<float>() + inner;
+  float* a = act.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < inner; ++j) a[r * inner + j] *= up[r * ld + j];
+  }
+}
+
 }  // namespace
 
 bool decode_region_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
@@ -75,7 +100,7 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
   if (!quantized && dtype != torch::kFloat32) return false;
   const size_t scale_caches = quantized ? layers.size() : 0;
   if (k_scales.size() != scale_caches || v_scales.size() != scale_caches) return false;
-  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  const int64_t rows = hidden.size(0), width = hidden.size(1), head_dim = k_caches[0].size(3);
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
     const auto ready = [&](const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
@@ -86,9 +111,15 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
       return !quantized || (scales[i].scalar_type() == torch::kFloat32 && scales[i].is_contiguous() &&
                             scales[i].numel() == k_caches[i].numel() / k_caches[i].size(3));
     };
+    // A head norm's sums read each head where the per-op path's copy of the heads has it only when heads are
+    // whole 64-byte lines apart (the compiler's vector loop splits the sum by alignment).
+    const bool head_norms = w.q_norm.has_value() || w.k_norm.has_value();
     if (k_caches[i].scalar_type() != dtype || v_caches[i].scalar_type() != dtype || !k_caches[i].is_contiguous() ||
         !v_caches[i].is_contiguous() || !scales_ready(k_scales) || !scales_ready(v_scales) ||
-        !fp32_vector(w.input_norm, width) || !fp32_vector(w.post_norm, width) ||
+        !fp32_vector(w.input_norm, width) || !fp32_vector(w.mlp_norm, width) ||
+        !fp32_vector(w.attn_out_norm, width) || !fp32_vector(w.mlp_out_norm, width) ||
+        !fp32_vector(w.q_norm, head_dim) || !fp32_vector(w.k_norm, head_dim) || (head_norms && head_dim % 16 != 0) ||
+        (w.activation == Activation::kGeluTanh && rows * w.down.size(1) > kGeluOneChunk) ||
         !ready(w.qkv, w.qkv_scale, w.qkv_bias) || !ready(w.o, w.o_scale, w.o_bias) ||
         !ready(w.gate_up, w.gate_up_scale, w.gate_up_bias) || !ready(w.down, w.down_scale, w.down_bias)) {
       return false;
@@ -100,39 +131,57 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
 std::tuple<torch::Tensor, torch::Tensor> decode_region(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& k_scales,
-    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor slot_mapping, const DecodeAttention& step, double eps, double scale) {
-  const int64_t m = hidden.size(0), width = hidden.size(1), head_dim = step.head_dim;
-  const int64_t q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
+    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation,
+    const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+    const std::vector<torch::Tensor>& slot_mappings, const std::vector<DecodeAttention>& steps, double eps) {
+  const DecodeAttention& shape = steps[0];
+  const int64_t m = hidden.size(0), width = hidden.size(1), head_dim = shape.head_dim;
+  const int64_t num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads;
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = layers[0].qkv.size(0), inner = layers[0].down.size(1);
-  TORCH_CHECK(qkv_size == q_size + 2 * kv_size && layers[0].gate_up.size(0) == 2 * inner,
-              "the layers' shapes do not match the cache's heads");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                  cos.numel() == m * head_dim && sin.numel() == m * head_dim,
-              "cos/sin must be fp32 [T, head_dim]");
-  TORCH_CHECK(step.starts[step.num_seqs] == m, "query_start_loc does not cover the step's ", m, " rows");
-  auto slots = slot_mapping.to(torch::kInt64).contiguous();
-  TORCH_CHECK(slots.numel() == m, "slot_mapping must have one slot per row");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_caches[0].size(0) * step.block_size;
-  for (int64_t r = 0; r < m; ++r) TORCH_CHECK(slot[r] < num_slots, "slot ", slot[r], " is outside the cache");
+  TORCH_CHECK(shape.starts[shape.num_seqs] == m, "query_start_loc does not cover the step's ", m, " rows");
+  const int64_t num_slots = k_caches[0].size(0) * shape.block_size;
+  for (const torch::Tensor& slots : slot_mappings) {
+    TORCH_CHECK(slots.numel() == m, "slot_mapping must have one slot per row");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r) TORCH_CHECK(slot[r] < num_slots, "slot ", slot[r], " is outside the cache");
+  }
+  for (const DecoderLayerWeights& w : layers) {
+    TORCH_CHECK(w.qkv.size(0) == qkv_size && qkv_size == q_size + 2 * kv_size && w.down.size(1) == inner &&
+                    w.gate_up.size(0) == 2 * inner,
+                "the layers' shapes do not match the cache's heads");
+    const torch::Tensor &c = cos[w.rope], &s = sin[w.rope];
+    TORCH_CHECK(w.rotary_dim > 0 && w.rotary_dim <= head_dim && w.rotary_dim % 2 == 0 &&
+                    c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32 &&
+                    c.numel() == m * w.rotary_dim && s.numel() == m * w.rotary_dim,
+                "cos/sin must be fp32 [T, rotary_dim] for an even rotary_dim up to the head size");
+  }
+  // Every group has the step's sequences and rows, so one cut of the heads serves every layer.
   const int threads = at::get_num_threads();
-  const std::vector<std::vector<AttentionPiece>> pieces = attention_shares(step, threads);
+  const std::vector<std::vector<AttentionPiece>> pieces = attention_shares(shape, threads);
   auto options = hidden.options();
   // Written by every thread's share, read whole after a barrier; shaped as the per-op path's tensors.
   auto qkv = torch::empty({m, qkv_size}, options), q_rot = torch::empty({m, q_size}, options);
   auto k_rot = torch::empty({m, kv_size}, options), attended = torch::empty({m, q_size}, options);
   auto attn_out = torch::empty({m, width}, options), gate_up = torch::empty({m, 2 * inner}, options);
+  const auto gate = gate_up.narrow(1, 0, inner);
   // Each layer's output: the next layer reads it in its first step, before a barrier.
   auto out = torch::empty({m, width}, options), residual = torch::empty({m, width}, options);
-  // Each thread's own rows (sum, residual, normed, activation), each block 64-byte aligned with rows `width`
-  // or `inner` apart as in torch's tensors: the compiler's vector loops (norms, SiLU's exp) then peel and
-  // split as on the per-op path, and give the same bits (a misaligned copy put some elements on scalar expf).
-  const int64_t block = (m * std::max(width, inner) + 15) / 16 * 16;
-  auto private_rows = torch::empty({threads, 4, block}, options);
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  const float eps_f = static_cast<float>(eps), scale_f = static_cast<float>(scale);
+  // The stack's output: the last down projection's, or its norm (each thread's own copy; the others may still
+  // be reading `out` for theirs when thread 0 writes it here).
+  auto result = layers.back().mlp_out_norm.has_value() ? torch::empty({m, width}, options) : out;
+  // Each thread's own rows (sum, residual, normed, activation, normed attention and MLP outputs) and one head,
+  // each block 64-byte aligned with rows `width` or `inner` apart as in torch's tensors: the compiler's vector
+  // loops (norms, SiLU's exp) then peel and split as on the per-op path, and give the same bits (a misaligned
+  // copy put some elements on scalar expf).
+  constexpr int kBlocks = 7;
+  const int64_t block = (std::max(m * std::max(width, inner), head_dim) + 15) / 16 * 16;
+  auto private_rows = torch::empty({threads, kBlocks, block}, options);
+  // Each thread's activation rows as a tensor for ATen's GELU, made here: views taken inside the region would be
+  // taken outside the caller's inference mode.
+  std::vector<torch::Tensor> act_rows;
+  for (int i = 0; i < threads; ++i) act_rows.push_back(private_rows[i][3].narrow(0, 0, m * inner).view({m, inner}));
+  const float eps_f = static_cast<float>(eps);
   const bool quantized = !k_scales.empty();
   // A rotated cache's queries and keys are rotated after RoPE by torch's matmul, as on the per-op path: one
   // thread ropes every row and multiplies while the others wait, then all read the products.
@@ -143,12 +192,18 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     const auto qkv_rows = share(qkv_size, 4, t, team), o_rows = share(width, 4, t, team);
     const auto gate_up_rows = share(2 * inner, 4, t, team), down_rows = share(width, 4, t, team);
-    const auto kv_writes = share(m * step.num_kv_heads, 1, t, team);
-    float* own = private_rows.data_ptr<float>() + t * 4 * block;
+    const auto kv_writes = share(m * num_kv_heads, 1, t, team);
+    float* own = private_rows.data_ptr<float>() + t * kBlocks * block;
     float *sum = own, *res = own + block, *normed = own + 2 * block, *act = own + 3 * block;
+    float *attn_normed = own + 4 * block, *mlp_normed = own + 5 * block, *head = own + 6 * block;
     const float* x = hidden.data_ptr<float>();
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecoderLayerWeights& w = layers[i];
+      const DecodeAttention& step = steps[w.kv_group];
+      const int64_t* slot = slot_mappings[w.kv_group].data_ptr<int64_t>();
+      const int64_t rd = w.rotary_dim;
+      const float* c = cos[w.rope].data_ptr<float>();
+      const float* s = sin[w.rope].data_ptr<float>();
       const bool first = i == 0;
       // The residual stream: x alone at the first layer, x + the previous layer's sum after.
       for (int64_t r = 0; r < m; ++r) {
@@ -159,22 +214,30 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
       linear_rows(normed, m, w.qkv, w.qkv_scale, w.qkv_bias, qkv.data_ptr<float>(), qkv_rows);
 #pragma omp barrier
       const float* q = qkv.data_ptr<float>();
-      const auto rope_k = [&](int64_t r, int64_t h) {
-        row_ops::rotate_half(q + r * qkv_size + q_size + h * head_dim, c + r * head_dim, s + r * head_dim, head_dim,
-                             k_rot.data_ptr<float>() + r * kv_size + h * head_dim);
+      // One head of row r, normed where the layer norms heads, then roped.
+      const auto prepare = [&](const float* in, const std::optional<torch::Tensor>& norm, int64_t r, float* dst) {
+        if (norm.has_value()) {
+          row_ops::add_rms_norm(in, nullptr, norm->data_ptr<float>(), eps_f, head_dim, nullptr, head);
+          in = head;
+        }
+        row_ops::rotate_half(in, c + r * rd, s + r * rd, rd, dst);
+        std::copy(in + rd, in + head_dim, dst + rd);
       };
-      const auto rope_q = [&](int64_t r, int64_t head) {
-        row_ops::rotate_half(q + r * qkv_size + head * head_dim, c + r * head_dim, s + r * head_dim, head_dim,
-                             q_rot.data_ptr<float>() + r * q_size + head * head_dim);
+      const auto rope_k = [&](int64_t r, int64_t h) {
+        prepare(q + r * qkv_size + q_size + h * head_dim, w.k_norm, r,
+                k_rot.data_ptr<float>() + r * kv_size + h * head_dim);
+      };
+      const auto rope_q = [&](int64_t r, int64_t h) {
+        prepare(q + r * qkv_size + h * head_dim, w.q_norm, r, q_rot.data_ptr<float>() + r * q_size + h * head_dim);
       };
       if (rotation.has_value()) {
         if (t == 0) {
           for (int64_t r = 0; r < m; ++r) {
-            for (int64_t h = 0; h < step.num_kv_heads; ++h) rope_k(r, h);
-            for (int64_t h = 0; h < step.num_heads; ++h) rope_q(r, h);
+            for (int64_t h = 0; h < num_kv_heads; ++h) rope_k(r, h);
+            for (int64_t h = 0; h < num_heads; ++h) rope_q(r, h);
           }
-          q_rotated = torch::matmul(q_rot.view({m, step.num_heads, head_dim}), *rotation);
-          k_rotated = torch::matmul(k_rot.view({m, step.num_kv_heads, head_dim}), *rotation);
+          q_rotated = torch::matmul(q_rot.view({m, num_heads, head_dim}), *rotation);
+          k_rotated = torch::matmul(k_rot.view({m, num_kv_heads, head_dim}), *rotation);
         }
 #pragma omp barrier
       } else {
@@ -182,7 +245,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
           for (const AttentionPiece& piece : pieces[share_index]) {
             for (int64_t r = step.starts[piece.seq]; r < step.starts[piece.seq + 1]; ++r) {
               for (int64_t h = piece.head_begin; h < piece.head_end; ++h) {
-                rope_q(r, piece.kv_head * (step.num_heads / step.num_kv_heads) + h);
+                rope_q(r, piece.kv_head * (num_heads / num_kv_heads) + h);
               }
             }
           }
@@ -192,7 +255,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
       float* k_scale = quantized ? k_scales[i].data_ptr<float>() : nullptr;
       float* v_scale = quantized ? v_scales[i].data_ptr<float>() : nullptr;
       for (int64_t u = kv_writes.first; u < kv_writes.second; ++u) {
-        const int64_t r = u / step.num_kv_heads, h = u % step.num_kv_heads;
+        const int64_t r = u / num_kv_heads, h = u % num_kv_heads;
         if (!rotation.has_value()) rope_k(r, h);
         if (slot[r] < 0) continue;  // a padding row
         write_kv_head(keys + r * kv_size + h * head_dim, q + r * qkv_size + q_size + kv_size + h * head_dim,
@@ -201,27 +264,49 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
 #pragma omp barrier
       const float* queries = rotation.has_value() ? q_rotated.data_ptr<float>() : q_rot.data_ptr<float>();
       for (size_t share_index = t; share_index < pieces.size(); share_index += team) {
-        attend_pieces(step, pieces[share_index], queries, k_caches[i], v_caches[i], k_scale, v_scale, scale_f,
-                      w.window, attended.data_ptr<float>());
+        attend_pieces(step, pieces[share_index], queries, k_caches[i], v_caches[i], k_scale, v_scale,
+                      static_cast<float>(w.scale), w.window, attended.data_ptr<float>());
       }
 #pragma omp barrier
       linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows);
 #pragma omp barrier
+      const float* attn = attn_out.data_ptr<float>();
+      if (w.attn_out_norm.has_value()) {
+        for (int64_t r = 0; r < m; ++r) {
+          row_ops::add_rms_norm(attn + r * width, nullptr, w.attn_out_norm->data_ptr<float>(), eps_f, width, nullptr,
+                                attn_normed + r * width);
+        }
+        attn = attn_normed;
+      }
       for (int64_t r = 0; r < m; ++r) {
-        row_ops::add_rms_norm(attn_out.data_ptr<float>() + r * width, stream + r * width,
-                              w.post_norm.data_ptr<float>(), eps_f, width, res + r * width, normed + r * width);
+        row_ops::add_rms_norm(attn + r * width, stream + r * width, w.mlp_norm.data_ptr<float>(), eps_f, width,
+                              res + r * width, normed + r * width);
       }
       linear_rows(normed, m, w.gate_up, w.gate_up_scale, w.gate_up_bias, gate_up.data_ptr<float>(), gate_up_rows);
 #pragma omp barrier
-      for (int64_t r = 0; r < m; ++r) {
-        const float* g = gate_up.data_ptr<float>() + r * 2 * inner;
-        row_ops::silu_and_mul(g, g + inner, inner, act + r * inner);
+      if (w.activation == Activation::kSilu) {
+        for (int64_t r = 0; r < m; ++r) {
+          const float* g = gate_up.data_ptr<float>() + r * 2 * inner;
+          row_ops::silu_and_mul(g, g + inner, inner, act + r * inner);
+        }
+      } else {
+        gelu_tanh_and_mul(gate, act_rows[t]);
       }
       linear_rows(act, m, w.down, w.down_scale, w.down_bias, out.data_ptr<float>(), down_rows);
 #pragma omp barrier
       x = out.data_ptr<float>();
+      if (w.mlp_out_norm.has_value()) {
+        for (int64_t r = 0; r < m; ++r) {
+          row_ops::add_rms_norm(x + r * width, nullptr, w.mlp_out_norm->data_ptr<float>(), eps_f, width, nullptr,
+                                mlp_normed + r * width);
+        }
+        x = mlp_normed;
+      }
     }
-    if (t == 0) std::memcpy(residual.data_ptr<float>(), res, m * width * sizeof(float));
+    if (t == 0) {
+      std::memcpy(residual.data_ptr<float>(), res, m * width * sizeof(float));
+      if (x != out.data_ptr<float>()) std::memcpy(result.data_ptr<float>(), x, m * width * sizeof(float));
+    }
   }
-  return {out, residual};
+  return {result, residual};
 }

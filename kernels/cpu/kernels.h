@@ -89,21 +89,44 @@ const float* check_int8_linear(const torch::Tensor& x, const torch::Tensor& qwei
                                const std::optional<torch::Tensor>& bias);
 torch::Tensor greedy_lm_head(torch::Tensor hidden, torch::Tensor weight, torch::Tensor weight_t, int64_t gemv_max_rows);
 
-// One decoder layer's parameters as the decode stack reads them: plain row-major weights, shared with the
-// model's own modules (nothing is copied). A linear with a scale has int8 weights (a scale per row).
+// The activation of a layer's gated MLP, `act(gate) * up`: SiLU (the fused kernel) or GELU-tanh (ATen's).
+enum class Activation { kSilu, kGeluTanh };
+
+// One decoder layer as the decode stack computes it: plain row-major weights, shared with the model's own
+// modules (nothing is copied), and the facts that make a family's layer what it is. The layer is
+//   h = input_norm(x + residual); a = o(attention(rope(q_norm(q)), rope(k_norm(k)), v)) for qkv = qkv(h);
+//   a = attn_out_norm(a) where present; m = mlp_norm(a + stream); y = down(act(gate_up(m)));
+//   y = mlp_out_norm(y) where present,
+// so the Llama layer has input_norm and mlp_norm (its post-attention norm) only, Qwen3 adds the q/k norms and
+// Gemma 3 all six. Norm weights are the factors the RMSNorm kernel multiplies by (Gemma's 1 + weight). A
+// linear with a scale has int8 weights (a scale per row).
 struct DecoderLayerWeights {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  torch::Tensor input_norm, qkv, o, mlp_norm, gate_up, down;
   std::optional<torch::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
   std::optional<torch::Tensor> qkv_scale, o_scale, gate_up_scale, down_scale;
   // fp32 linears: the weight reordered into oneDNN's blocked layout, for steps past the GEMV's rows.
   std::optional<torch::Tensor> qkv_blocked, o_blocked, gate_up_blocked, down_blocked;
+  // Over one head's features, applied to every query / key head before RoPE.
+  std::optional<torch::Tensor> q_norm, k_norm;
+  // Over the attention's and the MLP's outputs, before their residual adds (Gemma's sandwich).
+  std::optional<torch::Tensor> attn_out_norm, mlp_out_norm;
+  Activation activation = Activation::kSilu;
+  // The attention's score scale (1/sqrt(head_dim), or Gemma's query_pre_attn_scalar^-0.5).
+  double scale = 1.0;
+  // The leading features of each head RoPE rotates (the head size, or less for a partial rotary); the rest
+  // pass through.
+  int64_t rotary_dim = 0;
   // The layer's sliding window in tokens, 0 for full attention (as `paged_attention` takes it).
   int64_t window = 0;
+  // The KV group whose block tables and slot mapping the layer reads (`engine.kv_layout`).
+  int64_t kv_group = 0;
+  // The cos/sin table its RoPE reads (a model may have one per layer type).
+  int64_t rope = 0;
 };
 
 // decode_layers' few-row case (decode_region.cpp): every layer of a step whose rows all run on the GEMVs in one
 // parallel region; `decode_region_applies` says whether a step is that case (k_scales/v_scales as decode_layers
-// takes them).
+// takes them). `steps` and `slot_mappings` have one entry per KV group (its block tables, its int64 slots).
 bool decode_region_applies(const torch::Tensor& hidden, const std::vector<DecoderLayerWeights>& layers,
                            const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                            const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
@@ -111,16 +134,21 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
 std::tuple<torch::Tensor, torch::Tensor> decode_region(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
     const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& k_scales,
-    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor slot_mapping, const DecodeAttention& step, double eps, double scale);
+    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation,
+    const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+    const std::vector<torch::Tensor>& slot_mappings, const std::vector<DecodeAttention>& steps, double eps);
 
 // k_scales/v_scales: one scale cache per layer for a quantized cache, empty for fp32; rotation: the
-// [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE;
-// gemv_max_rows / int8_gemv_max_rows: the most rows an fp32 / int8 linear runs on its GEMV (oneDNN / the int8
-// GEMM beyond), as `CpuLinear` and `Int8Linear` do.
+// [head_dim, head_dim] matrix a quantized cache's keys (and the queries) are rotated by after RoPE; cos/sin: the
+// step's RoPE tables, [T, rotary_dim] each, as `DecoderLayerWeights::rope` indexes them; slot_mappings /
+// block_tables: one per KV group, as `DecoderLayerWeights::kv_group` indexes them (seq_lens and
+// query_start_loc are the step's, shared by every group); gemv_max_rows / int8_gemv_max_rows: the most rows an
+// fp32 / int8 linear runs on its GEMV (oneDNN / the int8 GEMM beyond), as `CpuLinear` and `Int8Linear` do.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor hidden, const std::vector<DecoderLayerWeights>& layers, const std::vector<torch::Tensor>& k_caches,
-    const std::vector<torch::Tensor>& v_caches, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t num_heads,
-    double eps, double scale, const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-    std::optional<torch::Tensor> rotation, int64_t gemv_max_rows, int64_t int8_gemv_max_rows);
+    const std::vector<torch::Tensor>& v_caches, const std::vector<torch::Tensor>& cos,
+    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slot_mappings,
+    const std::vector<torch::Tensor>& block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+    int64_t num_heads, double eps, const std::vector<torch::Tensor>& k_scales,
+    const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, int64_t gemv_max_rows,
+    int64_t int8_gemv_max_rows);
