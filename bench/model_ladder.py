@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=8192, help="KV capacity of every system in tokens")
     parser.add_argument("--threads", type=int, default=2, help="threads of every server (default: 2)")
-    parser.add_argument("--out-dir", type=Path, default=None, help="results folder (default: bench/results)")
+    parser.add_argument("--out-dir", type=Path, default=results_dir(), help="results folder")
 
 
 class MemorySampler:
@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     # llama.cpp's tools make the GGUFs and run llama-server; tandem on safetensors alone needs neither.
     tools = ensure_llama_cpp(default_tools()) if systems != ["tandem-int8"] else None
     tokenizer_dir = fetch_default_model()
-    out_dir = args.out_dir or results_dir()
+    out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     host = cpu_model()
     runs: list[dict] = []
