@@ -198,7 +198,9 @@ def resident_weights(
         name = model.checkpoint_name(tensor.name) if tensor.dtype == "Q8_0" else None
         owner = None if name is None else model.q8_0_owner(model.fused_name(name)[0])
         if owner is not None:
-            as_stored[id(owner.weight)] = owner
+            # A w8a8 linear (`--quantization w8a8_int8`) holds int8 rows and scales until blocks replace them.
+            replaced = (owner.weight,) if hasattr(owner, "weight") else (owner.qweight, owner.scale)
+            as_stored.update((id(kept), owner) for kept in replaced)
             q8_0_bytes += tensor.nbytes
     storages: dict[int, tuple[torch.dtype, int]] = {}
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -47,6 +47,9 @@ class QuantizationMethod:
     # What `weights_fingerprint` appends: it names what the method quantizes, so replicas that quantize
     # different parts (and so compute different KV) never exchange it.
     fingerprint_mark: str
+    # What it appends instead where the method kept a GGUF's Q8_0 blocks as stored (see METHODS); None:
+    # the method never keeps them.
+    q8_0_fingerprint_mark: str | None = None
 
 
 def _fp32_on_cpu(name: str) -> Callable[[torch.device, torch.dtype], None]:
@@ -64,9 +67,14 @@ METHODS: dict[str, QuantizationMethod] = {
     # Before the embedding was quantized too, int8 replicas announced "+int8-weights".
     "int8": QuantizationMethod("int8", _fp32_on_cpu("int8"), "int8-weights-and-embedding"),
     # int8 weights as above, with each token's activations quantized to int8 before every linear and the
-    # LM head (`kernels.w8a8_linear`); the embedding lookup is int8's.
+    # LM head (`kernels.w8a8_linear`); the embedding lookup is int8's. A GGUF's Q8_0 linears keep their
+    # blocks (already int8 weights, a scale per 32) and quantize activations per block of 32 as llama.cpp
+    # does (`kernels.q8_0_w8a8`), where int8 requantizes them per row like any other weight.
     "w8a8_int8": QuantizationMethod(
-        "w8a8_int8", _fp32_on_cpu("w8a8_int8"), "w8a8-int8-weights-activations-and-embedding"
+        "w8a8_int8",
+        _fp32_on_cpu("w8a8_int8"),
+        "w8a8-int8-weights-activations-and-embedding",
+        "w8a8-q8_0-blocks-int8-activations-per-32-and-int8-embedding",
     ),
 }
 CHOICES = (NONE, *METHODS)
@@ -81,10 +89,20 @@ def check_supported(name: str, device: str | torch.device, dtype: torch.dtype) -
     METHODS[name].check(torch.device(device), dtype)
 
 
-def weights_fingerprint(model_fingerprint: str, name: str) -> str:
+def weights_fingerprint(model_fingerprint: str, name: str, keeps_q8_0: bool = False) -> str:
     """The fingerprint a tier announces for its weights: the checkpoint's, marked with the quantization.
 
     Unquantized weights keep the checkpoint's fingerprint as it was, so replicas of earlier versions
-    still agree with them.
+    still agree with them. `keeps_q8_0`: the model computes a GGUF's Q8_0 blocks as stored; under a
+    method that then computes them its own way (w8a8_int8's per-block activations) the mark says so, so
+    such a tier never exchanges KV with one that requantized the same file per row.
     """
-    return model_fingerprint if name == NONE else f"{model_fingerprint}+{METHODS[name].fingerprint_mark}"
+    if name == NONE:
+        return model_fingerprint
+    method = METHODS[name]
+    mark = (
+        method.q8_0_fingerprint_mark
+        if keeps_q8_0 and method.q8_0_fingerprint_mark
+        else method.fingerprint_mark
+    )
+    return f"{model_fingerprint}+{mark}"

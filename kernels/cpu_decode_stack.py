@@ -1,5 +1,5 @@
 """Every decoder layer of a decode-only fp32 CPU step as one C++ call (the extension's `decode_layers`),
-over fp32 or int8 (`kernels.int8_linear`) linear weights.
+over fp32, int8 (`kernels.int8_linear`) or GGUF Q8_0 (`kernels.q8_0_linear`, exact or w8a8) linear weights.
 
 At batch 1 a layer of SmolLM2-135M streams ~14 MB of weights in a fraction of a millisecond, and the
 per-op path adds ~10 module calls and ~40 small aten ops per layer on top (views, splits, casts, a host
@@ -13,9 +13,12 @@ verification (at most `MAX_QUERY_LEN` tokens; the attention kernel is the same f
 runs by row count as its module does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows
 and on oneDNN over the blocked weight beyond (`CpuLinear`; without oneDNN linears the stack takes only
 steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
-`int8_linear.GEMV_MAX_ROWS`). At a batch of 128 on a small model the per-op path's Python was nearly
-a fifth of the forward (bench/README.md, "CPU kernels"). Longer prefill chunks, other dtypes and GPUs
-keep the per-op path, which stays the reference.
+`int8_linear.GEMV_MAX_ROWS`), Q8_0 weights on their GEMV (`Q8_0Linear`: exact up to
+`q8_0_linear.GEMV_MAX_ROWS` rows, past which the module dequantizes for a torch GEMM the stack does not
+run; w8a8 at any rows). A Q8_0 linear goes in as its segments, each the module's view of the mapped
+GGUF, with the output column of every stored row (`_q8_0_weights`). At a batch of 128 on a small model
+the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels"). Longer
+prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
 
 A step whose rows all run on the GEMVs (single-stream decode, a few streams, a draft's verification) runs
 the whole stack in one parallel region (`decode_region.cpp`): the threads share each
@@ -41,10 +44,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kernels import cpu_linear, int8_linear
+from kernels import cpu_linear, int8_linear, q8_0_linear
 from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
+from kernels.q8_0_linear import Q8_0Linear
 from kernels.window import kernel_window
 
 # Longest query of one sequence the stack takes: a decode token and its draft (`engine.speculation`).
@@ -69,6 +73,32 @@ class LayerNorms:
     mlp: str
     attn_out: str | None = None
     mlp_out: str | None = None
+
+
+def _row_limit(linear: nn.Module) -> int | None:
+    """Most rows the stack can run `linear` on as its module does (None: any): past the GEMV, an int8
+    linear has the int8 GEMM, an fp32 `CpuLinear` oneDNN and a w8a8 Q8_0 one its own kernel; an exact
+    Q8_0 one and a plain fp32 one only their GEMV."""
+    if isinstance(linear, Q8_0Linear):
+        return None if linear.w8a8 else q8_0_linear.GEMV_MAX_ROWS
+    return None if isinstance(linear, (Int8Linear, CpuLinear)) else cpu_linear.GEMV_MAX_ROWS
+
+
+def _q8_0_weights(linear: Q8_0Linear, extension: ModuleType) -> object:
+    """The extension's view of a Q8_0 linear: its segments' blocks as they are (views of the mapped file)
+    and, for each stored row, the output column the module puts it in (its segment's offset plus, for
+    llama.cpp's permuted q/k rows, the inverse of the segment's `out_order`). The stack computes stored
+    rows in order, streaming each segment front to back, and writes each to its column: what the module
+    computes, with no weight copied or read out of order."""
+    columns = []
+    for offset, weight in linear.segments:
+        rows = weight.blocks.shape[0]
+        local = torch.arange(rows)
+        if weight.out_order is not None:
+            local = torch.empty_like(local).index_copy_(0, weight.out_order.cpu(), torch.arange(rows))
+        columns.append(offset + local)
+    blocks = [weight.blocks for _, weight in linear.segments]
+    return extension.Q8_0Weights(blocks, torch.cat(columns), linear.w8a8)
 
 
 class PagedKVCache(Protocol):
@@ -120,9 +150,9 @@ class CpuDecodeStack:
             for i, layer in enumerate(layers)
         ]
         self._num_groups = 1 + max(weights.kv_group for weights in self._layers)
-        # Any row count when every linear has a kernel past the GEMV (int8 GEMM, oneDNN); else the GEMV's.
-        large = isinstance(layers[0].self_attn.qkv_proj, (Int8Linear, CpuLinear))
-        self._max_rows = None if large else cpu_linear.GEMV_MAX_ROWS
+        first_linears = (first.qkv_proj, first.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)
+        limits = [limit for limit in map(_row_limit, first_linears) if limit is not None]
+        self._max_rows = min(limits) if limits else None
 
     def _norm_weight(self, module: nn.Module | None) -> torch.Tensor | None:
         """The factor `module`'s RMSNorm kernel multiplies by; one eps serves every norm of the stack."""
@@ -149,7 +179,10 @@ class CpuDecodeStack:
         for name, linear in linears.items():
             bias = linear.bias
             weights[f"{name}_bias"] = None if bias is None else bias.detach()
-            if isinstance(linear, Int8Linear):
+            if isinstance(linear, Q8_0Linear):
+                weights[name] = torch.empty(linear.out_features, linear.in_features, device="meta")
+                weights[f"{name}_q8_0"] = _q8_0_weights(linear, self._extension)
+            elif isinstance(linear, Int8Linear):
                 weights[name], weights[f"{name}_scale"] = linear.qweight, linear.scale
             elif isinstance(linear, CpuLinear):
                 weights[name], weights[f"{name}_blocked"] = linear.weight, linear.blocked_weight

@@ -41,6 +41,8 @@ SOURCES = [
     CPU_DIR / "gemv.cpp",
     CPU_DIR / "gemv_int8.cpp",
     CPU_DIR / "gemv_q8_0.cpp",
+    CPU_DIR / "gemv_q8_0_w8a8.cpp",
+    CPU_DIR / "q8_0_linear.cpp",
     CPU_DIR / "gemm_int8.cpp",
     CPU_DIR / "w8a8.cpp",
     CPU_DIR / "lm_head.cpp",

@@ -16,6 +16,10 @@ On CUDA the Triton kernels of `kernels.triton_q8_0` read the blocks in place.
 Everywhere else the torch reference runs: it dequantizes each segment (`d * q` in fp32 is exact: an
 11-bit by 8-bit product) and multiplies in the activations' dtype, fp32 being the exact mode. Both compute
 what `transformers` computes on the dequantized GGUF, up to summation order.
+
+A layer built with `w8a8=True` (`--quantization w8a8_int8` on a GGUF) quantizes its activations per
+block of 32 instead, as llama.cpp does (`kernels.q8_0_w8a8`): the extension's `linear_q8_0_w8a8` at any
+row count on the CPU, its torch reference elsewhere, the same bits either way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.q8_0_w8a8 import q8_0_w8a8_reference
 
 # Most rows of x the C++ GEMV takes; beyond it, dequantizing once for one GEMM is the faster (2048 x 2048,
 # one thread: GEMV 5.7 / 11.2 ms, reference 8.2 / 10.1 ms at 32 / 64 rows; AMD EPYC, 2 cores).
@@ -81,9 +87,15 @@ class Q8_0Linear(nn.Module):
     """
 
     def __init__(
-        self, out_features: int, in_features: int, bias: torch.Tensor | None, device: torch.device | str
+        self,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        device: torch.device | str,
+        w8a8: bool = False,
     ) -> None:
         super().__init__()
+        self.w8a8 = w8a8
         if in_features % BLOCK_WEIGHTS:
             raise ValueError(f"Q8_0 needs in_features divisible by {BLOCK_WEIGHTS}, not {in_features}")
         self.out_features, self.in_features = out_features, in_features
@@ -94,9 +106,10 @@ class Q8_0Linear(nn.Module):
         self.extension: ModuleType | None = None
 
     @classmethod
-    def empty_like(cls, linear: nn.Module) -> Q8_0Linear:
-        """An empty layer of `linear`'s shape, device and bias."""
-        return cls(linear.out_features, linear.in_features, linear.bias, linear.weight.device)
+    def empty_like(cls, linear: nn.Module, w8a8: bool = False) -> Q8_0Linear:
+        """An empty layer of `linear`'s shape, device and bias (an `nn.Linear` or a quantized module)."""
+        device = linear.weight.device if isinstance(linear, nn.Linear) else next(linear.buffers()).device
+        return cls(linear.out_features, linear.in_features, linear.bias, device, w8a8)
 
     def load_blocks(self, offset: int, weight: Q8_0Weight) -> None:
         """Hold `weight`'s rows as output rows `offset..`: a view of the mapped file on the CPU."""
@@ -122,19 +135,21 @@ class Q8_0Linear(nn.Module):
         return [(segment.offset, segment.weight) for segment in self._segments]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
+        if x.device.type == "cuda" and not self.w8a8:
             # Imported here: a CPU process never imports Triton for this.
             from kernels import triton_q8_0
 
             return triton_q8_0.q8_0_layer(x, self.segments, self.out_features, self.bias)
-        gemv = (
+        cpu_kernel = (
             self.extension is not None
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and x.dim() == 2
-            and x.shape[0] <= GEMV_MAX_ROWS
         )
-        run = self._gemv if gemv else q8_0_linear_reference
+        if self.w8a8:
+            run = self._w8a8 if cpu_kernel else q8_0_w8a8_linear_reference
+        else:
+            run = self._gemv if cpu_kernel and x.shape[0] <= GEMV_MAX_ROWS else q8_0_linear_reference
         outputs = [run(x, weight) for _, weight in self.segments]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -143,9 +158,16 @@ class Q8_0Linear(nn.Module):
         out = self.extension.linear_q8_0_gemv(x if x.stride(1) == 1 else x.contiguous(), weight.blocks, None)
         return out if weight.out_order is None else out[:, weight.out_order]
 
+    def _w8a8(self, x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
+        out = self.extension.linear_q8_0_w8a8(x if x.stride(1) == 1 else x.contiguous(), weight.blocks, None)
+        return out if weight.out_order is None else out[:, weight.out_order]
+
     def extra_repr(self) -> str:
         segments = len(self._segments)
-        return f"in_features={self.in_features}, out_features={self.out_features}, segments={segments}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, segments={segments}, "
+            f"w8a8={self.w8a8}"
+        )
 
 
 def use_cpu_kernels(model: nn.Module, extension: ModuleType) -> int:
@@ -159,4 +181,11 @@ def use_cpu_kernels(model: nn.Module, extension: ModuleType) -> int:
 def q8_0_linear_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
     """`x W^T` over the dequantized blocks in the activations' dtype, columns in Hugging Face order."""
     out = F.linear(x, dequantize_q8_0(weight.blocks, weight.cols).to(x.dtype))
+    return out if weight.out_order is None else out[..., weight.out_order]
+
+
+def q8_0_w8a8_linear_reference(x: torch.Tensor, weight: Q8_0Weight) -> torch.Tensor:
+    """`x` against one Q8_0 weight in w8a8 (`kernels.q8_0_w8a8`), in Hugging Face row order, x's dtype."""
+    out = q8_0_w8a8_reference(weight.blocks, weight.cols, x.reshape(-1, weight.cols))
+    out = out.to(x.dtype).reshape(*x.shape[:-1], weight.blocks.shape[0])
     return out if weight.out_order is None else out[..., weight.out_order]

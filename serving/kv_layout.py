@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from engine.engine import Engine
 from engine.quantization import weights_fingerprint
+from kernels.q8_0_linear import Q8_0Linear
 from kv_transfer import KVLayout
 
 
@@ -25,4 +26,5 @@ def engine_kv_layout(engine: Engine) -> KVLayout:
 def engine_fingerprint(engine: Engine, model_fingerprint: str) -> str:
     """The fingerprint this engine announces: the checkpoint's, marked with its weight quantization, so
     tiers whose weights are quantized differently (and so compute different KV) refuse each other."""
-    return weights_fingerprint(model_fingerprint, engine.config.quantization)
+    keeps_q8_0 = any(isinstance(module, Q8_0Linear) for module in engine.model.modules())
+    return weights_fingerprint(model_fingerprint, engine.config.quantization, keeps_q8_0)

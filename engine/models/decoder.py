@@ -31,6 +31,7 @@ from kernels.cpu_decode_stack import ACTIVATIONS, CpuDecodeStack, LayerNorms
 from kernels.metadata import AttentionMetadata
 from kernels.q8_0_embedding import Q8_0Embedding
 from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
+from kernels.w8a8_linear import W8A8Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -294,10 +295,9 @@ class CausalLM(nn.Module):
     @property
     def fits_decode_stack(self) -> bool:
         """Whether the C++ decode stack computes this model's layers exactly: a family that declares its
-        `stack_norms`, with an activation the stack has, none of its linears on Q8_0 blocks."""
-        q8_0 = any(isinstance(module, Q8_0Linear) for module in self.layers.modules())
+        `stack_norms`, with an activation the stack has (its linears fp32, int8 or GGUF Q8_0)."""
         activations = all(getattr(layer.mlp, "activation", None) in ACTIVATIONS for layer in self.layers)
-        return self.stack_norms is not None and activations and not q8_0
+        return self.stack_norms is not None and activations
 
     def build_decode_stack(self, extension: ModuleType) -> CpuDecodeStack:
         """The C++ decode stack over this model's layers (where `fits_decode_stack`): each layer's window,
@@ -410,17 +410,23 @@ class CausalLM(nn.Module):
     def q8_0_owner(self, name: str) -> nn.Module | None:
         """The linear or embedding that keeps a Q8_0 weight bound for our parameter `name` as stored, or
         None where it is dequantized instead (a module already quantized another way). A tied LM head
-        has no weight of its own: it reads the embedding's blocks."""
+        has no weight of its own: it reads the embedding's blocks.
+
+        A `W8A8Linear` (`--quantization w8a8_int8`) keeps them too, as a w8a8 `Q8_0Linear`: the blocks
+        are already 8-bit weights in llama.cpp's scheme, so they stay as stored (shared pages, no second
+        rounding) and the activations are quantized per block, where requantizing the dequantized rows
+        to one scale per row would round every weight again."""
         module = self._weight_owner(name)
         tied = module is self.lm_head and self.config.tie_word_embeddings
-        if tied or type(module) not in (nn.Linear, nn.Embedding, Q8_0Linear):
+        kept = type(module) in (nn.Linear, nn.Embedding, Q8_0Linear) or isinstance(module, W8A8Linear)
+        if tied or not kept:
             return None
         return module
 
     def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
         """Give `weight` to the module whose weight is `name`, as its rows `offset..` for a linear, first
-        making it a `Q8_0Linear` or `Q8_0Embedding` (False where `q8_0_owner` says it has no such place).
-        A tied LM head becomes a `Q8_0Linear` over the embedding's blocks."""
+        making it a `Q8_0Linear` (w8a8 for a `W8A8Linear`) or `Q8_0Embedding` (False where `q8_0_owner`
+        says it has no such place). A tied LM head becomes a `Q8_0Linear` over the embedding's blocks."""
         module = self.q8_0_owner(name)
         if module is None:
             return False
@@ -431,8 +437,8 @@ class CausalLM(nn.Module):
                 self.lm_head = Q8_0Linear.empty_like(self.lm_head)
                 self.lm_head.load_blocks(0, weight)
             return True
-        if type(module) is nn.Linear:
-            module = Q8_0Linear.empty_like(module)
+        if not isinstance(module, Q8_0Linear):
+            module = Q8_0Linear.empty_like(module, w8a8=isinstance(module, W8A8Linear))
             self.set_submodule(name.removesuffix(".weight"), module)
         module.load_blocks(offset, weight)
         return True

@@ -48,6 +48,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         call_guard<gil_scoped_release>());
   m.def("set_gemv_isa", &set_gemv_isa,
         "for tests: run linear_gemv and the int8 linears on a narrower instruction set this CPU has");
+  m.def("linear_q8_0_w8a8", &linear_q8_0_w8a8,
+        "x quantized to int8 per 32-block, times GGUF Q8_0 blocks read in place in exact int32 block sums, scaled "
+        "and summed in fp32 (+ b), any rows",
+        arg("x"), arg("blocks"), arg("bias") = pybind11::none(), call_guard<gil_scoped_release>());
+  pybind11::class_<Q8_0Weights>(m, "Q8_0Weights", pybind11::module_local())
+      .def(pybind11::init([](std::vector<torch::Tensor> segments, torch::Tensor out_rows, bool w8a8) {
+             int64_t rows = 0;
+             for (const auto& s : segments) {
+               TORCH_CHECK(s.scalar_type() == torch::kUInt8 && s.dim() == 2 && s.is_contiguous() &&
+                               s.size(1) == segments[0].size(1) && s.size(1) % 34 == 0,
+                           "Q8_0 segments must be contiguous uint8 [rows, K / 32 * 34] of one K");
+               rows += s.size(0);
+             }
+             TORCH_CHECK(out_rows.scalar_type() == torch::kInt64 && out_rows.is_contiguous() &&
+                             out_rows.numel() == rows,
+                         "out_rows must be a contiguous int64 vector of the segments' ", rows, " rows");
+             return Q8_0Weights{std::move(segments), std::move(out_rows), w8a8};
+           }),
+           arg("segments"), arg("out_rows"), arg("w8a8") = false);
   // Module-local: a process that loads the extension a second time (tests reset its cache) registers it again.
   pybind11::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", pybind11::module_local())
       .def(pybind11::init([](torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
@@ -60,7 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              std::optional<torch::Tensor> o_blocked, std::optional<torch::Tensor> gate_up_blocked,
                              std::optional<torch::Tensor> down_blocked, std::optional<torch::Tensor> q_norm,
                              std::optional<torch::Tensor> k_norm, std::optional<torch::Tensor> attn_out_norm,
-                             std::optional<torch::Tensor> mlp_out_norm, int64_t window, int64_t kv_group,
+                             std::optional<torch::Tensor> mlp_out_norm, std::optional<Q8_0Weights> qkv_q8_0,
+                             std::optional<Q8_0Weights> o_q8_0, std::optional<Q8_0Weights> gate_up_q8_0,
+                             std::optional<Q8_0Weights> down_q8_0, int64_t window, int64_t kv_group,
                              int64_t rope) {
              TORCH_CHECK(window >= 0, "window must be a positive number of tokens, or 0 for full attention");
              TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
@@ -74,6 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                    q_norm, k_norm, attn_out_norm, mlp_out_norm};
              w.activation = activation == "silu" ? Activation::kSilu : Activation::kGeluTanh;
              w.scale = scale, w.rotary_dim = rotary_dim, w.window = window, w.kv_group = kv_group, w.rope = rope;
+             w.qkv_q8_0 = qkv_q8_0, w.o_q8_0 = o_q8_0, w.gate_up_q8_0 = gate_up_q8_0, w.down_q8_0 = down_q8_0;
              return w;
            }),
            arg("input_norm"), arg("qkv"), arg("qkv_bias"), arg("o"), arg("o_bias"), arg("mlp_norm"),
@@ -89,6 +111,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            // Per-head norms of queries and keys before RoPE; norms of the attention's and the MLP's outputs.
            arg("q_norm") = pybind11::none(), arg("k_norm") = pybind11::none(),
            arg("attn_out_norm") = pybind11::none(), arg("mlp_out_norm") = pybind11::none(),
+           // GGUF Q8_0 linears: their segments (the weight is then a meta tensor of the linear's shape).
+           arg("qkv_q8_0") = pybind11::none(), arg("o_q8_0") = pybind11::none(),
+           arg("gate_up_q8_0") = pybind11::none(), arg("down_q8_0") = pybind11::none(),
            // The sliding window in tokens (0: full attention), the KV group's and the RoPE table's index in
            // decode_layers' lists.
            arg("window") = 0, arg("kv_group") = 0, arg("rope") = 0)

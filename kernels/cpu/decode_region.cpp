@@ -57,12 +57,23 @@ bool gemv_ready(const torch::Tensor& weight, const std::optional<torch::Tensor>&
          fp32_vector(scale, weight.size(0)) && fp32_vector(bias, weight.size(0));
 }
 
+// A GGUF Q8_0 linear runs its own GEMV at any rows the Python side admits (its segments were checked there).
+bool q8_0_ready(const torch::Tensor& weight, const std::optional<Q8_0Weights>& q8_0,
+                const std::optional<torch::Tensor>& bias) {
+  return q8_0.has_value() && weight.dim() == 2 && weight.size(1) % 32 == 0 &&
+         q8_0->out_rows.numel() == weight.size(0) && !q8_0->segments.empty() &&
+         q8_0->segments[0].size(1) == weight.size(1) / 32 * 34 && fp32_vector(bias, weight.size(0));
+}
+
 // Rows [begin, end) of one linear layer for the m rows of x (contiguous, `k` wide) into y [m, n].
 void linear_rows(const float* x, int64_t m, const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
-                 const std::optional<torch::Tensor>& bias, float* y, std::pair<int64_t, int64_t> rows) {
+                 const std::optional<torch::Tensor>& bias, float* y, std::pair<int64_t, int64_t> rows,
+                 const std::optional<Q8_0Weights>& q8_0) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (scale.has_value()) {
+  if (q8_0.has_value()) {
+    q8_0_linear_rows(x, k, m, k, *q8_0, b, y, rows.first, rows.second);
+  } else if (scale.has_value()) {
     int8_gemv_row_range(x, k, m, weight.data_ptr<int8_t>(), scale->data_ptr<float>(), b, y, n, k, rows.first,
                         rows.second);
   } else {
@@ -104,8 +115,9 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayerWeights& w = layers[i];
     const auto ready = [&](const torch::Tensor& weight, const std::optional<torch::Tensor>& scale,
-                           const std::optional<torch::Tensor>& bias) {
-      return gemv_ready(weight, scale, bias, rows, gemv_max_rows, int8_gemv_max_rows);
+                           const std::optional<torch::Tensor>& bias, const std::optional<Q8_0Weights>& q8_0) {
+      return q8_0.has_value() ? q8_0_ready(weight, q8_0, bias)
+                              : gemv_ready(weight, scale, bias, rows, gemv_max_rows, int8_gemv_max_rows);
     };
     const auto scales_ready = [&](const std::vector<torch::Tensor>& scales) {
       return !quantized || (scales[i].scalar_type() == torch::kFloat32 && scales[i].is_contiguous() &&
@@ -120,8 +132,9 @@ bool decode_region_applies(const torch::Tensor& hidden, const std::vector<Decode
         !fp32_vector(w.attn_out_norm, width) || !fp32_vector(w.mlp_out_norm, width) ||
         !fp32_vector(w.q_norm, head_dim) || !fp32_vector(w.k_norm, head_dim) || (head_norms && head_dim % 16 != 0) ||
         (w.activation == Activation::kGeluTanh && rows * w.down.size(1) > kGeluOneChunk) ||
-        !ready(w.qkv, w.qkv_scale, w.qkv_bias) || !ready(w.o, w.o_scale, w.o_bias) ||
-        !ready(w.gate_up, w.gate_up_scale, w.gate_up_bias) || !ready(w.down, w.down_scale, w.down_bias)) {
+        !ready(w.qkv, w.qkv_scale, w.qkv_bias, w.qkv_q8_0) || !ready(w.o, w.o_scale, w.o_bias, w.o_q8_0) ||
+        !ready(w.gate_up, w.gate_up_scale, w.gate_up_bias, w.gate_up_q8_0) ||
+        !ready(w.down, w.down_scale, w.down_bias, w.down_q8_0)) {
       return false;
     }
   }
@@ -211,7 +224,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
                               eps_f, width, sum + r * width, normed + r * width);
       }
       const float* stream = first ? x : sum;
-      linear_rows(normed, m, w.qkv, w.qkv_scale, w.qkv_bias, qkv.data_ptr<float>(), qkv_rows);
+      linear_rows(normed, m, w.qkv, w.qkv_scale, w.qkv_bias, qkv.data_ptr<float>(), qkv_rows, w.qkv_q8_0);
 #pragma omp barrier
       const float* q = qkv.data_ptr<float>();
       // One head of row r, normed where the layer norms heads, then roped.
@@ -268,7 +281,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
                       static_cast<float>(w.scale), w.window, attended.data_ptr<float>());
       }
 #pragma omp barrier
-      linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows);
+      linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows, w.o_q8_0);
 #pragma omp barrier
       const float* attn = attn_out.data_ptr<float>();
       if (w.attn_out_norm.has_value()) {
@@ -282,7 +295,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
         row_ops::add_rms_norm(attn + r * width, stream + r * width, w.mlp_norm.data_ptr<float>(), eps_f, width,
                               res + r * width, normed + r * width);
       }
-      linear_rows(normed, m, w.gate_up, w.gate_up_scale, w.gate_up_bias, gate_up.data_ptr<float>(), gate_up_rows);
+      linear_rows(normed, m, w.gate_up, w.gate_up_scale, w.gate_up_bias, gate_up.data_ptr<float>(), gate_up_rows, w.gate_up_q8_0);
 #pragma omp barrier
       if (w.activation == Activation::kSilu) {
         for (int64_t r = 0; r < m; ++r) {
@@ -292,7 +305,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
       } else {
         gelu_tanh_and_mul(gate, act_rows[t]);
       }
-      linear_rows(act, m, w.down, w.down_scale, w.down_bias, out.data_ptr<float>(), down_rows);
+      linear_rows(act, m, w.down, w.down_scale, w.down_bias, out.data_ptr<float>(), down_rows, w.down_q8_0);
 #pragma omp barrier
       x = out.data_ptr<float>();
       if (w.mlp_out_norm.has_value()) {

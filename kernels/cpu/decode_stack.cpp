@@ -40,10 +40,12 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& blocked
 
 // The kernel the layer's module runs for its weight's kind and these rows: the int8 GEMV up to
 // `int8_gemv_max_rows` rows and the int8 GEMM beyond; the fp32 GEMV up to `gemv_max_rows` rows and oneDNN
-// over the blocked weight beyond (the stack takes larger fp32 steps only when it has that weight).
+// over the blocked weight beyond (the stack takes larger fp32 steps only when it has that weight); a GGUF Q8_0
+// linear's GEMV, exact or w8a8, at the rows `kernels.cpu_decode_stack` admits.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const std::optional<torch::Tensor>& blocked,
                      const std::optional<torch::Tensor>& scale, const std::optional<torch::Tensor>& bias,
-                     int64_t gemv_max_rows, int64_t int8_gemv_max_rows) {
+                     int64_t gemv_max_rows, int64_t int8_gemv_max_rows, const std::optional<Q8_0Weights>& q8_0) {
+  if (q8_0.has_value()) return q8_0_linear(x, *q8_0, bias);  // the Python side admits its rows
   if (scale.has_value()) {
     if (x.size(0) <= int8_gemv_max_rows) return linear_int8_gemv(x, weight, *scale, bias);
     return linear_int8_gemm(x, weight, *scale, bias);
@@ -128,7 +130,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     const DecoderLayerWeights& w = layers[i];
     const torch::Tensor &table = tables[w.kv_group], &slot = slots[w.kv_group];
     auto [normed, sum] = rms_norm(hidden, w.input_norm, eps, residual);
-    auto qkv = linear(normed, w.qkv, w.qkv_blocked, w.qkv_scale, w.qkv_bias, gemv_max_rows, int8_gemv_max_rows);
+    auto qkv = linear(normed, w.qkv, w.qkv_blocked, w.qkv_scale, w.qkv_bias, gemv_max_rows, int8_gemv_max_rows,
+                      w.qkv_q8_0);
     auto q = heads_of(qkv.narrow(1, 0, q_size), num_heads, head_dim, w.q_norm, eps);
     auto k = heads_of(qkv.narrow(1, q_size, kv_size), num_kv_heads, head_dim, w.k_norm, eps);
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -140,13 +143,13 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     auto attended =
         paged_attention(q_rot, k_caches[i], v_caches[i], table, lens, starts, w.scale, k_scale, v_scale, w.window);
     auto attn_out = linear(attended.view({tokens, q_size}), w.o, w.o_blocked, w.o_scale, w.o_bias, gemv_max_rows,
-                           int8_gemv_max_rows);
+                           int8_gemv_max_rows, w.o_q8_0);
     if (w.attn_out_norm.has_value()) attn_out = std::get<0>(rms_norm(attn_out, *w.attn_out_norm, eps, std::nullopt));
     auto [mlp_in, attn_sum] = rms_norm(attn_out, w.mlp_norm, eps, sum);
     auto gate_up = linear(mlp_in, w.gate_up, w.gate_up_blocked, w.gate_up_scale, w.gate_up_bias, gemv_max_rows,
-                          int8_gemv_max_rows);
+                          int8_gemv_max_rows, w.gate_up_q8_0);
     hidden = linear(activate(gate_up, w.activation), w.down, w.down_blocked, w.down_scale, w.down_bias, gemv_max_rows,
-                    int8_gemv_max_rows);
+                    int8_gemv_max_rows, w.down_q8_0);
     if (w.mlp_out_norm.has_value()) hidden = std::get<0>(rms_norm(hidden, *w.mlp_out_norm, eps, std::nullopt));
     residual = attn_sum;
   }

@@ -9,7 +9,14 @@
 //
 // Threads share W's rows in contiguous runs; each reads one W row's blocks front to back against up to
 // 4 rows of x at a time (more rows of x go round again, as a decode step has few), with 2 (AVX-512) or 4
-// (AVX2) FMA chains per x row. Many rows are the torch reference's (dequantize, then one GEMM).
+// (AVX2) FMA chains per x row, asking for the line 4 KiB ahead as it goes (one sequential stream the
+// prefetchers follow, as gemv_int8.cpp's single-row GEMV). A block's scale is converted by F16C, one
+// instruction where the bit-twiddling conversion was a dozen. Many rows are the torch reference's
+// (dequantize, then one GEMM).
+//
+// `q8_0_gemv_row_range` is a thread's share of rows inside a parallel region that is already running (the
+// decode stack's, decode_region.cpp); it may write each W row's output to another column (`out_rows`), which
+// is how a fused layer's segments, and llama.cpp's permuted q/k rows, land in Hugging Face order.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/types.h>
@@ -26,12 +33,15 @@ constexpr int64_t kBlockWeights = 32;
 constexpr int64_t kBlockBytes = 34;
 constexpr int kMaxTileRows = 4;
 
+constexpr int64_t kAheadBytes = 4096;
+
 struct Problem {
   const float* x;  // [M, K], row stride ldx
   const uint8_t* w;  // [N, K / 32 * 34]
-  const float* bias;  // [N] or null
-  float* y;  // [M, N], contiguous
-  int64_t m, n, k, ldx;
+  const float* bias;  // indexed by output column, or null
+  const int64_t* out_rows;  // W row n's output column, or null: column n
+  float* y;  // [M, *], rows ldy apart
+  int64_t m, n, k, ldx, ldy;
 };
 
 // IEEE half -> float by bit manipulation (every path, so the scale never depends on the ISA).
@@ -66,7 +76,21 @@ inline float block_scale(const uint8_t* block) {
 }
 
 inline void store(const Problem& p, int64_t n, int64_t m, float dot) {
-  p.y[m * p.n + n] = dot + (p.bias ? p.bias[n] : 0.f);
+  const int64_t column = p.out_rows ? p.out_rows[n] : n;
+  p.y[m * p.ldy + column] = dot + (p.bias ? p.bias[column] : 0.f);
+}
+
+// The same value as block_scale (F16C converts exactly), in one instruction.
+__attribute__((target("f16c"))) inline float block_scale_f16c(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+inline void prefetch_ahead(const Problem& p, const uint8_t* at) {
+  if (at + kAheadBytes < p.w + p.n * (p.k / kBlockWeights) * kBlockBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
+  }
 }
 
 TANDEM_AVX512 inline __m512 widen16(const uint8_t* q, __m512 d) {
@@ -82,7 +106,8 @@ TANDEM_AVX512 void row_avx512(const Problem& p, int64_t r, int64_t m0) {
   const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
   for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
     const uint8_t* block = row + b * kBlockBytes;
-    const __m512 d = _mm512_set1_ps(block_scale(block));
+    if (b % 2 == 0) prefetch_ahead(p, block);
+    const __m512 d = _mm512_set1_ps(block_scale_f16c(block));
     const __m512 w0 = widen16(block + 2, d), w1 = widen16(block + 18, d);
     for (int j = 0; j < MR; ++j) {
       const float* x = p.x + (m0 + j) * p.ldx + c;
@@ -113,7 +138,8 @@ TANDEM_AVX2 void row_avx2(const Problem& p, int64_t r, int64_t m0) {
   const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
   for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
     const uint8_t* block = row + b * kBlockBytes;
-    const __m256 d = _mm256_set1_ps(block_scale(block));
+    if (b % 2 == 0) prefetch_ahead(p, block);
+    const __m256 d = _mm256_set1_ps(block_scale_f16c(block));
     __m256 w[4];
     for (int u = 0; u < 4; ++u) w[u] = widen8(block + 2 + 8 * u, d);
     for (int j = 0; j < MR; ++j) {
@@ -164,6 +190,13 @@ void row_against_x(const Problem& p, int64_t r) {
 
 }  // namespace
 
+void q8_0_gemv_row_range(const float* x, int64_t ldx, int64_t m, const uint8_t* blocks, int64_t n, int64_t k,
+                         const float* bias, const int64_t* out_rows, float* y, int64_t ldy, int64_t row_begin,
+                         int64_t row_end) {
+  const Problem p{x, blocks, bias, out_rows, y, m, n, k, ldx, ldy};
+  for (int64_t r = row_begin; r < row_end; ++r) row_against_x(p, r);
+}
+
 torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "Q8_0 linear takes fp32 activations");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
@@ -180,7 +213,8 @@ torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optio
   }
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const Problem p{x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), bias_ptr, y.data_ptr<float>(), m, n, k, x.stride(0)};
+  const Problem p{x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), bias_ptr, nullptr, y.data_ptr<float>(), m, n, k,
+                  x.stride(0), n};
   // ~64 KiB of blocks per thread at least: below that waking a thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks.size(1)));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {

@@ -75,6 +75,39 @@ torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Te
 // `y = x W^T + b` for a few rows of fp32 x over GGUF Q8_0 blocks [N, K / 32 * 34] (fp16 scale + 32 int8 each),
 // read in place; each weight is the exact fp32 d * q (gemv_q8_0.cpp).
 torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias);
+// A GGUF Q8_0 linear as the decode stack reads it (q8_0_linear.cpp): the checkpoint tensors' blocks, each a view
+// of the mapped file, their rows one after another; `out_rows[r]` is the output column of stored row r (a
+// segment's offset, and llama.cpp's q/k permutation undone); `w8a8` quantizes x per 32-block.
+struct Q8_0Weights {
+  std::vector<torch::Tensor> segments;
+  torch::Tensor out_rows;
+  bool w8a8 = false;
+};
+// Rows of x quantized per block of 32 for the w8a8 Q8_0 GEMV (gemv_q8_0_w8a8.cpp): q [m, k]; per row
+// `padded_blocks` (k / 32 rounded up to 8) fp32 scales and 128 * sum(q) of each block, zero past k / 32.
+struct Q8_0Activations {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> offset_sums;
+  int64_t m = 0, k = 0, padded_blocks = 0;
+};
+// One row of x as int8 round(x / s), s = max|x| / 127 returned (w8a8.cpp's rounding).
+float quantize_row_int8(const float* x, int64_t k, int8_t* q);
+void quantize_q8_0_activations(const float* x, int64_t ldx, int64_t m, int64_t k, Q8_0Activations& out);
+// W rows [row_begin, row_end) of Q8_0 `blocks` ([n, k / 32 * 34]) against every row of x on the calling thread,
+// row r written to column out_rows[r] (r when null) of y (rows ldy apart), plus bias[column]; exact and w8a8.
+void q8_0_gemv_row_range(const float* x, int64_t ldx, int64_t m, const uint8_t* blocks, int64_t n, int64_t k,
+                         const float* bias, const int64_t* out_rows, float* y, int64_t ldy, int64_t row_begin,
+                         int64_t row_end);
+void q8_0_w8a8_row_range(const Q8_0Activations& x, const uint8_t* blocks, const float* bias, const int64_t* out_rows,
+                         float* y, int64_t ldy, int64_t row_begin, int64_t row_end);
+torch::Tensor linear_q8_0_w8a8(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias);
+// Stored rows [row_begin, row_end) of a Q8_0 linear (across its segments) for m rows of x (k = width of x,
+// rows ldx apart) into y [m, out_rows.numel()]; a w8a8 linear quantizes x on the calling thread.
+void q8_0_linear_rows(const float* x, int64_t ldx, int64_t m, int64_t k, const Q8_0Weights& w, const float* bias,
+                      float* y, int64_t row_begin, int64_t row_end);
+// The whole linear over the extension's threads (the decode stack's per-op loop).
+torch::Tensor q8_0_linear(const torch::Tensor& x, const Q8_0Weights& w, const std::optional<torch::Tensor>& bias);
 // W8A8: x quantized to int8 per row (`quantize_rows_int8`: int8 rows and one fp32 scale each), multiplied by
 // int8 Wq in exact int32 sums, scaled back by both scales (w8a8.cpp); the GEMV up to gemv_max_rows rows of x,
 // oneDNN's int8 GEMM beyond.
@@ -122,6 +155,8 @@ struct DecoderLayerWeights {
   int64_t kv_group = 0;
   // The cos/sin table its RoPE reads (a model may have one per layer type).
   int64_t rope = 0;
+  // GGUF Q8_0 linears, whose weight above is then a meta tensor of the linear's [N, K] shape.
+  std::optional<Q8_0Weights> qkv_q8_0, o_q8_0, gate_up_q8_0, down_q8_0;
 };
 
 // decode_layers' few-row case (decode_region.cpp): every layer of a step whose rows all run on the GEMVs in one

@@ -374,6 +374,8 @@ void vnni_gemm(const torch::Tensor& xq, const float* row_scale, const torch::Ten
 
 }  // namespace
 
+float quantize_row_int8(const float* x, int64_t k, int8_t* q) { return quantize_row(x, k, q); }
+
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_int8(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "x must be 2-D fp32 with contiguous rows");
