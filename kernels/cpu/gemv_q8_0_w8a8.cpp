@@ -203,9 +203,9 @@ void row_portable(const Problem& p, int64_t r, int64_t m0) {
     float acc[kLanes] = {};
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = row + b * kBlockBytes;
+      const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
       int32_t isum = 0;
-      for (int64_t t = 0; t < kBlockWeights; ++t)
-        isum += static_cast<int32_t>(static_cast<int8_t>(block[2 + t])) * xq[b * kBlockWeights + t];
+      for (int64_t t = 0; t < kBlockWeights; ++t) isum += int32_t{q[t]} * int32_t{xq[b * kBlockWeights + t]};
       acc[b % kLanes] = acc[b % kLanes] + static_cast<float>(isum) * (half_to_float(half_bits(block)) * s[b]);
     }
     store(p, r, m0 + j, lanes_total(acc));
