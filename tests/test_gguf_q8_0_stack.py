@@ -16,12 +16,13 @@ from tiny_gguf import write_tiny_gguf
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.gguf_checkpoint import unpermute_order
 from engine.model_runner import ScheduledChunk
 from engine.model_store import resolve_model
 from engine.params import SamplingParams, StoppingParams
 from engine.quantization import weights_fingerprint
 from kernels.cpu_decode_stack import CpuDecodeStack
-from kernels.q8_0_linear import Q8_0Linear
+from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
 from kernels.q8_0_w8a8 import q8_0_w8a8_reference, quantize_blocks
 from tandem.tiny_model import TINY_VOCAB_SIZE
 
@@ -128,3 +129,18 @@ def test_q8_0_w8a8_refuses_features_that_are_not_whole_blocks(extension):
         extension.linear_q8_0_w8a8(torch.randn(1, 96), blocks, None)
     with pytest.raises(ValueError, match="blocks of 32"):
         quantize_blocks(torch.randn(2, 40))
+
+
+def test_w8a8_q8_0_layer_equals_its_torch_path_with_permuted_segments(extension):
+    """A fused w8a8 layer (a q segment in llama.cpp's row order, then a plain one) gives the same bits on
+    the extension as on the torch reference, at decode rows and past the exact GEMV's 32."""
+    generator = torch.Generator().manual_seed(6)
+    layer = Q8_0Linear(48 + 16, 96, None, "cpu", w8a8=True)
+    layer.load_blocks(0, Q8_0Weight(q8_0_blocks(48, 96, generator), 96, unpermute_order(48, 3)))
+    layer.load_blocks(48, Q8_0Weight(q8_0_blocks(16, 96, generator), 96))
+    for tokens in (1, 3, 40):
+        x = torch.randn(tokens, 96, generator=generator)
+        layer.extension = None
+        reference = layer(x)
+        layer.extension = extension
+        assert torch.equal(layer(x), reference)
