@@ -281,7 +281,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
                       static_cast<float>(w.scale), w.window, attended.data_ptr<float>());
       }
 #pragma omp barrier
-      linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows, w.o_q8_0);
+      linear_rows(attended.data_ptr<float>(), m, w.o, w.o_scale, w.o_bias, attn_out.data_ptr<float>(), o_rows,
+                  w.o_q8_0);
 #pragma omp barrier
       const float* attn = attn_out.data_ptr<float>();
       if (w.attn_out_norm.has_value()) {
@@ -295,7 +296,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_region(
         row_ops::add_rms_norm(attn + r * width, stream + r * width, w.mlp_norm.data_ptr<float>(), eps_f, width,
                               res + r * width, normed + r * width);
       }
-      linear_rows(normed, m, w.gate_up, w.gate_up_scale, w.gate_up_bias, gate_up.data_ptr<float>(), gate_up_rows, w.gate_up_q8_0);
+      linear_rows(normed, m, w.gate_up, w.gate_up_scale, w.gate_up_bias, gate_up.data_ptr<float>(), gate_up_rows,
+                  w.gate_up_q8_0);
 #pragma omp barrier
       if (w.activation == Activation::kSilu) {
         for (int64_t r = 0; r < m; ++r) {

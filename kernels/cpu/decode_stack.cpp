@@ -1,4 +1,4 @@
-// Every decoder layer of a decode-only fp32 step (weights fp32 or int8), run in one call.
+// Every decoder layer of a decode-only fp32 step (weights fp32, int8 or GGUF Q8_0), run in one call.
 //
 // At batch 1 a layer of SmolLM2-135M reads ~14 MB of weights in well under a millisecond; driven from
 // Python the same layer is ~10 module calls and ~40 small aten ops (views, splits, casts, a host sync in

@@ -7,12 +7,12 @@
 // multiply x by exactly the dequantized weight, so the result is the fp32 product with it up to
 // summation order, as gemv_int8.cpp's is (quantizing x as well would change the numbers).
 //
-// Threads share W's rows in contiguous runs; each reads one W row's blocks front to back against up to
-// 4 rows of x at a time (more rows of x go round again, as a decode step has few), with 2 (AVX-512) or 4
-// (AVX2) FMA chains per x row, asking for the line 4 KiB ahead as it goes (one sequential stream the
-// prefetchers follow, as gemv_int8.cpp's single-row GEMV). A block's scale is converted by F16C, one
-// instruction where the bit-twiddling conversion was a dozen. Many rows are the torch reference's
-// (dequantize, then one GEMM).
+// Threads share W's rows in contiguous runs; each reads one W row's blocks front to back (two at a time
+// past two rows of x, on AVX-512) against up to 4 rows of x at a time (more rows of x go round again, as a
+// decode step has few), with 2 (AVX-512) or 4 (AVX2) FMA chains per x row, asking for the line 4 KiB
+// ahead as it goes (one sequential stream the prefetchers follow, as gemv_int8.cpp's single-row GEMV). A
+// block's scale is converted by F16C, one instruction where the bit-twiddling conversion was a dozen.
+// Many rows are the torch reference's (dequantize, then one GEMM).
 //
 // `q8_0_gemv_row_range` is a thread's share of rows inside a parallel region that is already running (the
 // decode stack's, decode_region.cpp); it may write each W row's output to another column (`out_rows`), which
@@ -98,24 +98,35 @@ TANDEM_AVX512 inline __m512 widen16(const uint8_t* q, __m512 d) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
 }
 
-// W row `r` against MR rows of x from m0: per block, its two halves of 16 weights on two FMA chains.
-template <int MR>
-TANDEM_AVX512 void row_avx512(const Problem& p, int64_t r, int64_t m0) {
-  __m512 acc[2][MR];
-  for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_ps();
-  const uint8_t* row = p.w + r * (p.k / kBlockWeights) * kBlockBytes;
+// W rows r0.. (NR of them) against MR rows of x from m0: per block, its two halves of 16 weights on two FMA
+// chains per (W row, x row), each x vector loaded once for the NR rows. Each output's arithmetic is the
+// same whatever NR (its own two chains, summed at the end), so the value never depends on the grouping.
+template <int NR, int MR>
+TANDEM_AVX512 void rows_avx512(const Problem& p, int64_t r0, int64_t m0) {
+  __m512 acc[NR][2][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc[i][0][j] = acc[i][1][j] = _mm512_setzero_ps();
+  const int64_t row_bytes = (p.k / kBlockWeights) * kBlockBytes;
   for (int64_t b = 0, c = 0; c < p.k; ++b, c += kBlockWeights) {
-    const uint8_t* block = row + b * kBlockBytes;
-    if (b % 2 == 0) prefetch_ahead(p, block);
-    const __m512 d = _mm512_set1_ps(block_scale_f16c(block));
-    const __m512 w0 = widen16(block + 2, d), w1 = widen16(block + 18, d);
+    __m512 w0[NR], w1[NR];
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = p.w + (r0 + i) * row_bytes + b * kBlockBytes;
+      if (b % 2 == 0) prefetch_ahead(p, block);
+      const __m512 d = _mm512_set1_ps(block_scale_f16c(block));
+      w0[i] = widen16(block + 2, d), w1[i] = widen16(block + 18, d);
+    }
     for (int j = 0; j < MR; ++j) {
       const float* x = p.x + (m0 + j) * p.ldx + c;
-      acc[0][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), acc[0][j]);
-      acc[1][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), acc[1][j]);
+      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      for (int i = 0; i < NR; ++i) {
+        acc[i][0][j] = _mm512_fmadd_ps(w0[i], x0, acc[i][0][j]);
+        acc[i][1][j] = _mm512_fmadd_ps(w1[i], x1, acc[i][1][j]);
+      }
     }
   }
-  for (int j = 0; j < MR; ++j) store(p, r, m0 + j, _mm512_reduce_add_ps(_mm512_add_ps(acc[0][j], acc[1][j])));
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j)
+      store(p, r0 + i, m0 + j, _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0][j], acc[i][1][j])));
 }
 
 TANDEM_AVX2 inline __m256 widen8(const uint8_t* q, __m256 d) {
@@ -170,9 +181,21 @@ void row_portable(const Problem& p, int64_t r, int64_t m0) {
 template <int MR>
 void row(const Problem& p, int64_t r, int64_t m0) {
   switch (current_gemv_isa()) {
-    case GemvIsa::kAvx512: return row_avx512<MR>(p, r, m0);
+    case GemvIsa::kAvx512: return rows_avx512<1, MR>(p, r, m0);
     case GemvIsa::kAvx2: return row_avx2<MR>(p, r, m0);
     case GemvIsa::kPortable: return row_portable<MR>(p, r, m0);
+  }
+}
+
+// W rows r, r + 1 against every row of x, up to kMaxTileRows at a time (AVX-512, 3 or more rows of x).
+void pair_against_x(const Problem& p, int64_t r) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
+    switch (std::min<int64_t>(kMaxTileRows, p.m - m0)) {
+      case 1: rows_avx512<2, 1>(p, r, m0); break;
+      case 2: rows_avx512<2, 2>(p, r, m0); break;
+      case 3: rows_avx512<2, 3>(p, r, m0); break;
+      default: rows_avx512<2, 4>(p, r, m0); break;
+    }
   }
 }
 
@@ -188,13 +211,24 @@ void row_against_x(const Problem& p, int64_t r) {
   }
 }
 
+// Rows [begin, end) of W. Three or more rows of x (AVX-512) take W rows in pairs: each x row is then read
+// from L2 once per two W rows (4 rows of 4096 features are 64 KiB, past L1), which bound the GEMV there.
+// One or two rows of x stream W one row after another.
+void rows_against_x(const Problem& p, int64_t begin, int64_t end) {
+  int64_t r = begin;
+  if (p.m > 2 && current_gemv_isa() == GemvIsa::kAvx512) {
+    for (; r + 2 <= end; r += 2) pair_against_x(p, r);
+  }
+  for (; r < end; ++r) row_against_x(p, r);
+}
+
 }  // namespace
 
 void q8_0_gemv_row_range(const float* x, int64_t ldx, int64_t m, const uint8_t* blocks, int64_t n, int64_t k,
                          const float* bias, const int64_t* out_rows, float* y, int64_t ldy, int64_t row_begin,
                          int64_t row_end) {
   const Problem p{x, blocks, bias, out_rows, y, m, n, k, ldx, ldy};
-  for (int64_t r = row_begin; r < row_end; ++r) row_against_x(p, r);
+  rows_against_x(p, row_begin, row_end);
 }
 
 torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias) {
@@ -217,8 +251,6 @@ torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optio
                   x.stride(0), n};
   // ~64 KiB of blocks per thread at least: below that waking a thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, blocks.size(1)));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) row_against_x(p, r);
-  });
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { rows_against_x(p, begin, end); });
   return y;
 }
