@@ -11,7 +11,7 @@
 // past two rows of x, on AVX-512) against up to 4 rows of x at a time (more rows of x go round again, as a
 // decode step has few), with 2 (AVX-512) or 4 (AVX2) FMA chains per x row, asking for the line 4 KiB
 // ahead as it goes (one sequential stream the prefetchers follow, as gemv_int8.cpp's single-row GEMV). A
-// block's scale is converted by F16C, one instruction where the bit-twiddling conversion was a dozen.
+// block's scale is converted by F16C in one instruction (in software it takes a dozen, with branches).
 // Many rows are the torch reference's (dequantize, then one GEMM).
 //
 // `q8_0_gemv_row_range` is a thread's share of rows inside a parallel region that is already running (the
