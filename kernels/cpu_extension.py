@@ -43,6 +43,7 @@ SOURCES = [
     CPU_DIR / "gemv_q8_0.cpp",
     CPU_DIR / "gemv_q8_0_w8a8.cpp",
     CPU_DIR / "q8_0_linear.cpp",
+    CPU_DIR / "gemv_bf16.cpp",
     CPU_DIR / "gemm_int8.cpp",
     CPU_DIR / "w8a8.cpp",
     CPU_DIR / "lm_head.cpp",

@@ -129,4 +129,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode-only step; returns (hidden, residual) before the final norm (fp32)",
         call_guard<gil_scoped_release>());
+  m.def("linear_bf16_gemv", &linear_bf16_gemv,
+        "x W^T + b for a few rows of bf16 x over bf16 W, fp32 sums; bf16 y, or fp32 with fp32_out (logits)",
+        arg("x"), arg("weight"), arg("bias") = pybind11::none(), arg("fp32_out") = false,
+        call_guard<gil_scoped_release>());
+  m.def("bf16_gemv_isa", &bf16_gemv_isa,
+        "the instruction set linear_bf16_gemv runs on: avx512_bf16, avx512, avx2 or portable");
+  m.def("bf16_gemv_isas", &bf16_gemv_isas, "the instruction sets linear_bf16_gemv can run on this CPU");
+  m.def("set_bf16_gemv_isa", &set_bf16_gemv_isa, "for tests: run linear_bf16_gemv on another of bf16_gemv_isas()");
 }

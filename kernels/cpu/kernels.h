@@ -187,3 +187,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     int64_t num_heads, double eps, const std::vector<torch::Tensor>& k_scales,
     const std::vector<torch::Tensor>& v_scales, std::optional<torch::Tensor> rotation, int64_t gemv_max_rows,
     int64_t int8_gemv_max_rows);
+
+// `y = x W^T + b` for a few rows of bf16 x over bf16 W [N, K], accumulated in fp32 (gemv_bf16.cpp); y is bf16,
+// or fp32 with fp32_out (logits). The instruction set: the widest this CPU has (avx512_bf16, avx512, avx2,
+// portable) unless a test chose another of `bf16_gemv_isas()`.
+torch::Tensor linear_bf16_gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias,
+                               bool fp32_out);
+std::string bf16_gemv_isa();
+std::vector<std::string> bf16_gemv_isas();
+void set_bf16_gemv_isa(const std::string& name);

@@ -1,7 +1,10 @@
 // Writing a step's new K and V rows into their slots of the paged cache. The torch reference does it
 // with a mask, an `all()` that reads the mask back to the host, and two `index_copy_`, per layer per
 // step; here it is one pass of row copies. A quantized cache (int8 or fp8 e4m3, with scale caches)
-// gets each (token, KV head) row quantized on the way, as `torch_reference.quantize_kv` defines it.
+// gets each (token, KV head) row quantized on the way, as `torch_reference.quantize_kv` defines it. A bf16
+// cache takes bf16 rows (a bf16 model's) as they are and fp32 rows rounded to nearest even, as torch's cast
+// rounds them; bf16 rows bound for an fp32 or quantized cache are widened first.
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/types.h>
 
@@ -17,7 +20,8 @@ namespace {
 
 // key/value rows `[T, kv_heads, d]`, possibly strided views into the fused qkv output.
 void check_rows(const torch::Tensor& x, const torch::Tensor& cache, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3, name, " must be fp32 [T, kv_heads, d]");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) && x.dim() == 3, name,
+              " must be fp32 or bf16 [T, kv_heads, d]");
   TORCH_CHECK(x.size(1) == cache.size(2) && x.size(2) == cache.size(3), name, " rows do not match the cache");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), name, " heads must be contiguous within a token");
 }
@@ -50,6 +54,19 @@ void write_quantized(const torch::Tensor& rows, int64_t t, torch::Tensor& cache,
   for (int64_t h = 0; h < heads; ++h) scale[h] = quantize_row(src + h * d, dst + h * d, d, qmax);
 }
 
+// Token t's rows (all heads) into `slot` of a bf16 cache: copied when bf16, rounded when fp32.
+void write_bf16(const torch::Tensor& rows, int64_t t, torch::Tensor& cache, int64_t slot) {
+  const int64_t row = cache.size(2) * cache.size(3);
+  auto* dst = reinterpret_cast<c10::BFloat16*>(cache.data_ptr()) + slot * row;
+  if (rows.scalar_type() == torch::kBFloat16) {
+    std::memcpy(dst, reinterpret_cast<const c10::BFloat16*>(rows.data_ptr()) + t * rows.stride(0),
+                row * sizeof(c10::BFloat16));
+    return;
+  }
+  const float* src = rows.data_ptr<float>() + t * rows.stride(0);
+  for (int64_t i = 0; i < row; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
 void check_scales(const std::optional<torch::Tensor>& scales, const torch::Tensor& cache, const char* name) {
   TORCH_CHECK(scales.has_value(), "a quantized cache needs its ", name, " scale cache");
   TORCH_CHECK(scales->scalar_type() == torch::kFloat32 && scales->is_contiguous() && scales->dim() == 3 &&
@@ -65,12 +82,16 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
                     std::optional<torch::Tensor> v_scales) {
   const auto dtype = k_cache.scalar_type();
   const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
-  TORCH_CHECK((dtype == torch::kFloat32 || quantized) && v_cache.scalar_type() == dtype &&
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16 || quantized) && v_cache.scalar_type() == dtype &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.dim() == 4,
-              "caches must be contiguous fp32, int8 or fp8 e4m3 [blocks, block_size, kv_heads, d] of one shape");
+              "caches must be contiguous fp32, bf16, int8 or fp8 e4m3 [blocks, block_size, kv_heads, d] of one shape");
   check_rows(key, k_cache, "key");
   check_rows(value, v_cache, "value");
+  if (dtype != torch::kBFloat16) {  // the fp32 and quantizing writes read fp32 rows
+    key = key.to(torch::kFloat32);
+    value = value.to(torch::kFloat32);
+  }
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0) && value.size(0) == key.size(0),
               "slot_mapping must be int64 [T] for T key and value rows");
@@ -90,6 +111,9 @@ void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
     } else if (dtype == torch::kFloat8_e4m3fn) {
       write_quantized<c10::Float8_e4m3fn>(key, t, k_cache, *k_scales, slot[t], 448.f);
       write_quantized<c10::Float8_e4m3fn>(value, t, v_cache, *v_scales, slot[t], 448.f);
+    } else if (dtype == torch::kBFloat16) {
+      write_bf16(key, t, k_cache, slot[t]);
+      write_bf16(value, t, v_cache, slot[t]);
     } else {
       std::memcpy(k_cache.data_ptr<float>() + slot[t] * row, key.data_ptr<float>() + t * key.stride(0),
                   row * sizeof(float));

@@ -13,6 +13,9 @@
 // stored, a quarter of fp32's bytes, and each block's rows a task needs are dequantized once into an L1
 // scratch that the fp32 loops then read: converting inside those loops instead repeated the conversion
 // for every query of the GQA group and made int8 attention slower than fp32's, not faster.
+// A bf16 cache (a bf16 model's) takes the same path without scales: each block's rows are widened to fp32
+// once into the scratch. A bf16 query is widened on the way in and the output rounded back to bf16; the
+// scores, softmax and sums are fp32 whatever the element types.
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/types.h>
@@ -21,6 +24,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -74,36 +78,54 @@ std::array<float, 256> make_fp8_values() {
 }
 const std::array<float, 256> kFp8Values = make_fp8_values();
 
-// A cache element as a float: fp32 as it is, int8 converted, fp8 e4m3 looked up.
+// A cache element as a float: fp32 as it is, int8 converted, fp8 e4m3 looked up (both times a scale), bf16
+// widened by a 16-bit shift (exact).
 struct Fp32Element {
   using Stored = float;
 };
 struct Int8Element {
   using Stored = int8_t;
+  static constexpr bool kScaled = true;
   static float load(const int8_t* row, int64_t d) { return static_cast<float>(row[d]); }
 };
 struct Fp8Element {
   using Stored = uint8_t;
+  static constexpr bool kScaled = true;
   static float load(const uint8_t* row, int64_t d) { return kFp8Values[row[d]]; }
 };
+struct Bf16Element {
+  using Stored = uint16_t;
+  static constexpr bool kScaled = false;
+  static float load(const uint16_t* row, int64_t d) {
+    const uint32_t bits = static_cast<uint32_t>(row[d]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+};
 
-// Rows [first, n) of one KV head in one block of a quantized cache, times their scales, into `out` [n][D].
+// Rows [first, n) of one KV head in one block of a converted cache, times their scales (a quantized cache's),
+// into `out` [n][D].
 template <int kD, typename E>
-void dequantize_rows(const Problem& p, const typename E::Stored* rows, const float* scales, int64_t first, int64_t n,
-                     float* out) {
+void convert_rows(const Problem& p, const typename E::Stored* rows, const float* scales, int64_t first, int64_t n,
+                  float* out) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
   for (int64_t j = first; j < n; ++j) {
     const typename E::Stored* row = rows + j * p.row_stride;
-    const float scale = scales[j * p.num_kv_heads];
     float* dst = out + j * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = E::load(row, d) * scale;
+    if constexpr (E::kScaled) {
+      const float scale = scales[j * p.num_kv_heads];
+      for (int64_t d = 0; d < D; ++d) dst[d] = E::load(row, d) * scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d] = E::load(row, d);
+    }
   }
 }
 
 template <int kD, typename E>
 void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   using Stored = typename E::Stored;
-  constexpr bool kQuantized = !std::is_same_v<E, Fp32Element>;
+  constexpr bool kConverted = !std::is_same_v<E, Fp32Element>;
   const int64_t D = kD > 0 ? kD : p.head_dim;
   const int64_t G = t.head_end - t.head_begin, bs = p.block_size;  // G: the task's query heads per row
   const int64_t q_len = p.starts[t.seq + 1] - p.starts[t.seq];
@@ -112,13 +134,13 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
   const int64_t head0 = t.kv_head * p.group + t.head_begin;  // the task's first query head
   const int64_t kv_end = first_pos + t.row_end;         // the last row sees positions < kv_end
   const int64_t kv_begin = first_visible(p, first_pos + t.row_begin);  // the first row sees positions >= kv_begin
-  scratch.resize(nq * (2 * D + bs + 2) + (kQuantized ? 2 * bs * D : 0));
+  scratch.resize(nq * (2 * D + bs + 2) + (kConverted ? 2 * bs * D : 0));
   float* qbuf = scratch.data();      // [nq][D], pre-scaled
   float* acc = qbuf + nq * D;        // [nq][D]
   float* scores = acc + nq * D;      // [nq][bs]
   float* row_max = scores + nq * bs; // [nq]
   float* denom = row_max + nq;       // [nq]
-  float* k_rows = denom + nq;        // [bs][D], a quantized cache's current block, dequantized
+  float* k_rows = denom + nq;        // [bs][D], a converted cache's current block, as fp32
   float* v_rows = k_rows + bs * D;   // [bs][D]
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t row = p.starts[t.seq] + t.row_begin + i / G;
@@ -135,15 +157,17 @@ void run_task(const Problem& p, const Task& t, std::vector<float>& scratch) {
     const float* k_block;
     const float* v_block;
     int64_t row_stride;
-    if constexpr (kQuantized) {
-      // Row j's scale is at [j * num_kv_heads] from the block's first.
+    if constexpr (kConverted) {
+      // Row j's scale (a quantized cache's) is at [j * num_kv_heads] from the block's first.
       const int64_t scale_offset = (block * bs) * p.num_kv_heads + t.kv_head;
+      const float* k_scales = E::kScaled ? p.k_scales + scale_offset : nullptr;
+      const float* v_scales = E::kScaled ? p.v_scales + scale_offset : nullptr;
       const int64_t first = std::max<int64_t>(0, kv_begin - block_start);
       const int64_t rows = std::min(bs, kv_end - block_start);
       const Stored* stored = static_cast<const Stored*>(p.k_cache) + offset;
-      dequantize_rows<kD, E>(p, stored, p.k_scales + scale_offset, first, rows, k_rows);
+      convert_rows<kD, E>(p, stored, k_scales, first, rows, k_rows);
       stored = static_cast<const Stored*>(p.v_cache) + offset;
-      dequantize_rows<kD, E>(p, stored, p.v_scales + scale_offset, first, rows, v_rows);
+      convert_rows<kD, E>(p, stored, v_scales, first, rows, v_rows);
       k_block = k_rows, v_block = v_rows, row_stride = D;
     } else {
       k_block = static_cast<const float*>(p.k_cache) + offset;
@@ -216,6 +240,7 @@ void run_tasks(torch::ScalarType dtype, const Problem& p, const std::vector<Task
   switch (dtype) {
     case torch::kInt8: return run_tasks<Int8Element>(p, tasks, begin, end);
     case torch::kFloat8_e4m3fn: return run_tasks<Fp8Element>(p, tasks, begin, end);
+    case torch::kBFloat16: return run_tasks<Bf16Element>(p, tasks, begin, end);
     default: return run_tasks<Fp32Element>(p, tasks, begin, end);
   }
 }
@@ -238,11 +263,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
                               std::optional<torch::Tensor> v_scales, int64_t window) {
   const auto dtype = k_cache.scalar_type();
   const bool quantized = dtype == torch::kInt8 || dtype == torch::kFloat8_e4m3fn;
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && (dtype == torch::kFloat32 || quantized) &&
-                  v_cache.scalar_type() == dtype,
-              "the CPU paged attention kernel takes an fp32 query over an fp32, int8 or fp8 e4m3 cache");
+  const auto query_dtype = query.scalar_type();
+  TORCH_CHECK((query_dtype == torch::kFloat32 || query_dtype == torch::kBFloat16) &&
+                  (dtype == torch::kFloat32 || dtype == torch::kBFloat16 || quantized) && v_cache.scalar_type() == dtype,
+              "the CPU paged attention kernel takes an fp32 or bf16 query over an fp32, bf16, int8 or fp8 e4m3 cache");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [T, heads, d] and cache [blocks, bs, kv_heads, d]");
-  auto q = query.contiguous();
+  auto q = query.to(torch::kFloat32).contiguous();
   auto kc = k_cache.contiguous();
   auto vc = v_cache.contiguous();
   const float* k_scale_data = quantized ? scales_of(k_scales, kc, "K") : nullptr;
@@ -287,7 +313,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) run_tasks(dtype, p, tasks, bounds[i], bounds[i + 1]);
   });
-  return out;
+  return out.to(query_dtype);
 }
 
 std::vector<std::vector<AttentionPiece>> attention_shares(const DecodeAttention& step, int64_t shares) {
