@@ -16,7 +16,9 @@ from kernels.metadata import AttentionMetadata
 from kernels.window import kernel_window
 
 # Cache element dtypes the C++ kernels read (the quantized ones with their scales).
-NATIVE_KV = (torch.float32, torch.int8, torch.float8_e4m3fn)
+NATIVE_KV = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+# Activation dtypes the C++ attention and cache write take (bf16 ones are widened to fp32 inside).
+NATIVE_ATTENTION = (torch.float32, torch.bfloat16)
 
 
 class AttentionBackend(ABC):
@@ -72,8 +74,8 @@ class AttentionBackend(ABC):
 
 class TorchBackend(AttentionBackend):
     """The CPU path: the C++ kernels (`kernels.cpu_extension`) when they are built and the tensors
-    are fp32 on the CPU, else the torch reference (batched gather for decode-only attention, one
-    sequence at a time otherwise)."""
+    are on the CPU, fp32 (or, for attention and the cache write, bf16), else the torch reference
+    (batched gather for decode-only attention, one sequence at a time otherwise)."""
 
     name = "torch"
 
@@ -81,14 +83,18 @@ class TorchBackend(AttentionBackend):
         """`extension`: the C++ CPU kernels (`kernels.cpu_extension.load()`), or None for torch only."""
         self._extension = extension
 
-    def _native(self, *tensors: torch.Tensor) -> bool:
+    def _native(self, *tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
         return self._extension is not None and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+            t.device.type == "cpu" and t.dtype in dtypes for t in tensors
         )
 
     def _native_cache(self, k_cache: torch.Tensor, *activations: torch.Tensor) -> bool:
-        """fp32 activations over a cache the C++ kernels read: fp32, or int8/fp8 with scales."""
-        return self._native(*activations) and k_cache.device.type == "cpu" and k_cache.dtype in NATIVE_KV
+        """fp32 or bf16 activations over a cache the C++ kernels read: fp32, bf16, or int8/fp8 with scales."""
+        return (
+            self._native(*activations, dtypes=NATIVE_ATTENTION)
+            and k_cache.device.type == "cpu"
+            and k_cache.dtype in NATIVE_KV
+        )
 
     def write_kv_cache(
         self, key, value, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None

@@ -11,8 +11,9 @@ kernels in after (`specialize`), and the model runs whatever it was handed.
 On CUDA: Triton attention (torch's when asked), no C++ kernels, `nn.Linear` and the plain LM head (a
 quantized layer, the head included, runs its torch reference). On the CPU: the C++ kernels unless
 switched off or unbuildable, torch attention over them (Triton's under the interpreter when asked), the
-int8 GEMV/GEMM for quantized layers and head, and for fp32 models the GEMV/oneDNN linears, the greedy LM
-head of narrow models and the decoder stack.
+int8 GEMV/GEMM for quantized layers and head, for fp32 models the GEMV/oneDNN linears, the greedy LM
+head of narrow models and the decoder stack, and for bf16 models the bf16 GEMV/oneDNN linears with an
+fp32-logit LM head (attention and the cache write read a bf16 cache; the small ops run torch's).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from base.settings import ATTENTION_BACKENDS, Settings, get_settings
-from kernels import cpu_extension, cpu_linear, cpu_lm_head, moe, q8_0_linear
+from kernels import cpu_bf16_linear, cpu_extension, cpu_linear, cpu_lm_head, moe, q8_0_linear
 from kernels.backend import AttentionBackend, TorchBackend
 from kernels.w8a8_linear import W8A8Linear
 
@@ -54,6 +55,9 @@ class Platform:
     # Decode-only steps (of a few rows with fp32 weights, any size with int8) run every decoder layer in
     # one C++ call (`CpuDecodeStack`).
     decode_stack: bool
+    # bf16 linears become `Bf16Linear`s: the extension's bf16 GEMV for a few rows, oneDNN beyond; the LM
+    # head's logits fp32 (`kernels.cpu_bf16_linear`).
+    bf16_linears: bool = False
 
     def quantize_linears(self, layers: nn.ModuleList) -> int:
         """Replace every `nn.Linear` inside the decoder `layers` by the quantized module, and their experts
@@ -107,6 +111,8 @@ class Platform:
             model.greedy_head = model.lm_head.greedy
         if self.cpu_linears:
             cpu_linear.use_cpu_linears(model, self.extension)
+        if self.bf16_linears:
+            cpu_bf16_linear.use_bf16_linears(model, self.extension)
         if self.extension is not None:
             moe.use_cpu_kernels(model, self.extension)
             q8_0_linear.use_cpu_kernels(model, self.extension)
@@ -161,6 +167,7 @@ def choose_platform(
         cpu_linears=fp32_on_cpu and settings.onednn_linear and cpu_linear.available(),
         cpu_lm_head=fp32_on_cpu and settings.onednn_linear and extension is not None,
         decode_stack=fp32_on_cpu and settings.cpu_decode_stack and extension is not None,
+        bf16_linears=on_cpu and dtype == torch.bfloat16 and settings.onednn_linear and extension is not None,
     )
     logger.info(
         "kernels chosen",
@@ -171,6 +178,7 @@ def choose_platform(
             "cpu_linears": platform.cpu_linears,
             "cpu_lm_head": platform.cpu_lm_head,
             "decode_stack": platform.decode_stack,
+            "bf16_linears": platform.bf16_linears,
         },
     )
     return platform
