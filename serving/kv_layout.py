@@ -4,6 +4,9 @@ handshake compares like with like."""
 
 from __future__ import annotations
 
+import torch
+
+from engine.config import dtype_name
 from engine.engine import Engine
 from engine.quantization import weights_fingerprint
 from kernels.q8_0_linear import Q8_0Linear
@@ -24,7 +27,12 @@ def engine_kv_layout(engine: Engine) -> KVLayout:
 
 
 def engine_fingerprint(engine: Engine, model_fingerprint: str) -> str:
-    """The fingerprint this engine announces: the checkpoint's, marked with its weight quantization, so
-    tiers whose weights are quantized differently (and so compute different KV) refuse each other."""
+    """The fingerprint this engine announces: the checkpoint's, marked with its weight quantization and,
+    unless fp32, its compute dtype, so tiers whose weights are quantized or cast differently (and so compute
+    different KV) refuse each other. The KV layout's dtype alone would miss `--dtype bfloat16` against
+    `--dtype float32` when both quantize the cache (`--kv-cache-dtype int8`)."""
     keeps_q8_0 = any(isinstance(module, Q8_0Linear) for module in engine.model.modules())
-    return weights_fingerprint(model_fingerprint, engine.config.quantization, keeps_q8_0)
+    fingerprint = weights_fingerprint(model_fingerprint, engine.config.quantization, keeps_q8_0)
+    if engine.dtype == torch.float32:
+        return fingerprint
+    return f"{fingerprint}+{dtype_name(engine.dtype)}-compute"
