@@ -54,7 +54,7 @@ def test_large_logits_stay_finite(extension):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
+def test_backend_routes_fp32_and_bf16_through_the_extension(extension, monkeypatch):
     calls = []
     backend = TorchBackend(extension)
     original = backend._extension
@@ -69,7 +69,9 @@ def test_backend_routes_fp32_through_the_extension(extension, monkeypatch):
     backend.attention(query, k_cache, v_cache, meta, 0.125)
     assert calls == [torch.Size([7, 4, 64])]
     backend.attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.125)
-    assert len(calls) == 1, "bf16 must take the torch path"
+    assert len(calls) == 2, "a bf16 query over a bf16 cache takes the C++ kernel too"
+    backend.attention(query.half(), k_cache.half(), v_cache.half(), meta, 0.125)
+    assert len(calls) == 2, "fp16 must take the torch path"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])

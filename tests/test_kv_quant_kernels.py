@@ -112,8 +112,12 @@ def test_the_backend_routes_quantized_caches_through_the_extension(extension, mo
     backend.write_kv_cache(query[:, :2], query[:, 2:], *caches[:2], meta.slot_mapping, *caches[2:])
     backend.attention(query, *caches[:2], meta, 0.125, *caches[2:])
     assert calls == ["write", "attention"]
-    backend.attention(query.bfloat16(), *caches[:2], meta, 0.125, *caches[2:])
-    assert len(calls) == 2, "a bf16 query takes the torch path"
+    out = backend.attention(query.bfloat16(), *caches[:2], meta, 0.125, *caches[2:])
+    assert len(calls) == 3, "a bf16 query (a bf16 model's) takes the C++ kernel too"
+    expected = ref.paged_attention(query.bfloat16().float(), *caches[:2], meta, 0.125, *caches[2:])
+    torch.testing.assert_close(out.float(), expected, atol=2**-8, rtol=2**-8)
+    backend.attention(query.half(), *caches[:2], meta, 0.125, *caches[2:])
+    assert len(calls) == 3, "an fp16 query takes the torch path"
 
 
 @pytest.mark.parametrize(

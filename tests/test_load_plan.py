@@ -43,9 +43,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-plan"))
 
 
-def engine_config(quantization: str = "none", **cache: object) -> EngineConfig:
+def engine_config(
+    quantization: str = "none", dtype: torch.dtype = torch.float32, **cache: object
+) -> EngineConfig:
     sizing = {"block_size": 16, "memory_bytes": 4 * MIB, "fit_to_sequences": True, **cache}
-    return EngineConfig(quantization=quantization, cache=CacheConfig(**sizing), max_num_seqs=4)
+    return EngineConfig(quantization=quantization, dtype=dtype, cache=CacheConfig(**sizing), max_num_seqs=4)
 
 
 def held_bytes(engine: Engine) -> tuple[int, int]:
@@ -78,9 +80,11 @@ def _opaque(tensor: torch.Tensor) -> bool:
     return False
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_plan_matches_the_engine_it_describes(tiny_dir: Path, quantization: str):
-    config = engine_config(quantization)
+@pytest.mark.parametrize(
+    ("quantization", "dtype"), [("none", torch.float32), ("int8", torch.float32), ("none", torch.bfloat16)]
+)
+def test_plan_matches_the_engine_it_describes(tiny_dir: Path, quantization: str, dtype: torch.dtype):
+    config = engine_config(quantization, dtype)
     checkpoint = open_checkpoint(tiny_dir)
     plan = check_memory(checkpoint, [("engine", config)], limit=MemoryLimit(1 << 40, "test"), available=None)
     engine = Engine.from_pretrained(tiny_dir, config)
@@ -94,6 +98,9 @@ def test_plan_matches_the_engine_it_describes(tiny_dir: Path, quantization: str)
     assert ("int8" in process.weights) == (quantization == "int8")
     if quantization == "none" and engine.platform.cpu_linears:
         assert process.weights[KERNEL_COPIES] > 0
+    if dtype == torch.bfloat16:
+        # The bf16 kernels read the weights as loaded: no second copy beside them.
+        assert set(process.weights) == {"bf16"}
 
 
 @pytest.mark.parametrize("tied", [False, True])
