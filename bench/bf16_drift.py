@@ -29,16 +29,24 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def load(model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> Engine:
-    config = EngineConfig(dtype=dtype, quantization=quantization, cache=CacheConfig(block_size=16, num_blocks=256))
+    config = EngineConfig(
+        dtype=dtype, quantization=quantization, cache=CacheConfig(block_size=16, num_blocks=256)
+    )
     return Engine.from_pretrained(model_dir, config)
 
 
 def model_bytes(engine: Engine) -> int:
-    """Bytes of distinct storages the model holds (tied weights and the kernels' copies counted once)."""
+    """Bytes of distinct storages the model holds: tied weights once, oneDNN's opaque blocked copies (fp32)
+    by their elements."""
     storages: dict[int, int] = {}
     for module in engine.model.modules():
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]:
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+        tensors = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.is_mkldnn:
+                storages[id(tensor)] = tensor.numel() * tensor.element_size()
+            else:
                 storage = tensor.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -74,8 +74,8 @@ class AttentionBackend(ABC):
 
 class TorchBackend(AttentionBackend):
     """The CPU path: the C++ kernels (`kernels.cpu_extension`) when they are built and the tensors
-    are on the CPU, fp32 (or, for attention and the cache write, bf16), else the torch reference
-    (batched gather for decode-only attention, one sequence at a time otherwise)."""
+    are fp32 or bf16 on the CPU, else the torch reference (batched gather for decode-only attention,
+    one sequence at a time otherwise)."""
 
     name = "torch"
 
@@ -121,16 +121,23 @@ class TorchBackend(AttentionBackend):
         return ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scales, v_scales, window)
 
     def rms_norm(self, x, weight, eps, residual=None):
-        if self._native(x, weight) and (residual is None or self._native(residual)):
+        rows = (x, weight) if residual is None else (x, weight, residual)
+        if self._native(*rows):
             return self._extension.rms_norm(x, weight, eps, residual)
+        if self._native(*rows, dtypes=(torch.bfloat16,)):
+            return self._extension.rms_norm_bf16(x, weight, eps, residual)
         return ref.rms_norm(x, weight, eps, residual)
 
     def apply_rope(self, query, key, cos, sin):
         if self._native(query, key, cos):
             return self._extension.apply_rope(query, key, cos, sin)
+        if self._native(query, key, cos, sin, dtypes=(torch.bfloat16,)):
+            return self._extension.apply_rope_bf16(query, key, cos, sin)
         return ref.apply_rope(query, key, cos, sin)
 
     def silu_and_mul(self, gate_up):
         if self._native(gate_up):
             return self._extension.silu_and_mul(gate_up)
+        if self._native(gate_up, dtypes=(torch.bfloat16,)):
+            return self._extension.silu_and_mul_bf16(gate_up)
         return ref.silu_and_mul(gate_up)

@@ -38,6 +38,7 @@ CPU_DIR = Path(__file__).parent / "cpu"
 SOURCES = [
     CPU_DIR / "paged_attention.cpp",
     CPU_DIR / "fused_ops.cpp",
+    CPU_DIR / "fused_ops_bf16.cpp",
     CPU_DIR / "gemv.cpp",
     CPU_DIR / "gemv_int8.cpp",
     CPU_DIR / "gemv_q8_0.cpp",

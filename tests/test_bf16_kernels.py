@@ -116,3 +116,63 @@ def test_use_bf16_linears_gives_the_head_fp32_logits_and_keeps_the_tie(extension
     assert model.lm_head.fp32_out and model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     logits = model.lm_head(torch.randn(GEMV_MAX_ROWS + 3, 16).bfloat16())
     assert logits.dtype == torch.float32
+
+
+def assert_bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to the reference but for rare last-bit flips (an fp32 reduction order or `exp` that a bf16
+    rounding shows), never more than one bf16 step apart."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    assert (got == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_matches_the_reference(extension, rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen).bfloat16()[:, :96]  # strided rows, as a view would be
+    weight = torch.randn(96, generator=gen).bfloat16()
+    residual = torch.randn(rows, 96, generator=gen).bfloat16() if with_residual else None
+    got = extension.rms_norm_bf16(x, weight, 1e-5, residual)
+    expected = ref.rms_norm(x, weight, 1e-5, residual)
+    assert_bf16_close(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])  # the residual sum is one rounding on both sides
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_bf16_rope_matches_the_reference_exactly(extension, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 64, generator=gen).bfloat16()
+    q, k = qkv[:, : 6 * 64].view(tokens, 6, 64), qkv[:, 6 * 64 : 8 * 64].view(tokens, 2, 64)
+    angles = torch.randn(tokens, 64, generator=gen)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got = extension.apply_rope_bf16(q, k, cos, sin)
+    for a, b in zip(got, ref.apply_rope(q, k, cos, sin), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_bf16_silu_and_mul_matches_the_reference(extension, rows):
+    gate_up = (torch.randn(rows, 2 * 300, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    assert_bf16_close(extension.silu_and_mul_bf16(gate_up), ref.silu_and_mul(gate_up))
+
+
+def test_backend_routes_bf16_small_ops_through_the_extension(extension, monkeypatch):
+    from kernels.backend import TorchBackend
+
+    calls = []
+    backend = TorchBackend(extension)
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(extension, name)
+
+    monkeypatch.setattr(backend, "_extension", Spy())
+    x = torch.randn(3, 32).bfloat16()
+    backend.rms_norm(x, torch.ones(32).bfloat16(), 1e-5, x)
+    backend.silu_and_mul(x)
+    q = x.view(3, 2, 16)
+    backend.apply_rope(q, q, x[:, :16], x[:, :16])
+    backend.rms_norm(x.half(), torch.ones(32).half(), 1e-5)
+    assert calls == ["rms_norm_bf16", "silu_and_mul_bf16", "apply_rope_bf16"]

@@ -137,4 +137,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instruction set linear_bf16_gemv runs on: avx512_bf16, avx512, avx2 or portable");
   m.def("bf16_gemv_isas", &bf16_gemv_isas, "the instruction sets linear_bf16_gemv can run on this CPU");
   m.def("set_bf16_gemv_isa", &set_bf16_gemv_isa, "for tests: run linear_bf16_gemv on another of bf16_gemv_isas()");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "optional residual add, then RMSNorm (bf16, fp32 statistics)",
+        call_guard<gil_scoped_release>());
+  m.def("apply_rope_bf16", &apply_rope_bf16, "rotate-half RoPE on q and k (bf16)", call_guard<gil_scoped_release>());
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up (bf16)", call_guard<gil_scoped_release>());
 }

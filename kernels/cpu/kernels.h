@@ -196,3 +196,10 @@ torch::Tensor linear_bf16_gemv(torch::Tensor x, torch::Tensor weight, std::optio
 std::string bf16_gemv_isa();
 std::vector<std::string> bf16_gemv_isas();
 void set_bf16_gemv_isa(const std::string& name);
+// rms_norm, apply_rope and silu_and_mul for bf16 activations, rounding to bf16 where torch's bf16 ops do
+// (fused_ops_bf16.cpp).
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps,
+                                                       std::optional<torch::Tensor> residual);
+std::tuple<torch::Tensor, torch::Tensor> apply_rope_bf16(torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                                                         torch::Tensor sin);
+torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
