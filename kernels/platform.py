@@ -13,7 +13,8 @@ quantized layer, the head included, runs its torch reference). On the CPU: the C
 switched off or unbuildable, torch attention over them (Triton's under the interpreter when asked), the
 int8 GEMV/GEMM for quantized layers and head, for fp32 models the GEMV/oneDNN linears, the greedy LM
 head of narrow models and the decoder stack, and for bf16 models the bf16 GEMV/oneDNN linears with an
-fp32-logit LM head (attention and the cache write read a bf16 cache; the small ops run torch's).
+fp32-logit LM head, with the attention, cache write and small ops in their bf16 C++ forms (no decoder
+stack: it is fp32's).
 """
 
 from __future__ import annotations
