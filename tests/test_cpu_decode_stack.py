@@ -261,7 +261,7 @@ def test_cache_write_refuses_slots_it_cannot_write(extension, slots, message):
         extension.write_kv_cache(key, value, k_cache, v_cache, slots)
 
 
-def test_backend_writes_fp32_in_cpp_and_other_dtypes_through_the_reference(extension, monkeypatch):
+def test_backend_writes_fp32_and_bf16_in_cpp_and_other_dtypes_through_the_reference(extension, monkeypatch):
     calls = []
     backend = TorchBackend(extension)
     original = backend._extension
@@ -277,5 +277,8 @@ def test_backend_writes_fp32_in_cpp_and_other_dtypes_through_the_reference(exten
     backend.write_kv_cache(key, value, k_cache, v_cache, slots)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     backend.write_kv_cache(key.bfloat16(), value.bfloat16(), k16, v16, slots)
-    assert calls == [torch.float32]
     assert torch.equal(k16.view(32, 2, 64)[9], key[1].bfloat16())
+    half = k_cache.half(), v_cache.half()
+    backend.write_kv_cache(key.half(), value.half(), *half, slots)
+    assert calls == [torch.float32, torch.bfloat16]
+    assert torch.equal(half[0].view(32, 2, 64)[9], key[1].half())
