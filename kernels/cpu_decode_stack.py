@@ -14,9 +14,9 @@ runs by row count as its module does: fp32 weights on the GEMV up to `cpu_linear
 and on oneDNN over the blocked weight beyond (`CpuLinear`; without oneDNN linears the stack takes only
 steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
 `int8_linear.GEMV_MAX_ROWS`), Q8_0 weights on their GEMV (`Q8_0Linear`: exact up to
-`q8_0_linear.GEMV_MAX_ROWS` rows, past which the module dequantizes for a torch GEMM the stack does not
-run; w8a8 at any rows). A Q8_0 linear goes in as its segments, each the module's view of the mapped
-GGUF, with the output column of every stored row (`_q8_0_weights`). At a batch of 128 on a small model
+`q8_0_linear.GEMV_MAX_ROWS` rows, past which the per-op path runs the module; w8a8 at any rows). A
+Q8_0 linear goes in as its segments, each the module's view of the mapped GGUF, with the output column
+of every stored row (`_q8_0_weights`). At a batch of 128 on a small model
 the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels"). Longer
 prefill chunks, other dtypes and GPUs keep the per-op path, which stays the reference.
 

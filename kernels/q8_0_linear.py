@@ -10,12 +10,15 @@ llama.cpp's converter stores q/k rows interleaved for its RoPE; rather than copy
 Hugging Face order, a segment keeps an output order and gathers its output columns (a few hundred
 floats a token) after the matmul.
 
-On the CPU with fp32 activations, up to `GEMV_MAX_ROWS` rows (decode steps), the C++ extension's
-`linear_q8_0_gemv` reads the blocks in place (`kernels/cpu/gemv_q8_0.cpp`; AVX-512, AVX2 or portable).
-On CUDA the Triton kernels of `kernels.triton_q8_0` read the blocks in place.
-Everywhere else the torch reference runs: it dequantizes each segment (`d * q` in fp32 is exact: an
-11-bit by 8-bit product) and multiplies in the activations' dtype, fp32 being the exact mode. Both compute
-what `transformers` computes on the dequantized GGUF, up to summation order.
+On the CPU with fp32 activations the C++ extension's `linear_q8_0_gemv` reads the blocks in place
+(`kernels/cpu/gemv_q8_0.cpp`; AVX-512, AVX2 or portable) at any row count: a step's cost then grows with
+its tokens at the rate the engine measures at start (`engine.step_cost` probes steps of up to 32 tokens),
+so the token budget it fits holds for larger steps too. Dequantizing a whole weight for one GEMM past
+32 rows was that fast only while the weight fit the caches: at 8 B a 64-token step rewrote every weight
+in fp32 and ran past the 30 s engine heartbeat. On CUDA the Triton kernels of `kernels.triton_q8_0`
+read the blocks in place. Everywhere else the torch reference runs: it dequantizes each segment (`d * q`
+in fp32 is exact: an 11-bit by 8-bit product) and multiplies in the activations' dtype, fp32 being the
+exact mode. Both compute what `transformers` computes on the dequantized GGUF, up to summation order.
 
 A layer built with `w8a8=True` (`--quantization w8a8_int8` on a GGUF) quantizes its activations per
 block of 32 instead, as llama.cpp does (`kernels.q8_0_w8a8`): the extension's `linear_q8_0_w8a8` at any
@@ -33,8 +36,7 @@ from torch import nn
 
 from kernels.q8_0_w8a8 import q8_0_w8a8_reference
 
-# Most rows of x the C++ GEMV takes; beyond it, dequantizing once for one GEMM is the faster (2048 x 2048,
-# one thread: GEMV 5.7 / 11.2 ms, reference 8.2 / 10.1 ms at 32 / 64 rows; AMD EPYC, 2 cores).
+# Most rows of x the decode stack's one-region path runs on the exact GEMV (`kernels.cpu_decode_stack`).
 GEMV_MAX_ROWS = 32
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = 34
@@ -149,7 +151,7 @@ class Q8_0Linear(nn.Module):
         if self.w8a8:
             run = self._w8a8 if cpu_kernel else q8_0_w8a8_linear_reference
         else:
-            run = self._gemv if cpu_kernel and x.shape[0] <= GEMV_MAX_ROWS else q8_0_linear_reference
+            run = self._gemv if cpu_kernel else q8_0_linear_reference
         outputs = [run(x, weight) for _, weight in self.segments]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias.to(out.dtype)

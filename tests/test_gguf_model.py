@@ -166,7 +166,8 @@ def test_q8_0_gemv_every_instruction_set_matches_float64(extension, isa: str):
         extension.set_gemv_isa(best)
 
 
-def test_q8_0_layer_runs_the_gemv_for_decode_rows_and_the_reference_beyond(extension):
+def test_q8_0_layer_runs_the_gemv_at_every_row_count(extension):
+    """Past the decode stack's rows too: a step's cost then grows at the rate measured at start."""
     generator = torch.Generator().manual_seed(2)
     dense = torch.randn(48, 128, generator=generator)
     blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
@@ -174,9 +175,12 @@ def test_q8_0_layer_runs_the_gemv_for_decode_rows_and_the_reference_beyond(exten
     layer.load_blocks(0, Q8_0Weight(blocks, 128, unpermute_order(48, 3)))
     weight = layer.segments[0][1].dequantize().double()
     layer.extension = extension
-    for tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+    for tokens in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 3 * GEMV_MAX_ROWS + 5):
         x = torch.randn(tokens, 128, generator=generator)
-        _assert_fp32_accurate(layer(x), x, weight)
+        out = layer(x)
+        _assert_fp32_accurate(out, x, weight)
+        gemv = extension.linear_q8_0_gemv(x, blocks, None)[:, unpermute_order(48, 3)]
+        assert torch.equal(out, gemv)
 
 
 def test_config_tokenizer_and_template_come_from_the_metadata(gguf_files, tmp_path: Path):
