@@ -66,6 +66,8 @@ TYPE_NAMES = {
     torch.float8_e4m3fn: "fp8",
 }
 STORED_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8", "F8_E4M3": "fp8"}
+# Weight types held as views of the memory-mapped checkpoint, not copies: a GGUF's Q8_0 blocks.
+MAPPED_TYPES = frozenset({"q8_0"})
 # The weights' entry for oneDNN's blocked copies of the fp32 linears (`kernels.cpu_linear`).
 KERNEL_COPIES = "fp32 kernel copies"
 
@@ -105,11 +107,11 @@ class LoadPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(process.total_bytes for process in self.processes)
+        return self.weight_bytes + self.kv_bytes + self.runtime_bytes
 
     @property
     def weight_bytes(self) -> int:
-        return sum(process.weight_bytes for process in self.processes)
+        return sum(self.weights_by_type().values())
 
     @property
     def kv_bytes(self) -> int:
@@ -120,11 +122,13 @@ class LoadPlan:
         return sum(process.runtime_bytes for process in self.processes)
 
     def weights_by_type(self) -> dict[str, int]:
-        """Resident weight bytes of every process together, by type."""
+        """Resident weight bytes of every process together, by type; weights used from the mapped file
+        (`MAPPED_TYPES`) once, since the processes of one command map the same file and share its pages."""
         merged: dict[str, int] = {}
         for process in self.processes:
             for kind, nbytes in process.weights.items():
-                merged[kind] = merged.get(kind, 0) + nbytes
+                together = max if kind in MAPPED_TYPES else sum
+                merged[kind] = together((merged.get(kind, 0), nbytes))
         return merged
 
     def summary(self) -> str:

@@ -121,6 +121,22 @@ def test_plan_counts_a_q8_0_gguf_as_stored(tmp_path: Path, tied: bool):
     assert process.weights["q8_0"] > 0
 
 
+def test_processes_of_one_command_count_a_mapped_gguf_once(tmp_path: Path):
+    """Both tiers of `tandem up` map one Q8_0 file: its pages are resident once, whatever each process's
+    own RSS says (the bench's PSS: 12.6 GiB for an 8 B pair whose RSS sum was 20.1)."""
+    path = tmp_path / "pair.Q8_0.gguf"
+    write_tiny_gguf(path, GGMLQuantizationType.Q8_0)
+    config = engine_config()
+    roles = [("prefill", config), ("decode core", config), ("decode front door", None)]
+    plan = check_memory(open_checkpoint(path), roles, limit=MemoryLimit(1 << 40, "t"), available=None)
+    prefill, core, front = plan.processes
+    assert prefill.weights["q8_0"] == core.weights["q8_0"] > 0
+    assert plan.weights_by_type()["q8_0"] == core.weights["q8_0"]
+    assert plan.weights_by_type()["fp32"] == prefill.weights["fp32"] + core.weights["fp32"]
+    each = prefill.total_bytes + core.total_bytes + front.total_bytes
+    assert plan.total_bytes == each - core.weights["q8_0"]
+
+
 def test_plan_counts_each_process_of_the_command(tiny_dir: Path):
     config = engine_config()
     checkpoint = open_checkpoint(tiny_dir)
