@@ -39,10 +39,13 @@ from bench.report import results_dir
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("tandem-int8", "tandem-q8_0", "llama-server-q8_0")
-OPTIONAL_SYSTEMS = ("tandem-up-q8_0", "llama-server-q4_k_m")
+OPTIONAL_SYSTEMS = ("tandem-q8_0-w8a8", "tandem-up-q8_0", "llama-server-q4_k_m")
 PROMPT_TOKENS = 32
 STREAMS = 4
 SAMPLE_S = 0.2
+# The decoding streams of the long-prompt probe ask for the servers' usual cap and are cancelled once the
+# long prompt has its first tokens.
+LONG_PROBE_STREAM_TOKENS = 4096
 # Random prompts draw ids above the special tokens and below SmolLM2's vocabulary.
 MIN_TOKEN_ID, VOCAB = 100, 49152
 
@@ -196,7 +199,7 @@ async def decode_rates(backend, output_tokens: int) -> dict:
 
 async def long_prompt_probe(backend, prompt_len: int) -> dict:
     """Four streams decode; a `prompt_len` prompt arrives; the longest token gap of any stream meanwhile."""
-    streams = _requests(STREAMS, PROMPT_TOKENS, 100_000, seed=3)
+    streams = _requests(STREAMS, PROMPT_TOKENS, LONG_PROBE_STREAM_TOKENS, seed=3)
     records = [_record(r) for r in streams]
     tasks = [
         asyncio.create_task(_stream_into(backend, r, f"ladder-bg-{r.index}", record))
@@ -264,6 +267,8 @@ def _server(system: str, rung, args: argparse.Namespace, tools):
         model, extra = str(ladder_models.checkpoint_dir(rung)), ["--quantization", "int8"]
     elif system == "tandem-q8_0":
         model, extra = q8_0, []
+    elif system == "tandem-q8_0-w8a8":
+        model, extra = q8_0, ["--quantization", "w8a8_int8"]
     else:
         raise ValueError(f"unknown system {system!r}")
     server, target = tandem_decode_server(system, model, args.threads, [*extra, *kv])
