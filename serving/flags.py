@@ -36,7 +36,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory (safetensors, config, tokenizer) or a fetched model's name, e.g. gemma-3-270m "
         "(default: SmolLM2-135M-Instruct from the cache; run `tandem fetch-model [NAME]` first)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights, activations and KV cache: float32 (exact parity with transformers), bfloat16 (half "
+        "the memory; fp32 sums, norms, softmax and logits; C++ kernels on the CPU; drifts from float32 by "
+        "bf16 rounding) or float16 (torch ops on the CPU) (default: float32)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument(
         "--quantization",
