@@ -39,7 +39,7 @@ from bench.report import results_dir
 logger = logging.getLogger(__name__)
 
 SYSTEMS = ("tandem-int8", "tandem-q8_0", "llama-server-q8_0")
-OPTIONAL_SYSTEMS = ("tandem-q8_0-w8a8", "tandem-up-q8_0", "llama-server-q4_k_m")
+OPTIONAL_SYSTEMS = ("tandem-w8a8-int8", "tandem-q8_0-w8a8", "tandem-up-q8_0", "llama-server-q4_k_m")
 PROMPT_TOKENS = 32
 STREAMS = 4
 SAMPLE_S = 0.2
@@ -180,6 +180,22 @@ def _median_tpot(records) -> float | None:
     return statistics.median(tpots) if tpots else None
 
 
+def together_rate(records) -> float | None:
+    """Tokens per second of all streams while every one of them decodes: from the last stream's first
+    token to the first stream's last. The TPOT-based rate also holds the steps that prefill the other
+    prompts, which a server chunking prefill into decode steps (tandem, vLLM) spreads over the first
+    tokens and a server prefilling every waiting prompt first (llama.cpp) does not."""
+    done = [r for r in records if r.ok and len(r.chunk_times) > 1]
+    if len(done) < len(records) or not done:
+        return None
+    start = max(r.chunk_times[0] for r in done)
+    end = min(r.chunk_times[-1] for r in done)
+    tokens = sum(
+        n for r in done for at, n in zip(r.chunk_times, r.chunk_tokens, strict=True) if start < at <= end
+    )
+    return tokens / (end - start) if end > start and tokens else None
+
+
 async def decode_rates(backend, output_tokens: int) -> dict:
     """Single-stream and four-stream decode tok/s (from the median time per output token)."""
     await _timed(backend, _requests(1, 8, 4, seed=99)[0], "ladder-warmup")
@@ -193,6 +209,7 @@ async def decode_rates(backend, output_tokens: int) -> dict:
     return {
         "single_tok_s": 1 / single_tpot if single_tpot else None,
         "four_streams_tok_s": STREAMS / four_tpot if four_tpot else None,
+        "four_together_tok_s": together_rate(four),
         "errors": [r.error for r in [*single, *four] if r.error],
     }
 
@@ -265,6 +282,8 @@ def _server(system: str, rung, args: argparse.Namespace, tools):
         return server, TandemBackend(target, system)
     if system == "tandem-int8":
         model, extra = str(ladder_models.checkpoint_dir(rung)), ["--quantization", "int8"]
+    elif system == "tandem-w8a8-int8":
+        model, extra = str(ladder_models.checkpoint_dir(rung)), ["--quantization", "w8a8_int8"]
     elif system == "tandem-q8_0":
         model, extra = q8_0, []
     elif system == "tandem-q8_0-w8a8":
@@ -330,8 +349,9 @@ def table(runs: list[dict], host: str) -> str:
         f"Host: {host}. Each system alone, one after another.",
         "",
         "| rung | system | ready s | plan GiB | peak RSS GiB | idle RSS GiB | idle PSS GiB | 1 stream tok/s "
-        "| 4 streams tok/s | peak vs llama Q8_0 | 1 stream vs | 4 streams vs | long prompt: max gap s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| 4 streams tok/s | 4 together tok/s | peak vs llama Q8_0 | 1 stream vs | 4 streams vs "
+        "| 4 together vs | long prompt: max gap s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     peers = {run["rung"]: run for run in runs if run["system"] == "llama-server-q8_0" and "error" not in run}
     for run in runs:
@@ -349,11 +369,12 @@ def table(runs: list[dict], host: str) -> str:
             f"| {run['rung']} | {run['system']} | {run.get('ready_s', 0):.0f} "
             f"| {_gib(run.get('plan_bytes'))} | {_gib(run['peak_tree_rss'])} "
             f"| {_gib(idle_rss)} | {_gib(idle_pss)} | {_rate(run.get('single_tok_s'))} "
-            f"| {_rate(run.get('four_streams_tok_s'))} | {ratio('peak_tree_rss')} | {ratio('single_tok_s')} "
-            f"| {ratio('four_streams_tok_s')} | {_rate(long_gap)} |"
+            f"| {_rate(run.get('four_streams_tok_s'))} | {_rate(run.get('four_together_tok_s'))} "
+            f"| {ratio('peak_tree_rss')} | {ratio('single_tok_s')} | {ratio('four_streams_tok_s')} "
+            f"| {ratio('four_together_tok_s')} | {_rate(long_gap)} |"
         )
         if "error" in run:
-            lines.append(f"| | ↳ {run['error'][:150]} | | | | | | | | | | | |")
+            lines.append(f"| | ↳ {run['error'][:150]} | | | | | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
