@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health) on this port, same host, TLS and token (default: off)",
+        "/v1/responses, /v1/models, /health) on this port, same host, TLS and token (default: off)",
     )
     parser.add_argument(
         "--http-max-connections",
@@ -63,6 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds an HTTP client has to send a whole request, headers and body; slower ones get 408 "
         "and are closed (default: 30)",
+    )
+    parser.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="keep finished /v1/responses answers in memory, per tenant (--tenant-header), for "
+        "previous_response_id and GET /v1/responses/{id} (default: off; store: true then keeps nothing "
+        "and previous_response_id is refused)",
+    )
+    parser.add_argument(
+        "--responses-store-bytes",
+        default="64MiB",
+        metavar="SIZE",
+        help="memory the stored responses may take in all, oldest dropped first (e.g. 64MiB, 1GiB; "
+        "default: 64MiB)",
+    )
+    parser.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="seconds a stored response is kept (default: 3600)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -423,6 +444,9 @@ def service_config_from_args(args: argparse.Namespace) -> DecodeServiceConfig:
         http_port=args.http_port,
         http_max_connections=args.http_max_connections,
         http_read_timeout_s=args.http_read_timeout,
+        enable_responses_store=args.enable_responses_store,
+        responses_store_bytes=parse_memory_size(args.responses_store_bytes),
+        responses_store_ttl_s=args.responses_store_ttl,
         served_model_name=args.served_model_name,
         policy=args.policy,
         tenant_weights=parse_tenant_weights(args.tenant_weights),

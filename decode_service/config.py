@@ -42,6 +42,9 @@ class DecodeServiceConfig(ServerConfig):
     http_port: int | None = None
     http_max_connections: int = 4096
     http_read_timeout_s: float = 30.0
+    enable_responses_store: bool = False
+    responses_store_bytes: int = 64 * 2**20
+    responses_store_ttl_s: float = 3600.0
     served_model_name: str | None = None
     policy: str = "fifo"
     tenant_weights: Mapping[str, float] = field(default_factory=dict)

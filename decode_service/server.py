@@ -30,6 +30,7 @@ from decode_service.front_door.constraints import Constraints
 from decode_service.front_door.generation import Generations
 from decode_service.front_door.openai_http.app import OpenAIRoutes
 from decode_service.front_door.openai_http.connections import ConnectionLimits
+from decode_service.front_door.openai_http.response_store import ResponseStore
 from decode_service.front_door.openai_http.server import HttpServer
 from decode_service.front_door.servicer import GenerationServicer
 from decode_service.front_door.streams import StreamHub, StreamIntervalBuffer
@@ -126,6 +127,9 @@ class DecodeServer(TierServer):
                 MAX_HTTP_BODY_BYTES,
                 lambda: self._http_serving,
                 self.metrics.registry,
+                ResponseStore(config.responses_store_bytes, config.responses_store_ttl_s)
+                if config.enable_responses_store
+                else None,
             )
             limits = ConnectionLimits(
                 # Half the descriptors at most: the gRPC port, model files and prefill calls need theirs.

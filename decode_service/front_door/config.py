@@ -16,7 +16,9 @@ and grammars then apply only after `</think>`. `served_model_name` is the model 
 
 `HttpConfig`: the OpenAI-compatible HTTP API on the same host, process and engine (`http_port` None:
 off), and against slow or piled-up clients the open connections it holds at most and the seconds a
-client has to send a whole request.
+client has to send a whole request. `enable_responses_store` keeps finished Responses API answers in
+memory for `previous_response_id` and `GET /v1/responses/{id}`: at most `responses_store_bytes`, each
+for `responses_store_ttl_s` seconds (see `openai_http.response_store`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class HttpConfig:
     http_port: int | None = None
     http_max_connections: int = 4096
     http_read_timeout_s: float = 30.0
+    enable_responses_store: bool = False
+    responses_store_bytes: int = 64 * 2**20
+    responses_store_ttl_s: float = 3600.0
 
     def validate(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -73,3 +78,7 @@ class HttpConfig:
             raise ConfigError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
         if not self.http_read_timeout_s > 0:
             raise ConfigError(f"http_read_timeout_s must be > 0, got {self.http_read_timeout_s}")
+        if self.responses_store_bytes < 1:
+            raise ConfigError(f"responses_store_bytes must be >= 1, got {self.responses_store_bytes}")
+        if not self.responses_store_ttl_s > 0:
+            raise ConfigError(f"responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")

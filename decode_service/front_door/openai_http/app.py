@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, GET /health,
-and GET /metrics (the server's Prometheus registry, where gateways scrape a vLLM server).
+"""The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, the
+Responses API (`responses_routes`), GET /health, and GET /metrics (the server's Prometheus registry, where
+gateways scrape a vLLM server).
 
 Each request is translated (`protocol`), run through the same `Generations` as a gRPC call, and answered
 from its `GenerateResponse`s (`responses`), as one JSON body or as server-sent events ending with
@@ -44,7 +45,14 @@ from decode_service.front_door.openai_http.models import (
     CompletionRequest,
 )
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
+from decode_service.front_door.openai_http.response_store import ResponseStore
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
+from decode_service.front_door.openai_http.responses_api_models import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from decode_service.front_door.openai_http.responses_routes import ResponsesRoutes
 from protos.tandem.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -127,6 +135,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> asyncio.
 _BODIES: dict[str, tuple[type, type, type]] = {
     "/v1/completions": (CompletionRequest, Completion, CompletionChunk),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+    "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent),
 }
 
 
@@ -165,9 +174,12 @@ class OpenAIRoutes:
         max_body_bytes: int,
         is_serving: Callable[[], bool],
         metrics: CollectorRegistry | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
-        """`metrics`: the registry `GET /metrics` serves (None: no such route)."""
+        """`metrics`: the registry `GET /metrics` serves (None: no such route); `response_store`: where
+        the Responses API keeps responses (None: it keeps none)."""
         self._generations = generations
+        self._response_store = response_store
         self._metrics = metrics
         self.model = served_model_name
         self._tokens = BearerTokens(auth_token) if auth_token else None
@@ -188,6 +200,16 @@ class OpenAIRoutes:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        ResponsesRoutes(
+            self._generations,
+            self.model,
+            self._response_store,
+            lambda request: _read_json(request, self._max_body_bytes, self._generations.config.limits),
+            self._authorize,
+            _unless_disconnected,
+            self._error,
+            REQUEST_ID_HEADER,
+        ).register(app)
         app.openapi = lambda: _openapi(app)
         if self._metrics is not None:
             app.add_api_route("/metrics", self.metrics, methods=["GET"])

@@ -32,6 +32,15 @@ class BodyTooLargeError(TandemError):
     """The request body exceeds the server's message size limit (413)."""
 
 
+class ResponseNotFoundError(TandemError):
+    """No stored response has the id the request names, for this tenant (404, as OpenAI answers); `param`
+    names the field that gave the id (None: the URL's path)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class FieldError(InvalidRequestError):
     """A request field of the wrong JSON type or shape; `param` names it for the error body, and the
     message starts with it."""
@@ -69,6 +78,7 @@ _HTTP_ONLY: tuple[tuple[type[TandemError], int, str, str], ...] = (
     (ModelNotServedError, 404, "not_found_error", "model_not_found"),
     (UnauthorizedError, 401, "authentication_error", "invalid_api_key"),
     (BodyTooLargeError, 413, "invalid_request_error", "request_too_large"),
+    (ResponseNotFoundError, 404, "invalid_request_error", "response_not_found"),
 )
 
 
@@ -81,7 +91,7 @@ def http_error(error: Exception, param_for: Callable[[str], str] | None = None) 
     maps a gRPC field path to the request's HTTP parameter (`OpenAIRequest.param_for`)."""
     for error_type, status, kind, code in _HTTP_ONLY:
         if isinstance(error, error_type):
-            return status, error_body(str(error), kind, code)
+            return status, error_body(str(error), kind, code, getattr(error, "param", None))
     grpc_code, message = status_for(error)
     status, kind = _BY_GRPC_STATUS.get(grpc_code, (500, "server_error"))
     if status == 500:

@@ -415,9 +415,14 @@ _KINDS = {
     "dict_type": "must be an object, got {value!r}",
     "model_type": "must be an object, got {value!r}",
     "missing": "is required",
+    "too_short": "must not be empty, got {value!r}",
+    "string_too_short": "must not be empty, got {value!r}",
     "content": "must be a string or an array of text parts, got {value!r}",
     "tool_choice": 'must be "none", "auto", "required" or {{"type": "function", "function": '
     '{{"name": ...}}}}, got {value!r}',
+    "responses_input": "must be a non-empty string or a non-empty array of input items, got {value!r}",
+    "responses_tool_choice": 'must be "none", "auto", "required" or {{"type": "function", "name": ...}}, '
+    "got {value!r}",
 }
 # Fields whose every error, at the field or inside it, reads as one message about the whole field
 # (`{value}`: the field's value, `{element}`: the part at fault).
@@ -430,17 +435,19 @@ _WHOLE = {
     "guided_choice": "must be a non-empty array of strings, got {value!r}",
     "choice": "must be a non-empty array of strings, got {value!r}",
 }
-_RANGE_ERRORS = ("less_than", "greater_than_equal")
+_RANGE_ERRORS = ("less_than", "less_than_equal", "greater_than", "greater_than_equal")
 
 
 def _models(base: type[_Body]) -> list[type[_Body]]:
     return [base, *(model for sub in base.__subclasses__() for model in _models(sub))]
 
 
-# Every key any request object declares, as the client spells it: what a validation error's path is made of.
-_FIELD_NAMES = frozenset(
-    field.alias or name for model in _models(_Body) for name, field in model.model_fields.items()
-)
+def _field_names() -> frozenset[str]:
+    """Every key any request object declares, as the client spells it: what a validation error's path is
+    made of. Read on the error path, so request models of other modules (other APIs) count as well."""
+    return frozenset(
+        field.alias or name for model in _models(_Body) for name, field in model.model_fields.items()
+    )
 
 
 def _at(param: str, child: str | int) -> str:
@@ -454,10 +461,11 @@ def field_error(error: ErrorDetails, body: Mapping[str, Any]) -> FieldError:
     (`messages[2].content`, `tools[0].function.name`) and a message starting with it."""
     param, value = "", body
     whole: str | None = None
+    field_names = _field_names()
     for step in error["loc"]:
         if (
             isinstance(step, str)
-            and step not in _FIELD_NAMES
+            and step not in field_names
             and not (isinstance(value, dict) and step in value)
         ):
             continue  # a union's tag, not a key of the body
