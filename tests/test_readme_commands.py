@@ -69,7 +69,9 @@ def test_every_generate_and_curl_line_of_the_readme_runs(server):
             ["bash", "-c", localize(line, server)], capture_output=True, text=True, timeout=180
         )
         assert result.returncode == 0, f"{line}\n{result.stderr}"
-        assert "error" not in result.stdout and result.stdout.strip(), f"{line}\n{result.stdout}"
+        # A Responses API object always carries `"error": null`; an error is an object or event.
+        failed = re.search(r'"error":\s*\{|event: error', result.stdout)
+        assert failed is None and result.stdout.strip(), f"{line}\n{result.stdout}"
     assert wait_until(server.idle)
 
 
