@@ -345,3 +345,13 @@ def test_the_response_echoes_its_request():
     assert body["tools"] == [TOOL] and body["metadata"] == {"k": "v"} and body["user"] == "ann"
     assert body["text"] == {"format": {"type": "json_object"}} and body["temperature"] == 0.2
     assert body["store"] is False
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_naming_the_parameter():
+    answer, _ = run({"input": "x"}, [message(token_ids=[1], text="a")])
+    status, body = http_error(FieldError("text.format.schema", "text.format.schema allows no token"))
+    event = answer.error_event(body)
+    assert status == 400 and event["type"] == "error"
+    assert event["param"] == "text.format.schema" and "allows no token" in event["message"]
+    assert event["sequence_number"] > 0
+    assert stream_event(event).startswith(b"event: error\n")

@@ -31,6 +31,7 @@ from decode_service.front_door.openai_http.responses_api_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
+    ReasoningItem,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -80,7 +81,7 @@ def _text(content: str | list[TextContent]) -> str:
 
 
 def _add_input_item(
-    item: MessageItem | FunctionCallItem | FunctionCallOutputItem | Any, turns: list[pb.ChatMessage]
+    item: MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, turns: list[pb.ChatMessage]
 ) -> None:
     """Append what `item` adds to the conversation `turns`."""
     if isinstance(item, MessageItem):

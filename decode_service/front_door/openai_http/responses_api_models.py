@@ -342,7 +342,7 @@ class ResponseObject(_Shape):
 class ResponseStreamEvent(TypedDict):
     """One server-sent event's data: its `type` (also the SSE `event:` name) says which other fields it
     has (`response`, `item`, `part`, `delta`, `text`, `arguments`, with `output_index`, `content_index`
-    and `item_id` where they apply)."""
+    and `item_id` where they apply; `code`, `message` and `param` for `error`)."""
 
     type: str
     sequence_number: int
@@ -357,6 +357,10 @@ class ResponseStreamEvent(TypedDict):
     arguments: NotRequired[str]
     name: NotRequired[str]
     logprobs: NotRequired[list[Any]]
+    # The `error` event's: what broke the stream, as an error body says it.
+    code: NotRequired[str]
+    message: NotRequired[str]
+    param: NotRequired[str | None]
 
 
 class DeletedResponse(_Shape):

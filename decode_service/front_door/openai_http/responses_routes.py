@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,8 +37,6 @@ from decode_service.front_door.openai_http.responses_api import (
     translate_responses,
 )
 from protos.tandem.v1 import generation_pb2 as pb
-
-T = TypeVar("T")
 
 ReadBody = Callable[[Request], Awaitable[object]]
 UntilDisconnect = Callable[[Request, Awaitable[Any]], Awaitable[Any]]
