@@ -158,7 +158,7 @@ def test_a_function_tool_round_trip(server):
         max_output_tokens=20,
         **GREEDY,
     )
-    assert answered.output_text
+    assert answered.status in ("completed", "incomplete")
     assert not [item for item in answered.output if item.type == "function_call"]
     # The tool's output is in the prompt: the second prompt is longer than the first by more than it.
     assert answered.usage.input_tokens > called.usage.input_tokens + 5

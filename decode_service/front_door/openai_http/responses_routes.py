@@ -155,7 +155,8 @@ class ResponsesRoutes:
         keep: Callable[[], None],
     ) -> AsyncIterator[bytes]:
         """The stream's events from its first `messages` on; an engine error ends it with an `error`
-        event. The response is stored once complete (a client that left mid-stream stores nothing)."""
+        event. The response is stored once complete (a client that left mid-stream stores nothing).
+        Starlette cancels this generator when the client disconnects, which aborts the request."""
         try:
             events = answer.start()
             while messages:
@@ -164,8 +165,9 @@ class ResponsesRoutes:
                 yield b"".join(stream_event(event) for event in events)
                 events = []
                 messages = await generation.next_responses()
-            yield b"".join(stream_event(event) for event in answer.finish())
-            keep()
+            closing = answer.finish()
+            keep()  # before the last write: a client that reads it may ask for the response at once
+            yield b"".join(stream_event(event) for event in closing)
         except Exception as exc:
             yield stream_event(answer.error_event(http_error(exc)[1]))
         finally:
