@@ -11,10 +11,13 @@
 // Every step is one IEEE operation, compiled without contraction or reassociation, so
 // every instruction set gives the same bits, and so does torch, whatever the row count or thread split.
 //
-// Integer dot products: AVX-512 VNNI's `vpdpbusd` (u8 x s8) on W's bytes offset by 128 (an xor), less
-// 128 * sum(xq) of the block, precomputed per row of x; AVX2's `maddubs` on |q| against xq carrying q's
-// sign (|q| <= 128 and |xq| <= 127 keep each int16 pair sum below saturation, q = -128 included); or
-// plain loops. Eight blocks' sums are folded into one vector of eight (one per block) by `hadd`.
+// Integer dot products: AVX-512 VNNI's `vpdpbusd` (u8 x s8) on W's bytes offset by 128 (an xor), less 128 * sum(xq) of
+// the block, precomputed per row of x; AVX2's `maddubs` on |q| against xq carrying q's sign (|q| <= 128 and |xq| <= 127
+// keep each int16 pair sum below saturation, q = -128 included); or plain loops. On VNNI each lane of a vector is one
+// of 16 W rows: a block of those rows is turned (4-byte groups transposed, as it is read: the file's bytes stay as
+// stored) so that 8 `vpdpbusd`s against x's groups, broadcast, leave every row's block sum whole in its lane, and the
+// turn serves every x row of the step, where a row-at-a-time dot product needs a horizontal fold per block and per x
+// row. On AVX2 eight blocks' sums of one row are folded into one vector of eight (one per block) by `hadd`.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/types.h>
@@ -37,6 +40,8 @@ constexpr int64_t kBlockWeights = 32;
 constexpr int64_t kBlockBytes = 34;
 constexpr int64_t kLanes = 8;
 constexpr int kMaxTileRows = 4;
+// W rows of one VNNI tile: one per int32 lane of an AVX-512 vector.
+constexpr int64_t kTileRows = 16;
 
 struct Problem {
   const Q8_0Activations* x;
@@ -103,39 +108,93 @@ TANDEM_AVX2_F16C inline float reduce(__m256 acc) {
   return lanes_total(a);
 }
 
+// Block b of 16 W rows, turned so that lane l of v[g] holds bytes 4g..4g+3 of row l's block (W + 128,
+// unsigned): an 8 x 8 transpose of 4-byte groups in each 256-bit half (rows 0-7, rows 8-15).
+TANDEM_VNNI inline void turn_block(const uint8_t* const* rows, int64_t offset, __m512i* v) {
+  __m512i z[kLanes], t[kLanes], u[kLanes];
+  for (int q = 0; q < kLanes; ++q) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[q] + offset));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[q + kLanes] + offset));
+    z[q] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+  // t[2q], t[2q + 1]: rows 2q and 2q + 1 interleaved, groups (0, 1 | 4, 5) and (2, 3 | 6, 7).
+  for (int q = 0; q < kLanes / 2; ++q) {
+    t[2 * q] = _mm512_unpacklo_epi32(z[2 * q], z[2 * q + 1]);
+    t[2 * q + 1] = _mm512_unpackhi_epi32(z[2 * q], z[2 * q + 1]);
+  }
+  // u[4h + c]: group c of rows 4h..4h + 3 in 128-bit lane 0, group c + 4 in lane 1 (lanes 2, 3: rows + 8).
+  for (int h = 0; h < 2; ++h) {
+    u[4 * h] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  const __m512i offset_bytes = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm512_xor_si512(_mm512_mask_shuffle_i32x4(u[c], 0xF0F0, u[c + 4], u[c + 4], 0x80), offset_bytes);
+    v[c + 4] = _mm512_xor_si512(_mm512_mask_shuffle_i32x4(u[c + 4], 0x0F0F, u[c], u[c], 0x31), offset_bytes);
+  }
+}
+
+// W rows [r0, r0 + rows) (rows <= kTileRows; missing lanes repeat the last row and are not stored) against x
+// rows [m0, m0 + MR): each lane of a vector is one W row, so every block sum comes out of `vpdpbusd` whole,
+// each x row's 4-byte group broadcast to all lanes, and the block's turned W serves every x row of the step.
 template <int MR>
-TANDEM_VNNI void row_vnni(const Problem& p, int64_t r, int64_t m0) {
+TANDEM_VNNI void tile_vnni(const Problem& p, int64_t r0, int64_t rows, int64_t m0) {
   const Q8_0Activations& x = *p.x;
-  const int64_t blocks = x.k / kBlockWeights;
-  const uint8_t* row = p.w + r * blocks * kBlockBytes;
-  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[MR];
-  for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t blocks = x.k / kBlockWeights, row_bytes = blocks * kBlockBytes;
+  const uint8_t* row[kTileRows];
+  alignas(64) int32_t offsets[kTileRows];
+  for (int l = 0; l < kTileRows; ++l) {
+    const int64_t r = std::min<int64_t>(l, rows - 1);
+    row[l] = p.w + (r0 + r) * row_bytes;
+    offsets[l] = static_cast<int32_t>(r * row_bytes);
+  }
+  const __m512i row_at = _mm512_load_si512(offsets);
+  const uint8_t* next = p.w + (r0 + kTileRows) * row_bytes;
+  __m512 acc[MR][kLanes];
+  for (int j = 0; j < MR; ++j)
+    for (int i = 0; i < kLanes; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < blocks; b0 += kLanes) {
     const int64_t count = std::min(kLanes, blocks - b0);
-    __m256i w[kLanes];
-    for (int64_t i = 0; i < kLanes; ++i) {
-      w[i] = i < count ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                               row + (b0 + i) * kBlockBytes + 2)),
-                                           offset)
-                       : _mm256_setzero_si256();
-    }
-    const __m256 d = block_scales(row, b0, count);
-    for (int j = 0; j < MR; ++j) {
-      const int8_t* xq = x.q.data() + (m0 + j) * x.k + b0 * kBlockWeights;
-      __m256i dots[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        dots[i] = i < count ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[i],
-                                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 32)))
-                            : _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < kLanes; ++i) {
+      if (i >= count) break;
+      const int64_t b = b0 + i;
+      // The next tile's rows are the bytes after this tile's: a block's share of them (as many bytes as this
+      // block reads), so the next tile is in L2 by the time it starts.
+      const uint8_t* ahead = next + b * kTileRows * kBlockBytes;
+      for (int64_t o = 0; o < kTileRows * kBlockBytes; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+      __m512i v[kLanes];
+      turn_block(row, b * kBlockBytes + 2, v);
+      // Each lane's fp16 scale: the low half of the 4 bytes at the block's start.
+      const __m512i head = _mm512_i32gather_epi32(row_at, row[0] + b * kBlockBytes, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+      for (int j = 0; j < MR; ++j) {
+        const int8_t* xq = x.q.data() + (m0 + j) * x.k + b * kBlockWeights;
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int g = 0; g < kLanes; g += 2) {
+          int32_t four[2];
+          std::memcpy(four, xq + 4 * g, sizeof(four));
+          even = _mm512_dpbusd_epi32(even, v[g], _mm512_set1_epi32(four[0]));
+          odd = _mm512_dpbusd_epi32(odd, v[g + 1], _mm512_set1_epi32(four[1]));
+        }
+        const int64_t at = (m0 + j) * x.padded_blocks + b;
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_set1_epi32(x.offset_sums[at]));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[at])));
+        acc[j][i] = _mm512_add_ps(acc[j][i], t);
       }
-      const int64_t at = (m0 + j) * x.padded_blocks + b0;
-      const __m256i isum = _mm256_sub_epi32(
-          fold8(dots), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.offset_sums.data() + at)));
-      acc[j] = accumulate(acc[j], isum, d, x.scale.data() + at);
     }
   }
-  for (int j = 0; j < MR; ++j) store(p, r, m0 + j, reduce(acc[j]));
+  for (int j = 0; j < MR; ++j) {
+    const __m512* a = acc[j];
+    const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                                   _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+    alignas(64) float totals[kTileRows];
+    _mm512_store_ps(totals, y);
+    for (int64_t l = 0; l < rows; ++l) store(p, r0 + l, m0 + j, totals[l]);
+  }
 }
 
 template <int MR>
@@ -214,11 +273,8 @@ void row_portable(const Problem& p, int64_t r, int64_t m0) {
 
 template <int MR>
 void row(const Problem& p, int64_t r, int64_t m0) {
-  switch (w8a8_q8_0_isa()) {
-    case GemvIsa::kAvx512: return row_vnni<MR>(p, r, m0);
-    case GemvIsa::kAvx2: return row_avx2<MR>(p, r, m0);
-    case GemvIsa::kPortable: return row_portable<MR>(p, r, m0);
-  }
+  if (w8a8_q8_0_isa() == GemvIsa::kAvx2) return row_avx2<MR>(p, r, m0);
+  row_portable<MR>(p, r, m0);
 }
 
 void row_against_x(const Problem& p, int64_t r) {
@@ -254,7 +310,21 @@ void quantize_q8_0_activations(const float* x, int64_t ldx, int64_t m, int64_t k
 void q8_0_w8a8_row_range(const Q8_0Activations& x, const uint8_t* blocks, const float* bias, const int64_t* out_rows,
                          float* y, int64_t ldy, int64_t row_begin, int64_t row_end) {
   const Problem p{&x, blocks, bias, out_rows, y, ldy};
-  for (int64_t r = row_begin; r < row_end; ++r) row_against_x(p, r);
+  if (w8a8_q8_0_isa() != GemvIsa::kAvx512) {
+    for (int64_t r = row_begin; r < row_end; ++r) row_against_x(p, r);
+    return;
+  }
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, row_end - r0);
+    for (int64_t m0 = 0; m0 < x.m; m0 += kMaxTileRows) {
+      switch (std::min<int64_t>(kMaxTileRows, x.m - m0)) {
+        case 1: tile_vnni<1>(p, r0, rows, m0); break;
+        case 2: tile_vnni<2>(p, r0, rows, m0); break;
+        case 3: tile_vnni<3>(p, r0, rows, m0); break;
+        default: tile_vnni<4>(p, r0, rows, m0); break;
+      }
+    }
+  }
 }
 
 torch::Tensor linear_q8_0_w8a8(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias) {

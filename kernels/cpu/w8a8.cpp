@@ -1,12 +1,14 @@
 // The W8A8 int8 linear: int8 weights (one fp32 scale per output row) times activations quantized to int8
 // per row as they arrive (one fp32 scale per row), accumulated exactly in int32.
 //
-// Past a few rows a linear layer is bound by arithmetic, and an fp32 FMA does one multiply-add per lane
-// where int8 dot products do four: oneDNN's int8 GEMM (`at::_int_mm`) runs 2-4x the fp32 GEMM's rate on
-// this kind of CPU. Few rows are bound by reading W, where oneDNN's int8 path is slower than streaming W
-// ourselves, so those take the GEMV below. Both paths quantize x with the same function and finish each
-// output with the same function, and the int32 sums are exact whatever the order, so a row's output does
-// not depend on how many rows share its step (a sequence decodes to the same tokens alone or in a batch).
+// Past a few rows a linear layer is bound by arithmetic, and an fp32 FMA does one multiply-add per lane where int8 dot
+// products do four: oneDNN's int8 GEMM (`at::_int_mm`) runs 2-4x the fp32 GEMM's rate on this kind of CPU. Few rows are
+// bound by reading W, where oneDNN's int8 path is slower than streaming W ourselves, so those take the GEMV below: on
+// AVX-512 VNNI, `dpbusd` on W's bytes as stored against x's, a tile of 4 W rows by 4 x rows at a time, so each W vector
+// read serves every x row of a decode step at 4 products per lane (int16 `madd` on a widened copy of each W row does 2,
+// and its cost grew with every row a step adds). Both paths quantize x with the same function and finish each output
+// with the same function, and the int32 sums are exact whatever the order, so a row's output does not depend on how
+// many rows share its step (a sequence decodes to the same tokens alone or in a batch).
 //
 // Numerics, which `kernels.w8a8_linear.w8a8_linear_reference` spells out in torch: `s = max|x| / 127`,
 // `xq = round_half_even(x / s)` clamped to ±127 (0 where s is 0), `acc = xq . q` in int32, and
@@ -32,7 +34,7 @@ namespace {
 constexpr float kQmax = 127.f;
 // |acc| <= 127 * 127 * K must fit an int32.
 constexpr int64_t kMaxFeatures = INT32_MAX / (127 * 127);
-// Columns of W the GEMV pads x's and each W row's int16 copy to: one AVX-512 vector of int16.
+// Columns the widened GEMV (AVX2, portable) pads x's int16 rows to: whole AVX2 vectors of int16.
 constexpr int64_t kPad = 32;
 // Output rows a GEMV thread finishes at a time (its int32 sums wait in a buffer of m x kRowsPerFinish).
 constexpr int64_t kRowsPerFinish = 256;
@@ -90,10 +92,19 @@ bool has_avx512bw() {
   return supported;
 }
 
-// The instruction set the W8A8 kernels run on: the GEMVs' (tests narrow it), where AVX-512 also needs BW.
+bool has_avx512vnni() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return has_avx512bw() && __builtin_cpu_supports("avx512vnni");
+  }();
+  return supported;
+}
+
+// The instruction set the W8A8 kernels run on: the GEMVs' (tests narrow it), where AVX-512 also needs BW and
+// VNNI.
 GemvIsa w8a8_isa() {
   const GemvIsa isa = current_gemv_isa();
-  return isa == GemvIsa::kAvx512 && !has_avx512bw() ? GemvIsa::kAvx2 : isa;
+  return isa == GemvIsa::kAvx512 && !has_avx512vnni() ? GemvIsa::kAvx2 : isa;
 }
 
 template <typename T>
@@ -118,69 +129,85 @@ TANDEM_EXACT_FLOAT void finish_row(const int32_t* acc, float s, const float* sca
   }
 }
 
+// The widened GEMV's operands (AVX2, portable): each W row widened to int16 and multiplied with `madd`.
 struct Gemv {
   const int16_t* x;  // [m, kp]: the quantized rows widened to int16, zero past k
   const int8_t* w;  // [n, k]
   int64_t m, n, k, kp;
 };
 
-// The int32 dot products of W rows [n0, n1) with every x row, into acc[row of x][n - n0] (stride ld).
-// Each W row is widened to int16 once (into `wide`, kp values) and multiplied against up to 4 x rows
-// per pass with `madd` (pairs of int16 products summed into int32: exact).
-template <int MR>
-TANDEM_AVX512BW void rows_avx512(const Gemv& p, const int16_t* wide, int64_t n, int64_t m0, int32_t* acc,
-                                 int64_t ld) {
-  __m512i sums[MR];
-  for (int j = 0; j < MR; ++j) sums[j] = _mm512_setzero_si512();
-  for (int64_t c = 0; c < p.kp; c += kPad) {
-    const __m512i wv = _mm512_loadu_si512(wide + c);
+#define TANDEM_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// The AVX-512 VNNI GEMV's operands. `dpbusd` multiplies 4 unsigned by 4 signed bytes per int32 lane and adds
+// the sum: W's bytes, shifted to unsigned by +128 (an xor) as they are loaded, against x's signed bytes, so
+// `sum (w + 128) xq = w . xq + 128 sum xq`, and each x row's `128 sum xq` is taken back out once at the end,
+// in wrapping int32 (the true value fits). x needs no shifted or packed copy, W none at all.
+struct VnniGemv {
+  const int8_t* x;  // [m, kx]: the quantized rows, zero past k
+  const uint32_t* offsets;  // [m]: 128 * sum of each quantized row
+  const int8_t* w;  // [n, k]
+  int64_t m, n, k, kx;
+};
+
+// Columns of W per step of the VNNI GEMV (one vector), and rows of each operand it holds at once: the NR x MR
+// sums stay in registers, each W vector read serves MR x rows and each x vector NR W rows.
+constexpr int64_t kVnniBytes = 64;
+constexpr int kVnniWRows = 4;
+constexpr int kVnniXRows = 4;
+
+// The int32 dot products of W rows [n, n + NR) with x rows [m0, m0 + MR), into acc[row of x][n - n0] (stride
+// ld). The last partial vector of each W row is read under a mask (x is zero there).
+template <int NR, int MR>
+TANDEM_AVX512VNNI void vnni_gemv_tile(const VnniGemv& p, int64_t n, int64_t n0, int64_t m0, int32_t* acc,
+                                      int64_t ld) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* w[NR];
+  __m512i sums[NR][MR];
+  for (int i = 0; i < NR; ++i) {
+    w[i] = p.w + (n + i) * p.k;
+    for (int j = 0; j < MR; ++j) sums[i][j] = _mm512_setzero_si512();
+  }
+  const auto step = [&](int64_t c, __mmask64 mask) {
+    __m512i wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[i] + c), flip);
     for (int j = 0; j < MR; ++j) {
-      const __m512i xv = _mm512_loadu_si512(p.x + (m0 + j) * p.kp + c);
-      sums[j] = _mm512_add_epi32(sums[j], _mm512_madd_epi16(wv, xv));
+      const __m512i xv = _mm512_loadu_si512(p.x + (m0 + j) * p.kx + c);
+      for (int i = 0; i < NR; ++i) sums[i][j] = _mm512_dpbusd_epi32(sums[i][j], wv[i], xv);
     }
-  }
-  for (int j = 0; j < MR; ++j) acc[(m0 + j) * ld + n] = _mm512_reduce_add_epi32(sums[j]);
-}
-
-TANDEM_AVX512BW void widen_avx512(const int8_t* w, int64_t k, int16_t* wide) {
-  int64_t c = 0;
-  for (; c + kPad <= k; c += kPad) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + c + 4096), _MM_HINT_T0);
-    _mm512_storeu_si512(wide + c, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c))));
-  }
-  for (; c < k; ++c) wide[c] = w[c];
-}
-
-// One row of x (single-stream decode): each W row is widened in registers and read once, in order, with
-// two independent sums, as a stream the prefetchers follow.
-TANDEM_AVX512BW void block_one_row_avx512(const Gemv& p, int64_t n0, int64_t n1, int32_t* acc) {
-  const int64_t whole = p.k / kPad * kPad;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = p.w + n * p.k;
-    __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int64_t c = 0; c < whole; c += kPad) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c + 4096), _MM_HINT_T0);
-      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c)));
-      sums[(c / kPad) & 1] = _mm512_add_epi32(sums[(c / kPad) & 1], _mm512_madd_epi16(wv, _mm512_loadu_si512(p.x + c)));
+  };
+  const int64_t whole = p.k / kVnniBytes * kVnniBytes;
+  for (int64_t c = 0; c < whole; c += kVnniBytes) step(c, ~__mmask64{0});
+  if (whole < p.k) step(whole, (uint64_t{1} << (p.k - whole)) - 1);
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < MR; ++j) {
+      const uint32_t shifted = static_cast<uint32_t>(_mm512_reduce_add_epi32(sums[i][j]));
+      acc[(m0 + j) * ld + n - n0 + i] = static_cast<int32_t>(shifted - p.offsets[m0 + j]);
     }
-    int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(sums[0], sums[1]));
-    for (int64_t c = whole; c < p.k; ++c) dot += static_cast<int32_t>(w[c]) * p.x[c];
-    acc[n - n0] = dot;
   }
 }
 
-TANDEM_AVX512BW void block_avx512(const Gemv& p, int64_t n0, int64_t n1, int16_t* wide, int32_t* acc) {
-  if (p.m == 1) return block_one_row_avx512(p, n0, n1, acc);
-  for (int64_t n = n0; n < n1; ++n) {
-    widen_avx512(p.w + n * p.k, p.k, wide);
-    int64_t m0 = 0;
-    for (; m0 + 4 <= p.m; m0 += 4) rows_avx512<4>(p, wide, n - n0, m0, acc, n1 - n0);
-    switch (p.m - m0) {
-      case 3: rows_avx512<3>(p, wide, n - n0, m0, acc, n1 - n0); break;
-      case 2: rows_avx512<2>(p, wide, n - n0, m0, acc, n1 - n0); break;
-      case 1: rows_avx512<1>(p, wide, n - n0, m0, acc, n1 - n0); break;
-      default: break;
+template <int NR>
+void vnni_gemv_rows(const VnniGemv& p, int64_t n, int64_t n0, int32_t* acc, int64_t ld) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kVnniXRows) {
+    switch (std::min<int64_t>(kVnniXRows, p.m - m0)) {
+      case 1: vnni_gemv_tile<NR, 1>(p, n, n0, m0, acc, ld); break;
+      case 2: vnni_gemv_tile<NR, 2>(p, n, n0, m0, acc, ld); break;
+      case 3: vnni_gemv_tile<NR, 3>(p, n, n0, m0, acc, ld); break;
+      default: vnni_gemv_tile<NR, 4>(p, n, n0, m0, acc, ld); break;
     }
+  }
+}
+
+// W rows [n0, n1) against every x row: exact int32 sums into acc[row of x][n - n0] (stride n1 - n0).
+void vnni_gemv_block(const VnniGemv& p, int64_t n0, int64_t n1, int32_t* acc) {
+  const int64_t ld = n1 - n0;
+  int64_t n = n0;
+  for (; n + kVnniWRows <= n1; n += kVnniWRows) vnni_gemv_rows<kVnniWRows>(p, n, n0, acc, ld);
+  switch (n1 - n) {
+    case 3: vnni_gemv_rows<3>(p, n, n0, acc, ld); break;
+    case 2: vnni_gemv_rows<2>(p, n, n0, acc, ld); break;
+    case 1: vnni_gemv_rows<1>(p, n, n0, acc, ld); break;
+    default: break;
   }
 }
 
@@ -222,26 +249,59 @@ void block_portable(const Gemv& p, int64_t n0, int64_t n1, int32_t* acc) {
   }
 }
 
-void gemv(const Gemv& p, const float* row_scale, const float* scale, const float* bias, float* y) {
-  const GemvIsa isa = w8a8_isa();
+// W's rows over the threads in chunks of kRowsPerFinish: `block(n0, n1, acc)` writes the int32 sums of rows
+// [n0, n1) against every x row into acc[row of x][n - n0], which are finished while in cache.
+template <typename Block>
+void gemv(int64_t m, int64_t n, int64_t k, const float* row_scale, const float* scale, const float* bias, float* y,
+          const Block& block) {
   // ~64 KiB of W per thread at least, below which a second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(1, p.k));
-  at::parallel_for(0, p.n, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<int16_t> wide;
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(1, k));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<int32_t> acc;
-    wide.assign(static_cast<size_t>(p.kp), 0);
-    acc.resize(static_cast<size_t>(p.m * kRowsPerFinish));
+    acc.resize(static_cast<size_t>(m * kRowsPerFinish));
     for (int64_t n0 = begin; n0 < end; n0 += kRowsPerFinish) {
       const int64_t n1 = std::min(end, n0 + kRowsPerFinish);
-      switch (isa) {
-        case GemvIsa::kAvx512: block_avx512(p, n0, n1, wide.data(), acc.data()); break;
-        case GemvIsa::kAvx2: block_avx2(p, n0, n1, wide.data(), acc.data()); break;
-        case GemvIsa::kPortable: block_portable(p, n0, n1, acc.data()); break;
-      }
-      for (int64_t m = 0; m < p.m; ++m)
-        finish_row(acc.data() + m * (n1 - n0), row_scale[m], scale + n0, bias ? bias + n0 : nullptr,
-                   y + m * p.n + n0, n1 - n0);
+      block(n0, n1, acc.data());
+      for (int64_t r = 0; r < m; ++r)
+        finish_row(acc.data() + r * (n1 - n0), row_scale[r], scale + n0, bias ? bias + n0 : nullptr, y + r * n + n0,
+                   n1 - n0);
     }
+  });
+}
+
+// The GEMV on AVX-512 VNNI: x quantized to int8 rows padded with zeros to whole vectors.
+void vnni_gemv(const torch::Tensor& x, const torch::Tensor& qweight, const float* scale, const float* bias, float* y) {
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
+  const int64_t kx = (k + kVnniBytes - 1) / kVnniBytes * kVnniBytes;
+  std::vector<int8_t> xq(static_cast<size_t>(m * kx), 0);
+  std::vector<float> row_scale(static_cast<size_t>(m));
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, xq.data(), kx, row_scale.data());
+  std::vector<uint32_t> offsets(static_cast<size_t>(m));
+  for (int64_t r = 0; r < m; ++r) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) sum += xq[r * kx + i];
+    offsets[r] = 128u * static_cast<uint32_t>(sum);
+  }
+  const VnniGemv p{xq.data(), offsets.data(), qweight.data_ptr<int8_t>(), m, n, k, kx};
+  gemv(m, n, k, row_scale.data(), scale, bias, y,
+       [&](int64_t n0, int64_t n1, int32_t* acc) { vnni_gemv_block(p, n0, n1, acc); });
+}
+
+// The GEMV elsewhere: x quantized straight into int16 rows padded with zeros to kp columns.
+void widened_gemv(const torch::Tensor& x, const torch::Tensor& qweight, const float* scale, const float* bias,
+                  float* y) {
+  const int64_t m = x.size(0), n = qweight.size(0), k = qweight.size(1);
+  const int64_t kp = (k + kPad - 1) / kPad * kPad;
+  std::vector<int16_t> wide_x(static_cast<size_t>(m * kp), 0);
+  std::vector<float> row_scale(static_cast<size_t>(m));
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, wide_x.data(), kp, row_scale.data());
+  const Gemv p{wide_x.data(), qweight.data_ptr<int8_t>(), m, n, k, kp};
+  const bool avx2 = w8a8_isa() == GemvIsa::kAvx2;
+  gemv(m, n, k, row_scale.data(), scale, bias, y, [&](int64_t n0, int64_t n1, int32_t* acc) {
+    if (!avx2) return block_portable(p, n0, n1, acc);
+    thread_local std::vector<int16_t> wide;
+    wide.assign(static_cast<size_t>(kp), 0);
+    block_avx2(p, n0, n1, wide.data(), acc);
   });
 }
 
@@ -278,8 +338,6 @@ struct Vnni {
 constexpr int kVnniCols = 12;  // output columns per register tile (12 x 2 = 24 accumulators)
 // Output columns a thread's int32 sums wait for before they are finished (m x this many).
 constexpr int64_t kVnniChunk = kVnniCols * 20;
-
-#define TANDEM_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 // Rows [m0, m0 + 16 * MV) of x against columns n0..n0 + 11 (rows past n repeat the last: their sums are
 // dropped), into out[column][16 * MV].
@@ -339,14 +397,6 @@ void vnni_columns(const Vnni& p, int64_t n0, int64_t n1, int32_t* acc) {
   }
 }
 
-bool has_avx512vnni() {
-  static const bool supported = [] {
-    __builtin_cpu_init();
-    return has_avx512bw() && __builtin_cpu_supports("avx512vnni");
-  }();
-  return supported;
-}
-
 void vnni_gemm(const torch::Tensor& xq, const float* row_scale, const torch::Tensor& qweight,
                const torch::Tensor& w_sums, const float* scale, const float* bias, float* y) {
   const int64_t m = xq.size(0), n = qweight.size(0), k = qweight.size(1);
@@ -396,7 +446,7 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   if (m == 0 || n == 0) return y;
   if (m > gemv_max_rows) {
     auto [xq, row_scale] = quantize_rows_int8(x);
-    if (weight_sums.has_value() && m <= vnni_max_rows && w8a8_isa() == GemvIsa::kAvx512 && has_avx512vnni()) {
+    if (weight_sums.has_value() && m <= vnni_max_rows && w8a8_isa() == GemvIsa::kAvx512) {
       TORCH_CHECK(weight_sums->scalar_type() == torch::kInt32 && weight_sums->is_contiguous() &&
                       weight_sums->numel() == n,
                   "weight_sums must be the int32 sums of the ", n, " weight rows");
@@ -407,12 +457,10 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
     gemm(xq, row_scale.data_ptr<float>(), qweight, scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
     return y;
   }
-  // The GEMV reads x widened to int16 and zero-padded to kp columns, quantized straight into that form.
-  const int64_t kp = (k + kPad - 1) / kPad * kPad;
-  std::vector<int16_t> wide(static_cast<size_t>(m * kp), 0);
-  std::vector<float> row_scale(static_cast<size_t>(m));
-  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, wide.data(), kp, row_scale.data());
-  const Gemv p{wide.data(), qweight.data_ptr<int8_t>(), m, n, k, kp};
-  gemv(p, row_scale.data(), scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
+  if (w8a8_isa() == GemvIsa::kAvx512) {
+    vnni_gemv(x, qweight, scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
+  } else {
+    widened_gemv(x, qweight, scale.data_ptr<float>(), bias_ptr, y.data_ptr<float>());
+  }
   return y;
 }
