@@ -96,8 +96,10 @@ def q8_0_blocks(rows: int, cols: int, generator: torch.Generator) -> torch.Tenso
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_q8_0_w8a8_every_instruction_set_equals_the_reference(extension, isa: str):
-    """K of 1, 9 and 33 blocks (not multiples of 8 blocks or of 256), odd row counts of W and x, zero rows
-    of x, with and without bias: the same bits as the torch definition."""
+    """K of 1, 9 and 33 blocks (not multiples of 8 blocks or of 256) and of whole groups of 8, W rows short
+    of, at and past the VNNI kernel's tiles of 16 (1, 15, 16, 17, 33, 48), x rows of every remainder of
+    its tiles of 4 (1 to 9), zero rows of x, with and without bias: the same bits as the torch
+    definition."""
     best = extension.gemv_isa()
     try:
         extension.set_gemv_isa(isa)
@@ -107,7 +109,17 @@ def test_q8_0_w8a8_every_instruction_set_equals_the_reference(extension, isa: st
     generator = torch.Generator().manual_seed(4)
     try:
         for i, (tokens, rows, cols) in enumerate(
-            ((1, 7, 32), (2, 33, 288), (3, 13, 1056), (5, 3, 64), (9, 17, 96))
+            (
+                (1, 7, 32),
+                (2, 33, 288),
+                (3, 13, 1056),
+                (5, 3, 64),
+                (9, 17, 96),
+                (4, 16, 256),
+                (6, 15, 512),
+                (7, 48, 320),
+                (8, 1, 544),
+            )
         ):
             blocks = q8_0_blocks(rows, cols, generator)
             x = torch.randn(tokens, cols, generator=generator) * 3

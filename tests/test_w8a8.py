@@ -33,12 +33,16 @@ from kernels.w8a8_linear import W8A8Linear, w8a8_linear_reference
 GREEDY = SamplingParams(temperature=0.0)
 ISAS = ("avx512", "avx2", "portable")
 # (rows, features, outputs): tails of every vector width, one row (the single-stream GEMV), rows either
-# side of the GEMV's limit, and a prefill-sized block.
+# side of the GEMV's limit, and a prefill-sized block; for the VNNI GEMV's tiles of 4 W rows by 4 x rows,
+# every remainder of W rows and of x rows, and features one past and one short of its 64-byte vectors.
 SHAPES = [
     (1, 7, 3),
     (1, 640, 300),
     (2, 33, 65),
+    (3, 65, 6),
     (5, 100, 17),
+    (6, 127, 9),
+    (7, 191, 38),
     (8, 64, 48),
     (9, 130, 70),
     (17, 1031, 25),
