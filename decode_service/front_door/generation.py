@@ -38,6 +38,7 @@ from decode_service.front_door.streams import Mailbox, StreamHub, choices_left_a
 from decode_service.front_door.validation import (
     ValidationPool,
     build_request,
+    served_prompt_ids,
     skips_special_tokens,
     uses_agent_fields,
 )
@@ -231,6 +232,31 @@ class Generations:
         if parsers is not None:
             parsers = functools.partial(parsers, None if grammar is None else waits_for is not None)
         return Generation(submitted, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
+
+    async def prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The token ids `request`'s prompt would be served with, checked and tokenized as `start` does it
+        (the same limits, on the same validation lanes), without generating: what a client counts."""
+        check_limits(request, self.config.limits, self.model.max_model_len)
+        return await self._validation.run(
+            prompt_bytes(request),
+            served_prompt_ids,
+            request,
+            self.model,
+            constrained=uses_agent_fields(request),
+        )
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included, decoded off the event loop (a long list is
+        costly); ids outside the vocabulary are refused."""
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this server has no tokenizer to decode with")
+        vocab_size = self.model.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(f"tokens holds {token_id}, outside the vocabulary of {vocab_size}")
+        # Four bytes of text per token at most on average: long lists go to the long-prompt lane.
+        return await self._validation.run(4 * len(token_ids), tokenizer.decode, token_ids, False)
 
     def abort(self, request_id: str) -> bool:
         """Abort a live request by id (the Abort RPC); False when no such request is live."""

@@ -178,6 +178,13 @@ def uses_agent_fields(request: pb.GenerateRequest) -> bool:
     return bool(request.tools) or request.HasField("tool_choice") or request.HasField("structured_output")
 
 
+def served_prompt_ids(request: pb.GenerateRequest, model: ModelFacts) -> list[int]:
+    """The token ids `request`'s prompt is served with: the chat template applied, showing the tools
+    `build_request` would show. Tokenizes, so call it off the event loop."""
+    tools = rendered_tools(request, parse_tools(request)) if uses_agent_fields(request) else []
+    return prompt_token_ids(request, model, tools)
+
+
 def build_request(
     request: pb.GenerateRequest,
     request_id: str,

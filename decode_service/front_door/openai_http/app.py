@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: GET /v1/models, POST /v1/completions and /v1/chat/completions, the
 Responses API (`responses_routes`), GET /health, and GET /metrics (the server's Prometheus registry, where
-gateways scrape a vLLM server).
+gateways scrape a vLLM server); beside them Anthropic's Messages API (`anthropic_routes`) and vLLM's
+/tokenize and /detokenize (`tokenize_routes`).
 
 Each request is translated (`protocol`), run through the same `Generations` as a gRPC call, and answered
 from its `GenerateResponse`s (`responses`), as one JSON body or as server-sent events ending with
@@ -10,12 +11,11 @@ request at once. The bearer token and body size limit are the gRPC port's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -24,18 +24,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import TypeAdapter
 from starlette.background import BackgroundTask
 
-from base.auth import BearerTokens
-from base.errors import InvalidRequestError
-from decode_service.front_door import json_text
-from decode_service.front_door.admission import RequestLimits, tenant_and_priority
+from decode_service.front_door.admission import tenant_and_priority
 from decode_service.front_door.generation import Generation, Generations
-from decode_service.front_door.openai_http.errors import (
-    BodyTooLargeError,
-    FieldError,
-    ModelNotServedError,
-    UnauthorizedError,
-    http_error,
+from decode_service.front_door.openai_http.anthropic_models import (
+    CountTokensRequest,
+    CreateMessageRequest,
+    MessageOut,
+    MessageStreamEvent,
+    TokenCount,
 )
+from decode_service.front_door.openai_http.anthropic_routes import MessagesRoutes
+from decode_service.front_door.openai_http.errors import UnauthorizedError, http_error
 from decode_service.front_door.openai_http.models import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -45,6 +44,13 @@ from decode_service.front_door.openai_http.models import (
     CompletionRequest,
 )
 from decode_service.front_door.openai_http.protocol import Endpoint, OpenAIRequest, translate
+from decode_service.front_door.openai_http.request_io import (
+    REQUEST_ID_HEADER,
+    ApiKeys,
+    check_model,
+    read_json,
+    unless_disconnected,
+)
 from decode_service.front_door.openai_http.response_store import ResponseStore
 from decode_service.front_door.openai_http.responses import ResponseBuilder, sse_event
 from decode_service.front_door.openai_http.responses_api_models import (
@@ -53,89 +59,26 @@ from decode_service.front_door.openai_http.responses_api_models import (
     ResponseStreamEvent,
 )
 from decode_service.front_door.openai_http.responses_routes import ResponsesRoutes
+from decode_service.front_door.openai_http.tokenize_models import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from decode_service.front_door.openai_http.tokenize_routes import TokenizeRoutes
 from protos.tandem.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-REQUEST_ID_HEADER = "x-request-id"
-
-
-async def _read_json(request: Request, max_bytes: int, limits: RequestLimits) -> object:
-    """The body as JSON, refusing one larger than `max_bytes` before reading it all, and one with more
-    objects than `limits` allow as soon as the parser has built that many."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLargeError(
-            f"the request body has {declared} bytes; this server takes at most {max_bytes}"
-        )
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > max_bytes:
-            raise BodyTooLargeError(f"the request body exceeds this server's limit of {max_bytes} bytes")
-    # Braces inside strings count here too, so only then are the parsed objects counted, one by one.
-    counted = _counted_objects(limits) if body.count(b"{") > limits.max_json_objects else None
-    try:
-        return json_text.loads(body, parse_constant=_refuse_constant, object_pairs_hook=counted)
-    except _TooManyObjects as exc:
-        raise FieldError("body", str(exc.__cause__)) from None
-    except json_text.LoneSurrogateError as exc:  # valid JSON but no text: it could never be encoded
-        where = exc.path or "body"
-        raise FieldError(where, f"{where} holds a lone UTF-16 surrogate") from None
-    except json_text.JsonTextError as exc:
-        raise FieldError("body", f"the request body {exc}") from None
-
-
-class _TooManyObjects(Exception):
-    """Raised out of the parser (which would wrap a ValueError as bad JSON); the refusal is its cause."""
-
-
-def _counted_objects(limits: RequestLimits) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
-    count = 0
-
-    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        nonlocal count
-        count += 1
-        try:
-            limits.check_json_objects(count)
-        except InvalidRequestError as refused:
-            raise _TooManyObjects from refused
-        return dict(pairs)
-
-    return build
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    """Return once the client has gone (the body is already read, so only a disconnect can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> asyncio.Future[T] | None:
-    """`work` run to its end, as a done future (its result or its error), or None when the client left
-    first (`work` is then cancelled)."""
-    task = asyncio.ensure_future(work)
-    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnected.cancel()
-        if not task.done():
-            task.cancel()
-    return None if task.cancelled() else task
-
-
-# Each generation route's request body, whole answer and stream chunk (each server-sent event's data).
-_BODIES: dict[str, tuple[type, type, type]] = {
+# Each route's request body, answer and stream chunk (each server-sent event's data; None: no stream).
+_BODIES: dict[str, tuple[type, type, type | None]] = {
     "/v1/completions": (CompletionRequest, Completion, CompletionChunk),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
     "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent),
+    "/v1/messages": (CreateMessageRequest, MessageOut, MessageStreamEvent),
+    "/v1/messages/count_tokens": (CountTokensRequest, TokenCount, None),
+    "/tokenize": (TokenizeRequest, TokenizeResponse, None),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse, None),
 }
 
 
@@ -155,10 +98,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for path, (request, answer, chunk) in _BODIES.items():
             post = schema["paths"][path]["post"]
             post["requestBody"] = {"required": True, "content": {"application/json": ref(request)}}
-            post["responses"]["200"]["content"] = {
-                "application/json": ref(answer),
-                "text/event-stream": ref(chunk),
-            }
+            content = {"application/json": ref(answer)}
+            if chunk is not None:
+                content["text/event-stream"] = ref(chunk)
+            post["responses"]["200"]["content"] = content
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -182,7 +125,7 @@ class OpenAIRoutes:
         self._response_store = response_store
         self._metrics = metrics
         self.model = served_model_name
-        self._tokens = BearerTokens(auth_token) if auth_token else None
+        self._keys = ApiKeys(auth_token)
         self._max_body_bytes = max_body_bytes
         self._is_serving = is_serving
         self._created = int(time.time())
@@ -204,12 +147,14 @@ class OpenAIRoutes:
             self._generations,
             self.model,
             self._response_store,
-            lambda request: _read_json(request, self._max_body_bytes, self._generations.config.limits),
-            self._authorize,
-            _unless_disconnected,
+            lambda request: read_json(request, self._max_body_bytes, self._generations.config.limits),
+            self._keys.authorize,
+            unless_disconnected,
             self._error,
             REQUEST_ID_HEADER,
         ).register(app)
+        for routes in (MessagesRoutes, TokenizeRoutes):
+            routes(self._generations, self.model, self._keys, self._max_body_bytes).register(app)
         app.openapi = lambda: _openapi(app)
         if self._metrics is not None:
             app.add_api_route("/metrics", self.metrics, methods=["GET"])
@@ -226,7 +171,7 @@ class OpenAIRoutes:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            self._keys.authorize(request)
         except UnauthorizedError as exc:
             return self._error(exc)
         model = self._generations.model
@@ -250,14 +195,11 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         openai_request: OpenAIRequest | None = None
         try:
-            self._authorize(request)
+            self._keys.authorize(request)
             limits = self._generations.config.limits
-            body = await _read_json(request, self._max_body_bytes, limits)
+            body = await read_json(request, self._max_body_bytes, limits)
             openai_request = translate(body, endpoint, limits)
-            if openai_request.model is not None and openai_request.model != self.model:
-                raise ModelNotServedError(
-                    f"the model {openai_request.model!r} does not exist; this server serves {self.model!r}"
-                )
+            check_model(openai_request.model, self.model)
             generate = openai_request.generate
             if not openai_request.stream:
                 self._check_unstreamed(openai_request)
@@ -282,7 +224,7 @@ class OpenAIRoutes:
             # The first messages before the status: a request the engine core refuses before its first
             # token (a constraint that does not compile in time) gets an error status, as a whole
             # answer does, rather than a 200 and an error event.
-            first = await _unless_disconnected(request, generation.next_responses())
+            first = await unless_disconnected(request, generation.next_responses())
             if first is None or first.exception() is not None:
                 generation.close()
                 if first is None:
@@ -344,7 +286,7 @@ class OpenAIRoutes:
                 builder.add(message)
 
         try:
-            collected = await _unless_disconnected(request, collect())
+            collected = await unless_disconnected(request, collect())
         finally:
             generation.close()
         if collected is None:
@@ -352,13 +294,6 @@ class OpenAIRoutes:
         if collected.exception() is not None:
             return self._error(collected.exception(), openai_request.param_for)
         return JSONResponse(builder.body())
-
-    def _authorize(self, request: Request) -> None:
-        if self._tokens is None:
-            return
-        reason = self._tokens.rejection(request.headers.items())
-        if reason is not None:
-            raise UnauthorizedError(reason)
 
     @staticmethod
     def _error(error: BaseException, param_for: Callable[[str], str] | None = None) -> JSONResponse:

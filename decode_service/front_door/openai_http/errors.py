@@ -103,3 +103,25 @@ def http_error(error: Exception, param_for: Callable[[str], str] | None = None) 
         if message.startswith(field):
             message = param + message[len(field) :]
     return status, error_body(message, kind, grpc_code.name.lower(), param)
+
+
+# Anthropic's error type for each HTTP status tandem answers with (anything else: api_error).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(
+    error: Exception, param_for: Callable[[str], str] | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and Anthropic error body, `{"type": "error", "error": {"type", "message"}}`, for an
+    error raised while serving an Anthropic route: the status and message the OpenAI routes give."""
+    status, body = http_error(error, param_for)
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
