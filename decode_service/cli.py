@@ -500,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
     from decode_service.server import serve
     from engine.engine import Engine
     from engine.model_store import model_fingerprint
+    from serving import tracing
     from serving.flags import run_tier
 
     config = service_config_from_args(args)
@@ -519,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
                 args.threads,
                 args.log_level,
                 args.log_format,
+                tracing.exporting_to(),
             )
         return serve(
             engine,

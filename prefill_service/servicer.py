@@ -25,6 +25,7 @@ from prefill_service.registry import JobRegistry
 from prefill_service.validation import build_job
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
+from serving import tracing
 from serving.errors import StreamStalledError
 from serving.live_calls import StallWatchdog
 from serving.status import status_for
@@ -62,6 +63,32 @@ def done_message(job: PrefillJob, finished: PrefillFinished) -> prefill_pb2.Pref
     )
 
 
+def _start_span(
+    request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext, arrival: float
+) -> object:
+    """The call's span, a child of the decode tier's prefill attempt when its metadata carries one."""
+    traceparent = tracing.traceparent_from(context.invocation_metadata() or ())
+    attributes = {
+        "tandem.request_id": request.request_id,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+        "tandem.kv.blocks_held": request.num_held_blocks,
+    }
+    return tracing.start_span("prefill", traceparent, attributes, arrival, kind="SERVER")
+
+
+def _trace_chunk(span: object, job: PrefillJob, ready: KVReady, chunk_start: float | None) -> float:
+    """Spans for the chunk that made `ready`'s blocks (and, before the first, the job's wait in the
+    queue); returns when the next chunk's span starts. The engine thread stamped `admitted_time` before
+    the step whose blocks these are, so it is set by now."""
+    now = time.monotonic()
+    if chunk_start is None:
+        tracing.record_span("queue", span, job.arrival_time, job.admitted_time)
+        chunk_start = job.admitted_time if job.admitted_time is not None else job.arrival_time
+    blocks = {"tandem.kv.block_start": ready.block_start, "tandem.kv.num_blocks": ready.num_blocks}
+    tracing.record_span("prefill chunk", span, chunk_start, now, blocks)
+    return now
+
+
 class PrefillServicer:
     """GetInfo and Prefill over one engine loop."""
 
@@ -95,12 +122,14 @@ class PrefillServicer:
         # KV frames are already serialized; the method's codec (kv_transfer.grpc_method) passes them on.
         arrival = time.monotonic()
         bind_request_id(request.request_id or "-")
+        span = _start_span(request, context, arrival) if tracing.enabled() else None
         try:
             self._registry.check_accepting()
             job = build_job(request, self._engine, self._info.compatibility_hash, arrival)
             self._registry.open(job)
         except Exception as exc:
             self._metrics.call_refused()
+            tracing.end_span(span, error=str(exc))
             await self._refuse(context, request, exc)
         log_event(
             logger,
@@ -116,7 +145,7 @@ class PrefillServicer:
             self._engine_loop.submit(job)
             try:
                 with self._watchdog.watch(context) as call:
-                    async for response in self._responses(job, stats):
+                    async for response in self._responses(job, stats, span):
                         await call.write(response)
             except StreamStalledError as exc:
                 # Counted and logged as cancelled below; the caller sees why if it ever reads again.
@@ -126,6 +155,8 @@ class PrefillServicer:
                 return
             except Exception as exc:
                 stats.over = True
+                tracing.end_span(span, error=str(exc))
+                span = None
                 self._fail(context, job, stats, exc)
                 return
             stats.over = True
@@ -149,6 +180,7 @@ class PrefillServicer:
                 time.monotonic() - arrival,
             )
         finally:
+            tracing.end_span(span, error=None if stats.over else "cancelled")
             self._registry.close(job)
             # Only now may the blocks go back: the stream has sent them, or never will.
             self._engine_loop.release(job)
@@ -165,16 +197,26 @@ class PrefillServicer:
                 )
 
     async def _responses(
-        self, job: PrefillJob, stats: _StreamStats
+        self, job: PrefillJob, stats: _StreamStats, span: object = None
     ) -> AsyncIterator[KVFrame | prefill_pb2.PrefillResponse]:
-        """KV messages as blocks become ready, then the done message; raises the job's error if it fails."""
+        """KV messages as blocks become ready, then the done message; raises the job's error if it fails.
+
+        With tracing on (`span`), the job's wait in the queue, each chunk that made blocks ready and each
+        send of them are spans of the call's."""
+        chunk_start: float | None = None
         while True:
             event = await job.events.get()
             if isinstance(event, KVReady):
+                if span is not None:
+                    chunk_start = _trace_chunk(span, job, event, chunk_start)
+                    sent_bytes, send_start = stats.kv_bytes, time.monotonic()
                 async for frame in self._sender.frames(event):
                     stats.kv_messages += 1
                     stats.kv_bytes += frame.payload.nbytes
                     yield frame
+                if span is not None:
+                    sent = {"tandem.kv.bytes": stats.kv_bytes - sent_bytes}
+                    tracing.record_span("kv send", span, send_start, None, sent)
             elif isinstance(event, PrefillFinished):
                 stats.queue_seconds, stats.prefill_seconds = event.queue_seconds, event.prefill_seconds
                 yield done_message(job, event)

@@ -170,6 +170,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         help="CA (PEM) that signs callers' certificates; requires mutual TLS when given",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces of each request to this OTLP gRPC collector: http://host:port "
+        "(plaintext) or https://host:port (TLS); the OTEL_* variables configure the rest (headers, "
+        "certificates, OTEL_SERVICE_NAME). Needs `pip install tandem-serve[tracing]` (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: off)",
+    )
+    parser.add_argument(
         "--auth-token-file",
         type=Path,
         default=None,
@@ -293,6 +302,7 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
 
     from base.logs import set_log_prompts, use_log_format
     from engine.model_store import resolve_model
+    from serving import tracing
     from serving.open_files import raise_open_file_limit
     from serving.parent_watch import stop_with_parent
 
@@ -302,6 +312,8 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     raise_open_file_limit()
     check_positive(args, "max_concurrent_streams")
     engine_config = engine_config_from_args(args)
+    tier = getattr(args, "tier", None) or "engine"
+    tracing.configure(tracing.resolve_endpoint(args.otlp_traces_endpoint), f"tandem-{tier}")
     model_dir = resolve_model(args.model)
     check_tier_memory(args, model_dir, engine_config)
     if args.threads is not None:
@@ -309,4 +321,7 @@ def run_tier(args: argparse.Namespace, serve: ServeFn) -> int:
     metrics_registry = CollectorRegistry()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=metrics_registry)
-    return asyncio.run(serve(model_dir, engine_config, metrics_registry))
+    try:
+        return asyncio.run(serve(model_dir, engine_config, metrics_registry))
+    finally:
+        tracing.shutdown()

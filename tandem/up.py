@@ -29,6 +29,7 @@ from pathlib import Path
 
 from base.errors import TandemError
 from base.logs import log_event, use_log_format
+from serving.tracing import check_endpoint
 from tandem.up_status import StatusLine
 from tandem.up_tiers import LogForwarder, Tier, TierSpec, connect_host, start_in_order, stop_tier
 
@@ -117,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PREFILL_METRICS_PORT,
         help=f"prefill tier's Prometheus /metrics; 0: off (default: {DEFAULT_PREFILL_METRICS_PORT})",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="both tiers export OpenTelemetry traces to this OTLP gRPC collector, http://host:port or "
+        "https://host:port (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, which the tiers read; unset: off)",
     )
     parser.add_argument(
         "--threads",
@@ -268,6 +276,7 @@ def _common_flags(
         ("--max-model-len", args.max_model_len),
         ("--kv-cache-memory", args.kv_cache_memory),
         ("--kv-cache-dtype", args.kv_cache_dtype),
+        ("--otlp-traces-endpoint", args.otlp_traces_endpoint),
     ):
         if value is not None:
             flags += [flag, str(value)]
@@ -478,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
     use_log_format(args.log_format)
     try:
         check_ports(args)
-    except ValueError as exc:
+        if args.otlp_traces_endpoint is not None:
+            check_endpoint(args.otlp_traces_endpoint, "--otlp-traces-endpoint")
+    except (ValueError, TandemError) as exc:
         logger.error("%s", exc)
         return EXIT_STARTUP_FAILED
     stop = StopRequest()

@@ -1048,3 +1048,18 @@ def test_tls_probe_fails_without_client_certificate_or_with_the_wrong_name(mtls_
     mtls_health_server["servicer"].set("", mtls_health_server["status"].SERVING)
     assert _probe(mtls_health_server, client_cert=False) == 1
     assert _probe(mtls_health_server, server_name="someone-else.example.com") == 1
+
+
+# ---------------------------------------------------------------- tracing
+
+
+def test_tracing_endpoint_reaches_both_tiers_and_is_checked(helm: Path, tmp_path: Path) -> None:
+    endpoint = "http://otel-collector.observability:4317"
+    manifests = render(helm, tmp_path, {"tracing": {"otlpTracesEndpoint": endpoint}})
+    for component in ("decode", "prefill"):
+        assert arg_value(container(manifests, component)["args"], "--otlp-traces-endpoint") == endpoint
+    manifests = render(helm, tmp_path, {})
+    for component in ("decode", "prefill"):
+        assert "--otlp-traces-endpoint" not in container(manifests, component)["args"], "off by default"
+    stderr = render_fails(helm, tmp_path, {"tracing": {"otlpTracesEndpoint": "otel-collector:4317"}})
+    assert "otlpTracesEndpoint" in stderr

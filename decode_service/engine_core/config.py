@@ -110,3 +110,5 @@ class CoreSpec:
     threads: int | None = None
     log_level: int = logging.INFO
     log_format: str = "text"
+    # The OTLP collector the core exports its spans to, as the front door does (`serving.tracing`).
+    otlp_traces_endpoint: str | None = None

@@ -78,6 +78,7 @@ from decode_service.engine_core.scheduler import ContinuousScheduler, StaticSche
 from decode_service.engine_core.step_record import StepRecord
 from engine.engine import Engine
 from engine.sequence import Sequence
+from serving import tracing
 from serving.event_log import EventLog
 from serving.status import status_for
 
@@ -110,7 +111,17 @@ def served_request(command: Submit) -> ServedRequest:
         n=command.n,
         submission=command.submission,
         grammar=command.grammar,
+        traceparent=command.traceparent,
     )
+
+
+def trace_request_end(request: ServedRequest) -> None:
+    """The core's spans of a request that just ended, from the times it stamped: its prefill (here or on
+    the prefill tier, whose attempts are spans of their own) and its decode; ended now."""
+    parent = request.traceparent
+    tracing.record_span("prefill", parent, request.admitted_time, request.prefill_done_time)
+    attributes = {"gen_ai.usage.output_tokens": request.seq.num_output_tokens}
+    tracing.record_span("decode", parent, request.prefill_done_time, None, attributes)
 
 
 def to_delta(delta: StreamDelta) -> Delta:
@@ -119,6 +130,8 @@ def to_delta(delta: StreamDelta) -> Delta:
     request = delta.request
     seq = request.seq
     state = None
+    if delta.is_last and request.traceparent is not None and request.parent is None:
+        trace_request_end(request)
     if delta.is_last or seq.num_output_tokens == len(delta.token_ids):
         state = ChoiceState(
             seq.num_cached_tokens,
@@ -305,7 +318,11 @@ def run_core(spec: CoreSpec, warm_up: bool, commands: Connection, replies: Conne
         import torch
 
         torch.set_num_threads(spec.threads)
-    asyncio.run(_serve_core(spec, warm_up, commands, replies))
+    tracing.configure(spec.otlp_traces_endpoint, "tandem-decode")
+    try:
+        asyncio.run(_serve_core(spec, warm_up, commands, replies))
+    finally:
+        tracing.shutdown()
 
 
 def _die_with_parent() -> None:

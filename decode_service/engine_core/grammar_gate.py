@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from decode_service.engine_core.resident_memory import release_free_memory
 from engine.grammar import GrammarState, control_free_tokens
 from engine.grammar_budget import FillBudget
 from engine.utf8_tokens import Utf8Tokens
+from serving import tracing
 from serving.errors import QueueFullError
 
 if TYPE_CHECKING:
@@ -277,12 +279,13 @@ class GrammarGate:
     def _run(self) -> None:
         while (turn := self._next_turn()) is not None:
             key, pending = turn
+            started = time.monotonic()
             try:
                 compiled = self._compiled(key, pending.source)
             except Exception as exc:  # the compiler's refusals, and a shut-down or broken compiler
-                self._hand_over(key, pending, None, exc)
+                self._hand_over(key, pending, None, exc, started)
             else:
-                self._hand_over(key, pending, compiled, None)
+                self._hand_over(key, pending, compiled, None, started)
 
     def _next_turn(self) -> tuple[GrammarKey, _Pending] | None:
         """The next tenant's oldest constraint still wanted (None: the gate stops); blocks for one."""
@@ -308,17 +311,25 @@ class GrammarGate:
         pending: _Pending,
         compiled: xgr.CompiledGrammar | None,
         error: Exception | None,
+        started: float,
     ) -> None:
-        """Each request still waiting for `key`: to the loop with its grammar, or ended with `error`."""
+        """Each request still waiting for `key`: to the loop with its grammar, or ended with `error`; the
+        compile (from `started`) is a span of each one's trace."""
         with self._condition:
             self._forget(key, pending)
-            for request in pending.requests:
+            waiting = list(pending.requests)
+            for request in waiting:
                 source = request.grammar
                 if compiled is not None and source is not None:
                     request.seq.grammar = self._state(compiled, source)
                     self.loop.submit(request)
                 else:
                     self.loop.drop(request, _for_field(error, source))
+        if tracing.enabled():
+            attributes = {"tandem.grammar.kind": pending.source.kind}
+            for request in waiting:
+                span = tracing.start_span("grammar compile", request.traceparent, attributes, started)
+                tracing.end_span(span, error=None if error is None else f"{type(error).__name__}: {error}")
 
     def _forget(self, key: GrammarKey, pending: _Pending) -> None:
         """`key` is no longer waited for: its tenant's count goes down (under the condition)."""

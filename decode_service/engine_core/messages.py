@@ -44,6 +44,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     tenant: str
     arrival_time: float | None
     n: int
+    # The front door's request span as a W3C `traceparent`, so the core's spans join its trace; None
+    # when tracing is off (`serving.tracing`).
+    traceparent: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

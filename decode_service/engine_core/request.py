@@ -61,6 +61,8 @@ class ServedRequest:
     # The constraint its answer is held to, compiled where the engine runs before the request reaches the
     # scheduler (`engine_core.grammar_gate`), which sets `seq.grammar`; None: unconstrained.
     grammar: GrammarSource | None = None
+    # The W3C trace context of the front door's span for this request; None when tracing is off.
+    traceparent: str | None = None
 
     @property
     def request_id(self) -> str:

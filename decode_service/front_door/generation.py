@@ -17,6 +17,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -44,6 +46,7 @@ from decode_service.front_door.validation import (
 )
 from engine.model_facts import ModelFacts
 from protos.tandem.v1 import generation_pb2 as pb
+from serving import tracing
 from serving.errors import RelayedStatusError
 from serving.status import status_for
 
@@ -131,6 +134,16 @@ def _log_refused(request_id: str, error: Exception) -> None:
         logger.error("request refused by a bug: %r", error, exc_info=error)
 
 
+@dataclass
+class RequestTrace:
+    """A traced request's root span (`serving.tracing`), when it was handed to the engine core (its
+    queue span starts there), and each choice's finish reason so far."""
+
+    span: Any
+    queued_at: float
+    finish_reasons: list[str] = field(default_factory=list)
+
+
 class Generations:
     """The way in for both front doors, over one engine loop and one registry of live streams; the served
     model is known by its facts (`model`), never by its engine."""
@@ -156,17 +169,25 @@ class Generations:
         self._submissions = itertools.count(1)
 
     async def start(
-        self, request: pb.GenerateRequest, arrival: float, tenant: str, priority: int
+        self,
+        request: pb.GenerateRequest,
+        arrival: float,
+        tenant: str,
+        priority: int,
+        traceparent: str | None = None,
     ) -> Generation:
         """Check, register and validate `request` and submit it to the engine; raises why it was refused.
 
         Cheap limits come first, then a slot is reserved before any tokenization, so an oversized or
-        over-capacity request costs nothing; the slot is given back if validation fails.
+        over-capacity request costs nothing; the slot is given back if validation fails. With tracing on,
+        the request's root span starts at `arrival`, a child of the caller's `traceparent` if it sent one.
         """
+        span = self._start_span(request, arrival, traceparent) if tracing.enabled() else None
         try:
             check_limits(request, self.config.limits, self.model.max_model_len)
         except InvalidRequestError as exc:
             _log_refused("-", exc)  # the id itself may be what is too long
+            tracing.end_span(span, error=str(exc))
             raise
         request_id = request.request_id or uuid.uuid4().hex
         bind_request_id(request_id)
@@ -180,7 +201,9 @@ class Generations:
             self._hub.reserve(request_id)
         except Exception as exc:
             _log_refused(request_id, exc)
+            tracing.end_span(span, error=str(exc))
             raise
+        validated = time.monotonic() if span is not None else 0.0
         try:
             submitted = await self._validation.run(
                 prompt_bytes(request),
@@ -204,7 +227,20 @@ class Generations:
             self._hub.release(request_id)
             if isinstance(exc, Exception):
                 _log_refused(request_id, exc)
+            tracing.end_span(span, error=str(exc) or type(exc).__name__)
             raise
+        trace = None
+        if span is not None:
+            trace = RequestTrace(span, time.monotonic())
+            tracing.record_span("validate", span, arrival, validated)
+            tracing.record_span("tokenize", span, validated, trace.queued_at)
+            span.set_attributes(
+                {
+                    "gen_ai.request.max_tokens": submitted.stopping.max_tokens,
+                    "gen_ai.usage.input_tokens": len(submitted.prompt_token_ids),
+                }
+            )
+            submitted.traceparent = tracing.traceparent_of(span)
         log_event(
             logger,
             logging.INFO,
@@ -231,7 +267,18 @@ class Generations:
         )
         if parsers is not None:
             parsers = functools.partial(parsers, None if grammar is None else waits_for is not None)
-        return Generation(submitted, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers)
+        return Generation(submitted, mailbox, self._hub, self._engine_loop, arrival, new_text, parsers, trace)
+
+    def _start_span(self, request: pb.GenerateRequest, arrival: float, traceparent: str | None) -> object:
+        """The request's root span, named and described as the GenAI semantic conventions say."""
+        operation = "chat" if request.messages else "text_completion"
+        model = self.config.served_model_name or self.model.model_name
+        attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "tandem",
+            "gen_ai.request.model": model,
+        }
+        return tracing.start_span(f"{operation} {model}", traceparent, attributes, arrival, kind="SERVER")
 
     async def prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
         """The token ids `request`'s prompt would be served with, checked and tokenized as `start` does it
@@ -279,8 +326,11 @@ class Generation:
         arrival: float,
         new_text: Callable[[], ChoiceText],
         new_parser: ParserFactory | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.request = request
+        # The request's root span, ended with the request; None when tracing is off.
+        self._trace = trace
         self._mailbox = mailbox
         self._hub = hub
         self._engine_loop = engine_loop
@@ -360,6 +410,9 @@ class Generation:
         if index in self._ended:
             return None
         if delta.state is not None:
+            if self._trace is not None and not self._states:
+                trace = self._trace
+                tracing.record_span("queue", trace.span, trace.queued_at, delta.state.admitted_time)
             self._states[index] = delta.state
             self._forked = self._forked or delta.state.forked
         text = self._texts.get(index)
@@ -377,11 +430,16 @@ class Generation:
         if delta.error is not None:
             code = grpc.StatusCode[delta.error.code]
             log_event(logger, logging.WARNING, "request failed", request_id=self.request_id, code=code.name)
+            self._end_span(f"{code.name}: {delta.error.message}")
             raise RelayedStatusError(code, delta.error.message, delta.error.field)
         if log_prompts_enabled():
             self._completion.append(piece.text)
         finish = "stop" if piece.stop is not None else delta.finish_reason
         state = self._states.get(index)
+        if self._trace is not None and finish is not None:
+            self._trace.finish_reasons.append(finish)
+            if self._finished:
+                self._end_span(None)
         if self._finished and finish is not None:
             log_event(
                 logger,
@@ -414,12 +472,25 @@ class Generation:
         response.reasoning_text = reasoning
         response.tool_calls.extend(calls)
 
+    def _end_span(self, error: str | None) -> None:
+        """End the root span with the request's usage and outcome (once; nothing when tracing is off)."""
+        trace, self._trace = self._trace, None
+        if trace is None:
+            return
+        attributes = {
+            "gen_ai.response.id": self.request_id,
+            "gen_ai.usage.output_tokens": sum(text.num_tokens for text in self._texts.values()),
+            "gen_ai.response.finish_reasons": trace.finish_reasons,
+        }
+        tracing.end_span(trace.span, attributes, error)
+
     def close(self) -> None:
         """Leave the stream; a request not finished yet is aborted and its blocks freed at once."""
         if self._closed:
             return
         self._closed = True
         self._hub.close(self.request)
+        self._end_span(None if self._finished else "cancelled")
         if not self._finished:
             self._engine_loop.abort(self.request_id)
             log_event(

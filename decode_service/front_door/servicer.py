@@ -18,6 +18,7 @@ from decode_service.front_door.generation import Generations
 from engine.config import dtype_name
 from protos.tandem.v1 import generation_pb2 as pb
 from protos.tandem.v1 import generation_pb2_grpc
+from serving import tracing
 from serving.errors import StreamStalledError
 from serving.live_calls import StallWatchdog
 from serving.status import status_for
@@ -45,7 +46,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             tenant, priority = tenant_and_priority(
                 request, metadata, config.tenant_header, config.priority_header
             )
-            generation = await self._generations.start(request, time.monotonic(), tenant, priority)
+            generation = await self._generations.start(
+                request, time.monotonic(), tenant, priority, tracing.traceparent_from(metadata)
+            )
         except Exception as exc:
             await self._refuse(context, exc)
         try:

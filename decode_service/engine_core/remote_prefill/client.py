@@ -35,6 +35,7 @@ from engine.params import SamplingParams
 from kv_transfer import KVFrame, KVFramingError, KVTransferError
 from protos.tandem.internal.v1 import prefill_pb2
 from protos.tandem.v1 import generation_pb2
+from serving import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,19 @@ class PrefillClient:
             if tried:
                 self.stats.retries += 1
             tried.append(replica)
+            span = None
+            if tracing.enabled():
+                attributes = {"server.address": replica.address, "tandem.prefill.attempt": len(tried)}
+                span = tracing.start_span("remote prefill", transfer.traceparent, attributes, kind="CLIENT")
             try:
-                return await self._attempt(replica, transfer)
+                outcome = await self._attempt(replica, transfer, span)
+                tracing.end_span(span)
+                return outcome
             except TransferCancelledError:
+                tracing.end_span(span, error="cancelled")
                 return None
             except AttemptFailedError as failure:
+                tracing.end_span(span, error=str(failure))
                 self.stats.attempt_failures += 1
                 reasons.append(f"{replica.address}: {failure}")
                 logger.warning(
@@ -109,6 +118,9 @@ class PrefillClient:
                 if failure.request_refused:
                     refused = True
                     break
+            except BaseException as exc:
+                tracing.end_span(span, error=type(exc).__name__)
+                raise
             finally:
                 self.pool.release(replica)
         return self._give_up(transfer, reasons, refused)
@@ -125,7 +137,11 @@ class PrefillClient:
             error = PrefillUnavailableError(f"no prefill replica is available: {self.pool.describe()}")
         return PrefillGaveUp(transfer, error)
 
-    async def _attempt(self, replica: PrefillReplica, transfer: KVTransfer) -> PrefillCompleted:
+    async def _attempt(
+        self, replica: PrefillReplica, transfer: KVTransfer, span: object = None
+    ) -> PrefillCompleted:
+        """One Prefill call; `span` (None when tracing is off) is its parent on the prefill tier, and the
+        parent of its KV receive."""
         transfer.restart()
         request = prefill_pb2.PrefillRequest(
             request_id=transfer.request_id,
@@ -137,10 +153,11 @@ class PrefillClient:
             held_prefix_hash=transfer.held_prefix_hash,
         )
         started = time.monotonic()
-        call = replica.stub.Prefill(request, timeout=self.timeout_s)
+        call = replica.stub.Prefill(request, timeout=self.timeout_s, metadata=tracing.grpc_metadata(span))
         writes = WritePipeline(self._writer, transfer.write)
         done: prefill_pb2.PrefillDone | None = None
         first_kv: float | None = None
+        received = 0
         done_at = started
         try:
             async for response in call:
@@ -152,9 +169,9 @@ class PrefillClient:
                     if first_kv is None:
                         first_kv = time.monotonic()
                     self.stats.kv_messages_received += 1
-                    self._count_written(replica, await writes.put(response))
+                    received += self._count_written(replica, await writes.put(response))
                 else:
-                    self._count_written(replica, await writes.flush())
+                    received += self._count_written(replica, await writes.flush())
                     done = response.done
                     done_at = time.monotonic()
                     transfer.check_complete(done, self._vocab_size)
@@ -176,6 +193,9 @@ class PrefillClient:
         self.stats.kv_blocks_skipped += transfer.num_held_blocks
         self.stats.transfer_seconds += done_at - started
         self.stats.kv_stream_seconds += done_at - (first_kv if first_kv is not None else done_at)
+        if span is not None:
+            attributes = {"tandem.kv.bytes": received, "tandem.kv.blocks_held": transfer.num_held_blocks}
+            tracing.record_span("kv receive", span, first_kv, done_at, attributes)
         return PrefillCompleted(
             transfer,
             done.first_token_id,
@@ -184,9 +204,10 @@ class PrefillClient:
             done.num_cached_tokens,
         )
 
-    def _count_written(self, replica: PrefillReplica, num_bytes: int) -> None:
+    def _count_written(self, replica: PrefillReplica, num_bytes: int) -> int:
         self.stats.kv_bytes_received += num_bytes
         self.pool.report_kv_received(replica, num_bytes)
+        return num_bytes
 
     def _penalize(self, replica: PrefillReplica, reason: str) -> str:
         self.pool.report_failure(replica, reason)

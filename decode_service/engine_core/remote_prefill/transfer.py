@@ -88,6 +88,8 @@ class KVTransfer:
         self.num_held_blocks = seq.num_computed_tokens // layout.block_size
         self.held_prefix_hash = held_prefix_hash
         self.affinity_key = affinity_key
+        # The request's trace: each attempt is a span of it, and the prefill tier's spans join it.
+        self.traceparent = request.traceparent
         self.num_blocks = -(-len(self.token_ids) // layout.block_size)
         self.first_blocks = tuple(
             max(self.num_held_blocks, layout.first_sent_block(group, len(self.token_ids)))

@@ -67,6 +67,7 @@ from decode_service.front_door.openai_http.tokenize_models import (
 )
 from decode_service.front_door.openai_http.tokenize_routes import TokenizeRoutes
 from protos.tandem.v1 import generation_pb2 as pb
+from serving import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,8 @@ class OpenAIRoutes:
             tenant, priority = tenant_and_priority(
                 generate, request.headers.items(), config.tenant_header, config.priority_header
             )
-            generation = await self._generations.start(generate, arrival, tenant, priority)
+            traceparent = tracing.traceparent_from(request.headers.items())
+            generation = await self._generations.start(generate, arrival, tenant, priority, traceparent)
         except Exception as exc:
             return self._error(exc, openai_request.param_for if openai_request is not None else None)
         builder = ResponseBuilder(

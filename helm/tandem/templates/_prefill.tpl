@@ -31,6 +31,10 @@
 - {{ .Values.drain.drainGraceSeconds | quote }}
 - --log-format
 - {{ .Values.logFormat }}
+{{- with .Values.tracing.otlpTracesEndpoint }}
+- --otlp-traces-endpoint
+- {{ . | quote }}
+{{- end }}
 {{- if not .Values.prefixCaching.enabled }}
 - --no-prefix-caching
 {{- end }}
