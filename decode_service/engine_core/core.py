@@ -130,7 +130,7 @@ def to_delta(delta: StreamDelta) -> Delta:
     request = delta.request
     seq = request.seq
     state = None
-    if delta.is_last and request.traceparent is not None and request.parent is None:
+    if request.traceparent is not None and delta.is_last and request.parent is None:
         trace_request_end(request)
     if delta.is_last or seq.num_output_tokens == len(delta.token_ids):
         state = ChoiceState(
