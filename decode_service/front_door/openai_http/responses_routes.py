@@ -37,6 +37,7 @@ from decode_service.front_door.openai_http.responses_api import (
     translate_responses,
 )
 from protos.tandem.v1 import generation_pb2 as pb
+from serving import tracing
 
 ReadBody = Callable[[Request], Awaitable[object]]
 UntilDisconnect = Callable[[Request, Awaitable[Any]], Awaitable[Any]]
@@ -107,7 +108,8 @@ class ResponsesRoutes:
             tenant, priority = tenant_and_priority(
                 generate, request.headers.items(), config.tenant_header, config.priority_header
             )
-            generation = await self._generations.start(generate, arrival, tenant, priority)
+            traceparent = tracing.traceparent_from(request.headers.items())
+            generation = await self._generations.start(generate, arrival, tenant, priority, traceparent)
         except Exception as exc:
             return self._error(exc, call.param_for if call is not None else None)
         stored = store is not None and call.request.store
