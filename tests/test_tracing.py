@@ -319,6 +319,13 @@ def test_one_trace_per_request_across_both_tiers(real_model_dir: Path, receiver)
             timeout=120,
         )
         assert constrained.status_code == 200, constrained.text
+        malformed = httpx.post(
+            f"http://127.0.0.1:{decode.http_port}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 2},
+            headers={"traceparent": "00-not-a-trace-01", "x-request-id": "malformed-parent"},
+            timeout=120,
+        )
+        assert malformed.status_code == 200, malformed.text
         request = pb.GenerateRequest(
             request_id="traced-grpc",
             prompt="The capital of France is",
@@ -388,3 +395,10 @@ def test_one_trace_per_request_across_both_tiers(real_model_dir: Path, receiver)
     (compile_span,) = [s for s in constrained_spans if s["name"] == "grammar compile"]
     assert compile_span["parent_id"] == root["span_id"]
     assert compile_span["attributes"]["tandem.grammar.kind"] == "json_object"
+
+    # A malformed traceparent is ignored: the request is served, and its trace starts at the front door.
+    def malformed_root() -> list[dict]:
+        return [s for s in spans.spans() if s["attributes"].get("gen_ai.response.id") == "malformed-parent"]
+
+    assert wait_until(lambda: len(malformed_root()) == 1)
+    assert malformed_root()[0]["parent_id"] == ""
