@@ -33,6 +33,7 @@ from decode_service.front_door.openai_http.request_io import (
     unless_disconnected,
 )
 from protos.tandem.v1 import generation_pb2 as pb
+from serving import tracing
 
 
 class MessagesRoutes:
@@ -75,7 +76,8 @@ class MessagesRoutes:
             tenant, priority = tenant_and_priority(
                 generate, request.headers.items(), config.tenant_header, config.priority_header
             )
-            generation = await self._generations.start(generate, arrival, tenant, priority)
+            traceparent = tracing.traceparent_from(request.headers.items())
+            generation = await self._generations.start(generate, arrival, tenant, priority, traceparent)
         except Exception as exc:
             return _error(exc, asked)
         builder = MessageBuilder(generation.request_id, self._model, generation.num_prompt_tokens)
