@@ -42,10 +42,12 @@ COPY bench ./bench
 # Every dependency at the version `make test` passed with (requirements-lock.txt); a base image's own torch
 # (CUDA builds bring triton; the CPU wheel does not) keeps its version and the triton it was built with.
 # PIP_CONSTRAINT, unlike --constraint, also pins the build backend in pip's isolated build environment.
+# The tracing extra (OpenTelemetry's SDK and OTLP exporter) makes the chart's tracing value work; it is
+# imported only when a tier is started with an OTLP endpoint.
 RUN { python -c "import triton" 2>/dev/null && grep -v -E '^(torch|triton)==' requirements-lock.txt \
         || cat requirements-lock.txt; } \
         > /tmp/constraints.txt \
-    && PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir . \
+    && PIP_CONSTRAINT=/tmp/constraints.txt pip install --no-cache-dir "./[tracing]" \
     && tandem selftest
 
 # ---- runtime: the virtualenv and an unprivileged user, nothing else ----

@@ -175,12 +175,13 @@ def test_cpu_torch_pin_matches_the_lock(dockerfile: tuple[list, list[Stage]]) ->
 
 
 def test_the_build_serves_the_plain_install(dockerfile: tuple[list, list[Stage]]) -> None:
-    """The builder installs without extras, at the lock's versions (what `make test` passed with), and its
+    """The builder installs the runtime and the tracing extra (nothing for development or benchmarks), at
+    the lock's versions (what `make test` passed with), and its
     smoke check starts both tiers (`tandem selftest`), not an import: a server that dies at start must
     fail the build."""
     _, stages = dockerfile
     (install,) = [args for args in stages[0].all("RUN") if "tandem selftest" in args]
-    assert re.search(r"PIP_CONSTRAINT=(\S+) pip install --no-cache-dir \.(\s|$)", install)
+    assert re.search(r'PIP_CONSTRAINT=(\S+) pip install --no-cache-dir "\./\[tracing\]"(\s|$)', install)
     assert "requirements-lock.txt" in install
     assert install.rstrip().endswith("tandem selftest")
 
