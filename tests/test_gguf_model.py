@@ -166,6 +166,33 @@ def test_q8_0_gemv_every_instruction_set_matches_float64(extension, isa: str):
         extension.set_gemv_isa(best)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize(("tokens", "cols"), [(1, 4128), (2, 2080)])
+def test_q8_0_gemv_reads_long_rows_of_x_against_groups_of_w_rows(extension, isa: str, tokens: int, cols: int):
+    """One or two rows of x past 16 KiB (AVX-512 then reads W rows four at a time): 4-row groups and a
+    last partial group, a row count no thread split makes whole, within fp32 rounding of float64, and
+    the same values whatever rows of W go with them."""
+    best = extension.gemv_isa()
+    try:
+        extension.set_gemv_isa(isa)
+    except RuntimeError as exc:
+        assert "cannot run" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    generator = torch.Generator().manual_seed(tokens)
+    try:
+        dense = torch.randn(11, cols, generator=generator)
+        blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
+        weight = Q8_0Weight(blocks, cols).dequantize().double()
+        x = torch.randn(tokens, cols, generator=generator)
+        bias = torch.randn(11, generator=generator)
+        out = extension.linear_q8_0_gemv(x, blocks, bias)
+        _assert_fp32_accurate(out - bias, x, weight)
+        shifted = extension.linear_q8_0_gemv(x, blocks[1:].contiguous(), bias[1:])
+        assert torch.equal(shifted, out[:, 1:])
+    finally:
+        extension.set_gemv_isa(best)
+
+
 def test_q8_0_layer_runs_the_gemv_at_every_row_count(extension):
     """Past the decode stack's rows too: a step's cost then grows at the rate measured at start."""
     generator = torch.Generator().manual_seed(2)

@@ -91,6 +91,26 @@ def test_gemv_every_instruction_set_matches_the_reference(extension, isa):
         extension.set_gemv_isa(best)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_decode_rows_read_w_in_groups_with_a_partial_last_one(extension, isa, rows):
+    """A decode step's one or two rows of x against 4-row groups of W (AVX-512) and a last partial group,
+    over K with a tail past the unrolled steps and long rows of x (5000 features, 20 KiB)."""
+    best = extension.gemv_isa()
+    try:
+        extension.set_gemv_isa(isa)
+    except RuntimeError as exc:
+        assert "cannot run" in str(exc)
+        pytest.skip(f"this CPU has no {isa}")
+    try:
+        for out_features, in_features in [(11, 5000), (7, 93)]:
+            x, qweight, scale, bias = int8_case(rows, out_features, in_features, bias=True, seed=in_features)
+            got = extension.linear_int8_gemv(x, qweight, scale, bias)
+            torch.testing.assert_close(got, exact(x, qweight, scale, bias), rtol=1e-5, atol=1e-4)
+    finally:
+        extension.set_gemv_isa(best)
+
+
 # Around the GEMM's register tiles (12 rows on AVX-512, 6 on AVX2, 4 portable) and the GEMV's limit.
 GEMM_ROWS = [1, 5, 6, 7, 12, 13, 25, int8_linear.GEMV_MAX_ROWS + 1, 100]
 

@@ -1,7 +1,7 @@
 // What the fp32 GEMV (gemv.cpp) and the int8-weight GEMV (gemv_int8.cpp) share: the work split over W's
 // rows, the prefetch one group of rows ahead, and the AVX2 horizontal sum. Both stream W front to back in
 // groups of 4 rows, so they split and prefetch it the same way whatever its element type (except the
-// int8 GEMV's one or two rows of x, which read a group's rows one after another: see gemv_int8.cpp).
+// int8 GEMV's one or two rows of x on AVX2, which read a group's rows one after another: see gemv_int8.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -11,10 +11,9 @@
 // (AVX-512) or 8 (AVX2) weights widened int8 -> int32 -> fp32 in registers, and the row's scale applied
 // once to the finished dot product. Past 4 x rows AVX-512 tiles 2 W rows x up to 8 x rows (the widening
 // shares the FMA pipes, so each widened weight should feed as many FMAs as registers allow), and past one
-// x tile the widened rows are kept for the later tiles (see rows_of_w). For one or two rows of x
-// (single-stream decode) each thread instead reads its slice one W row after another, asking for the line 4 KiB ahead as it goes, with 4 FMA chains per tile: a single
-// sequential stream the prefetchers follow, where 4 interleaved rows left the GEMV short of the
-// bandwidth the same bytes read at. Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
+// x tile the widened rows are kept for the later tiles (see rows_of_w). One or two rows of x (decode of one
+// or two sequences) keep 4 FMA chains per output, in the 4-row tile on AVX-512 and one W row after another
+// on AVX2 (see row_group). Many rows are gemm_int8.cpp's (`linear_int8_gemm`).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/types.h>
@@ -66,11 +65,13 @@ TANDEM_AVX2 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 
 // Independent sums per (W row, x row) pair: a tile with fewer than 4 pairs keeps kUnroll of them per
 // pair, over alternate vectors of K, so that at least 4 FMA chains are in flight (one chain left the
-// single-row decode GEMV waiting on FMA latency).
+// single-row decode GEMV waiting on FMA latency). AVX-512 counts the rows of x alone, so a decode step's
+// tile of 4 W rows keeps 4 chains per output too (its 32 registers hold the 16); AVX2's 16 registers count
+// the tile's pairs.
 constexpr int kUnroll(int pairs) { return pairs >= 4 ? 1 : 4 / pairs; }
 
-// A lone W row (the 1-2 row GEMV streams W one row after another) asks for the line kAheadBytes ahead of
-// the one it reads, into L1; a group of rows asks for the next group's lines, one group ahead.
+// A lone W row (AVX2's 1-2 row GEMV streams W one row after another) asks for the line kAheadBytes ahead
+// of the one it reads, into L1; a group of rows asks for the next group's lines, one group ahead.
 constexpr int64_t kAheadBytes = 4096;
 
 template <int NR>
@@ -89,7 +90,7 @@ inline void prefetch_w(const Problem& p, int64_t n0, int64_t c) {
 template <int NR, int MR, typename T, bool kWiden>
 TANDEM_AVX512 void tile_avx512(const Problem& p, const T* w0, float* widened, int64_t n0, int64_t m0,
                                bool prefetch) {
-  constexpr int U = kUnroll(NR * MR);
+  constexpr int U = kUnroll(MR);
   __m512 acc[U][NR][MR];
   for (int u = 0; u < U; ++u)
     for (int i = 0; i < NR; ++i)
@@ -242,19 +243,22 @@ void rows_of_w(const Problem& p, int64_t n0, int64_t tile_rows) {
     x_tile<NR, float>(std::min(tile_rows, p.m - m0), p, widened, nullptr, n0, m0, false);
 }
 
-// How a group of 4 W rows meets the rows of x. One or two rows of x (a decode step of one or two
-// sequences) stream W one row after another, which read it faster than interleaving 4 rows; 3-4 rows of x
-// share each group of 4 W rows' loads. Past 4 rows, AVX-512 takes W rows two at a time against tiles of up
-// to 8 x rows: each widened weight (whose int -> float conversion shares the FMA pipes) then feeds 8 FMAs
-// rather than 4.
+// How a group of 4 W rows meets the rows of x. On AVX-512 up to 4 rows of x share each group of 4 W rows'
+// loads: each x vector then feeds 4 W rows, where reading one W row after another (a decode step of one or
+// two sequences) read x once per W row, from L2 past a row of 4096 features, and ran at about half the
+// rate. AVX2 (16 registers) reads one W row after another for one or two rows of x, asking for the line 4
+// KiB ahead as it goes. Past 4 rows, AVX-512 takes W rows two at a time against tiles of up to 8 x rows:
+// each widened weight (whose int -> float conversion shares the FMA pipes) then feeds 8 FMAs rather than 4.
 struct RowSplit {
   bool wide;
+  bool stream_rows;  // one W row after another
   int64_t tile_rows;
 };
 
 RowSplit row_split(int64_t m) {
-  const bool wide = m > 4 && current_gemv_isa() == GemvIsa::kAvx512;
-  return {wide, wide ? kMaxTileRows : 4};
+  const bool avx512 = current_gemv_isa() == GemvIsa::kAvx512;
+  const bool wide = m > 4 && avx512;
+  return {wide, m <= 2 && !avx512, wide ? kMaxTileRows : 4};
 }
 
 // W rows n0..n0 + 3 against every row of x.
@@ -263,7 +267,7 @@ void row_group(const Problem& p, int64_t n0, const RowSplit& split) {
     rows_of_w<2>(p, n0, split.tile_rows);
     return rows_of_w<2>(p, n0 + 2, split.tile_rows);
   }
-  if (p.m > 2) return rows_of_w<4>(p, n0, split.tile_rows);
+  if (!split.stream_rows) return rows_of_w<4>(p, n0, split.tile_rows);
   for (int64_t r = n0; r < n0 + 4; ++r) rows_of_w<1>(p, r, split.tile_rows);
 }
 

@@ -7,10 +7,11 @@
 // multiply x by exactly the dequantized weight, so the result is the fp32 product with it up to
 // summation order, as gemv_int8.cpp's is (quantizing x as well would change the numbers).
 //
-// Threads share W's rows in contiguous runs; each reads one W row's blocks front to back (two at a time
-// past two rows of x, on AVX-512) against up to 4 rows of x at a time (more rows of x go round again, as a
-// decode step has few), with 2 (AVX-512) or 4 (AVX2) FMA chains per x row, asking for the line 4 KiB
-// ahead as it goes (one sequential stream the prefetchers follow, as gemv_int8.cpp's single-row GEMV). A
+// Threads share W's rows in contiguous runs; each reads one W row's blocks front to back (on AVX-512, two at
+// a time past two rows of x, and four at a time for one or two rows of x too long to stay in L1) against
+// up to 4 rows of x at a time (more rows of x go round again, as a decode step has few), with 2 (AVX-512)
+// or 4 (AVX2) FMA chains per x row, asking for the line 4 KiB ahead as it goes (one sequential stream per
+// row that the prefetchers follow). A
 // block's scale is converted by F16C in one instruction (in software it takes a dozen, with branches).
 // Many rows are the torch reference's (dequantize, then one GEMM).
 //
@@ -199,6 +200,12 @@ void pair_against_x(const Problem& p, int64_t r) {
   }
 }
 
+// W rows r..r + 3 against one or two rows of x (AVX-512, rows of x past half of L1).
+void quad_against_x(const Problem& p, int64_t r) {
+  if (p.m == 1) return rows_avx512<4, 1>(p, r, 0);
+  rows_avx512<4, 2>(p, r, 0);
+}
+
 // W row `r` against every row of x, up to kMaxTileRows at a time.
 void row_against_x(const Problem& p, int64_t r) {
   for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
@@ -211,13 +218,21 @@ void row_against_x(const Problem& p, int64_t r) {
   }
 }
 
+// Rows of x up to this many bytes stay in L1 beside the stream of W.
+constexpr int64_t kRowsOfXInL1Bytes = 16 * 1024;
+
 // Rows [begin, end) of W. Three or more rows of x (AVX-512) take W rows in pairs: each x row is then read
 // from L2 once per two W rows (4 rows of 4096 features are 64 KiB, past L1), which bound the GEMV there.
-// One or two rows of x stream W one row after another.
+// One or two rows of x stream W one row after another while they fit in half of L1; longer ones (an MLP's
+// down projection: 14336 features are 56 KiB) take W rows in fours, for the same reason (AVX-512).
 void rows_against_x(const Problem& p, int64_t begin, int64_t end) {
   int64_t r = begin;
-  if (p.m > 2 && current_gemv_isa() == GemvIsa::kAvx512) {
-    for (; r + 2 <= end; r += 2) pair_against_x(p, r);
+  if (current_gemv_isa() == GemvIsa::kAvx512) {
+    if (p.m > 2) {
+      for (; r + 2 <= end; r += 2) pair_against_x(p, r);
+    } else if (p.m * p.k * static_cast<int64_t>(sizeof(float)) > kRowsOfXInL1Bytes) {
+      for (; r + 4 <= end; r += 4) quad_against_x(p, r);
+    }
   }
   for (; r < end; ++r) row_against_x(p, r);
 }
