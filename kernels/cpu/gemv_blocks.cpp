@@ -63,37 +63,57 @@ inline float half_to_float(uint16_t h) {
   return value;
 }
 
-struct SoftHalf {
-  static float at(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, sizeof(h));
-    return half_to_float(h);
-  }
-};
-
-struct F16cHalf {
-  __attribute__((target("f16c"))) static float at(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, sizeof(h));
-    return _cvtsh_ss(h);
-  }
-};
-
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-// The 32-weight types: 16 bytes of nibbles (weight i the low nibble of byte i, weight 16 + i the high one),
-// a fifth bit from a 32-bit mask for the 5-bit types, then weight = d * (q - bias) or d * q + m.
-template <int kHighBits>
-inline void unpack_nibbles32(const uint8_t* qs, uint32_t qh, uint8_t* q) {
-  for (int i = 0; i < 16; ++i) {
-    q[i] = static_cast<uint8_t>((qs[i] & 15) | (kHighBits ? ((qh >> i) & 1) << 4 : 0));
-    q[16 + i] = static_cast<uint8_t>((qs[i] >> 4) | (kHighBits ? ((qh >> (16 + i)) & 1) << 4 : 0));
+// How a block's fp16 scales and a 32-weight type's q are read: in plain C++ on the portable path... The
+// 32-weight types have 16 bytes of nibbles (weight i the low nibble of byte i, weight 16 + i the high one) and,
+// the 5-bit ones, a fifth bit per weight from a 32-bit mask; weight = d * (q - bias) or d * q + m.
+struct PortableDecode {
+  static float half(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof(h));
+    return half_to_float(h);
   }
-}
+  template <int kHighBits>
+  static void nibbles32(const uint8_t* qs, uint32_t qh, uint8_t* q) {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<uint8_t>((qs[i] & 15) | (kHighBits ? ((qh >> i) & 1) << 4 : 0));
+      q[16 + i] = static_cast<uint8_t>((qs[i] >> 4) | (kHighBits ? ((qh >> (16 + i)) & 1) << 4 : 0));
+    }
+  }
+};
+
+// ... and with F16C and 16-byte vectors on the AVX2 and AVX-512 ones (compilers turn the plain loop into
+// byte-at-a-time stores that the vector loads then wait on).
+struct VectorDecode {
+  __attribute__((target("f16c"))) static float half(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof(h));
+    return _cvtsh_ss(h);
+  }
+  // 16 bits of `bits` as bytes 16 (bit set) or 0.
+  TANDEM_BLOCKS_AVX2 static __m128i fifth_bits(uint32_t bits) {
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits)),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+  }
+  template <int kHighBits>
+  TANDEM_BLOCKS_AVX2 static void nibbles32(const uint8_t* qs, uint32_t qh, uint8_t* q) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(15);
+    __m128i low = _mm_and_si128(bytes, low4), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    if (kHighBits) {
+      low = _mm_or_si128(low, fifth_bits(qh & 0xffffu));
+      high = _mm_or_si128(high, fifth_bits(qh >> 16));
+    }
+    _mm_store_si128(reinterpret_cast<__m128i*>(q), low);
+    _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), high);
+  }
+};
 
 inline void set_groups(Unpacked& u, int groups, float scale, float offset) {
   for (int g = 0; g < groups; ++g) u.scale[g] = scale, u.offset[g] = offset;
@@ -101,39 +121,39 @@ inline void set_groups(Unpacked& u, int groups, float scale, float offset) {
 
 struct Q4_0 {
   static constexpr int64_t kType = 2, kWeights = 32, kBytes = 18;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    const float d = Half::at(b);
-    unpack_nibbles32<0>(b + 2, 0, u.q);
+    const float d = Decode::half(b);
+    Decode::template nibbles32<0>(b + 2, 0, u.q);
     set_groups(u, 2, d, -8.f * d);
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kType = 3, kWeights = 32, kBytes = 20;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    unpack_nibbles32<0>(b + 4, 0, u.q);
-    set_groups(u, 2, Half::at(b), Half::at(b + 2));
+    Decode::template nibbles32<0>(b + 4, 0, u.q);
+    set_groups(u, 2, Decode::half(b), Decode::half(b + 2));
   }
 };
 
 struct Q5_0 {
   static constexpr int64_t kType = 6, kWeights = 32, kBytes = 22;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    const float d = Half::at(b);
-    unpack_nibbles32<1>(b + 6, load_u32(b + 2), u.q);
+    const float d = Decode::half(b);
+    Decode::template nibbles32<1>(b + 6, load_u32(b + 2), u.q);
     set_groups(u, 2, d, -16.f * d);
   }
 };
 
 struct Q5_1 {
   static constexpr int64_t kType = 7, kWeights = 32, kBytes = 24;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    unpack_nibbles32<1>(b + 8, load_u32(b + 4), u.q);
-    set_groups(u, 2, Half::at(b), Half::at(b + 2));
+    Decode::template nibbles32<1>(b + 8, load_u32(b + 4), u.q);
+    set_groups(u, 2, Decode::half(b), Decode::half(b + 2));
   }
 };
 
@@ -149,19 +169,19 @@ inline void k_scales(const uint8_t* b, float d, float dmin, float* scale, float*
   }
 }
 
-template <class Half>
+template <class Decode>
 inline void unpack_k_scales(const uint8_t* b, Unpacked& u) {
   float scale[8], neg_min[8];
-  k_scales(b, Half::at(b), Half::at(b + 2), scale, neg_min);
+  k_scales(b, Decode::half(b), Decode::half(b + 2), scale, neg_min);
   for (int g = 0; g < 16; ++g) u.scale[g] = scale[g / 2], u.offset[g] = neg_min[g / 2];
 }
 
 // Q4_K: 128 bytes of nibbles after the scales; 32 bytes per pair of sub-blocks, low nibbles the first.
 struct Q4_K {
   static constexpr int64_t kType = 12, kWeights = 256, kBytes = 144;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    unpack_k_scales<Half>(b, u);
+    unpack_k_scales<Decode>(b, u);
     const uint8_t* qs = b + 16;
     for (int c = 0; c < 4; ++c)
       for (int l = 0; l < 32; ++l) {
@@ -175,9 +195,9 @@ struct Q4_K {
 // sub-block j.
 struct Q5_K {
   static constexpr int64_t kType = 13, kWeights = 256, kBytes = 176;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    unpack_k_scales<Half>(b, u);
+    unpack_k_scales<Decode>(b, u);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int c = 0; c < 4; ++c)
       for (int l = 0; l < 32; ++l) {
@@ -192,9 +212,9 @@ struct Q5_K {
 // g < 2) and 32 high bytes (bits 2g, 2g + 1 of byte l); weight = (d * sc) * (q - 32), exact in fp32.
 struct Q6_K {
   static constexpr int64_t kType = 14, kWeights = 256, kBytes = 210;
-  template <class Half>
+  template <class Decode>
   static void unpack(const uint8_t* b, Unpacked& u) {
-    const float d = Half::at(b + 208);
+    const float d = Decode::half(b + 208);
     const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int s = 0; s < 16; ++s) u.scale[s] = d * static_cast<float>(sc[s]), u.offset[s] = -32.f * u.scale[s];
     for (int h = 0; h < 2; ++h) {
@@ -224,7 +244,8 @@ template <class T>
 inline void prefetch_ahead(const Problem& p, const uint8_t* block) {
   const uint8_t* end = p.w + p.n * p.row_bytes;
   for (int64_t at = 0; at < T::kBytes; at += 64) {
-    if (block + at + kAheadBytes < end) _mm_prefetch(reinterpret_cast<const char*>(block + at + kAheadBytes), _MM_HINT_T0);
+    const uint8_t* ahead = block + at + kAheadBytes;
+    if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
   }
 }
 
@@ -246,49 +267,73 @@ struct Avx512Block {
   template <class Emit>
   TANDEM_BLOCKS_AVX512 static inline void decode(const uint8_t* block, const Emit& emit) {
     Unpacked u;
-    T::template unpack<F16cHalf>(block, u);
+    T::template unpack<VectorDecode>(block, u);
     emit_unpacked_avx512<T::kWeights>(u, emit);
   }
 };
 
-// Q6_K unpacked a half (128 weights) at a time: its 64 nibble bytes in one vector, its 32 high-part bytes twice
-// in another. 32-bit shifts move each byte's bits into place; the masks drop what crossed from a neighbour.
+// Q6_K in registers, a half (128 weights) at a time: its 64 nibble bytes in one vector, its 32 high-part bytes
+// twice in another, assembled into bytes 4 * (q - 32) (q - 32 is q's 6 bits with the top one flipped, read as
+// signed; shifted up 2 it fills an int8), which sign-extend and convert to fp32 and times d * sc / 4 give the
+// weight exactly. 32-bit shifts move each byte's bits into place; the masks drop what crossed from a neighbour.
 template <>
 struct Avx512Block<Q6_K> {
   template <class Emit>
   TANDEM_BLOCKS_AVX512 static inline void decode(const uint8_t* block, const Emit& emit) {
-    Unpacked u;
+    alignas(64) float quarter_scale[16];
     const __m128i sub_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
-    const __m512 scale =
-        _mm512_mul_ps(_mm512_set1_ps(F16cHalf::at(block + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub_scales)));
-    _mm512_store_ps(u.scale, scale);
-    _mm512_store_ps(u.offset, _mm512_mul_ps(scale, _mm512_set1_ps(-32.f)));
-    const __m512i low4 = _mm512_set1_epi32(0x0f0f0f0f), bits45 = _mm512_set1_epi32(0x30303030);
-    // Bits 2g, 2g + 1 of a high byte to bits 4, 5: g = 0, 1 for the low nibbles, g = 2, 3 for the high ones.
-    const __m512i to_low = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
-    const __m512i to_high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-    constexpr int kLowNibbleOrHigh = 0xec;  // (a & c) | b
+    _mm512_store_ps(quarter_scale, _mm512_mul_ps(_mm512_set1_ps(0.25f * VectorDecode::half(block + 208)),
+                                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub_scales))));
+    const __m512i nibble_bits = _mm512_set1_epi32(0x3c3c3c3c), top_bits = _mm512_set1_epi32(0xc0c0c0c0);
+    const __m512i flip_sign = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+    // Bits 2g, 2g + 1 of a high byte up to bits 6, 7: g = 0, 1 for the low nibbles, g = 2, 3 for the high ones.
+    const __m512i to_low = _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i to_high = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    constexpr int kAndXor = 0x6a;  // (a & b) ^ c
+    constexpr int kAndOr = 0xec;  // (a & c) | b
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(block + 64 * h);
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h)));
-      const __m512i high_of_low = _mm512_and_si512(_mm512_sllv_epi32(qh, to_low), bits45);
-      const __m512i high_of_high = _mm512_and_si512(_mm512_srlv_epi32(qh, to_high), bits45);
-      _mm512_store_si512(u.q + 128 * h, _mm512_ternarylogic_epi32(ql, high_of_low, low4, kLowNibbleOrHigh));
-      _mm512_store_si512(u.q + 128 * h + 64,
-                         _mm512_ternarylogic_epi32(_mm512_srli_epi32(ql, 4), high_of_high, low4, kLowNibbleOrHigh));
+      const __m512i qh =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h)));
+      const __m512i top_low = _mm512_ternarylogic_epi32(_mm512_sllv_epi32(qh, to_low), top_bits, flip_sign, kAndXor);
+      const __m512i top_high = _mm512_ternarylogic_epi32(_mm512_sllv_epi32(qh, to_high), top_bits, flip_sign, kAndXor);
+      const __m512i low = _mm512_ternarylogic_epi32(_mm512_slli_epi32(ql, 2), top_low, nibble_bits, kAndOr);
+      const __m512i high = _mm512_ternarylogic_epi32(_mm512_srli_epi32(ql, 2), top_high, nibble_bits, kAndOr);
+      emit_quarters(low, quarter_scale + 8 * h, 128 * h, emit);
+      emit_quarters(high, quarter_scale + 8 * h + 4, 128 * h + 64, emit);
     }
-    emit_unpacked_avx512<Q6_K::kWeights>(u, emit);
+  }
+
+  // 64 bytes 4 * (q - 32) as four groups of 16 weights, group i times quarter_scale[i].
+  template <class Emit>
+  TANDEM_BLOCKS_AVX512 static inline void emit_quarters(__m512i bytes, const float* quarter_scale, int at,
+                                                        const Emit& emit) {
+    const auto weights = [&](__m128i lane, int i) {
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane)), _mm512_set1_ps(quarter_scale[i]));
+    };
+    emit(at, weights(_mm512_castsi512_si128(bytes), 0), weights(_mm512_extracti32x4_epi32(bytes, 1), 1));
+    emit(at + 32, weights(_mm512_extracti32x4_epi32(bytes, 2), 2), weights(_mm512_extracti32x4_epi32(bytes, 3), 3));
   }
 };
 
 // Q4_K in registers: a sub-block's 16 possible weights fma(s, 0..15, o) are one vector, and a permute by the
-// nibbles (it reads an index's low 4 bits, so the low nibble needs no mask) picks each weight from it.
+// nibbles (it reads an index's low 4 bits, so the low nibble needs no mask) picks each weight from it. The 8
+// sub-scales and sub-mins are unpacked 4 at a time in 32-bit words and scaled 8 at a time.
 template <>
 struct Avx512Block<Q4_K> {
   template <class Emit>
   TANDEM_BLOCKS_AVX512 static inline void decode(const uint8_t* block, const Emit& emit) {
-    float scale[8], neg_min[8];
-    k_scales(block, F16cHalf::at(block), F16cHalf::at(block + 2), scale, neg_min);
+    alignas(32) float scale[8], neg_min[8];
+    const uint32_t s0 = load_u32(block + 4), s1 = load_u32(block + 8), s2 = load_u32(block + 12);
+    const uint32_t sc_high = (s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u);
+    const uint32_t mn_high = ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u);
+    const uint64_t sc = (s0 & 0x3f3f3f3fu) | static_cast<uint64_t>(sc_high) << 32;
+    const uint64_t mn = (s1 & 0x3f3f3f3fu) | static_cast<uint64_t>(mn_high) << 32;
+    const auto widen = [](uint64_t bytes) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+    };
+    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(VectorDecode::half(block)), widen(sc)));
+    _mm256_store_ps(neg_min, _mm256_mul_ps(_mm256_set1_ps(-VectorDecode::half(block + 2)), widen(mn)));
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const uint8_t* qs = block + 16;
     for (int c = 0; c < 4; ++c) {
@@ -344,7 +389,7 @@ TANDEM_BLOCKS_AVX2 void row_avx2(const Problem& p, int64_t r, int64_t m0) {
   Unpacked u;
   for (int64_t c = 0; c < p.k; c += T::kWeights, row += T::kBytes) {
     prefetch_ahead<T>(p, row);
-    T::template unpack<F16cHalf>(row, u);
+    T::template unpack<VectorDecode>(row, u);
     for (int g = 0; g < T::kWeights / 16; g += 2) {
       __m256 w[4];
       for (int h = 0; h < 4; ++h) w[h] = widen8(u.q + 16 * g + 8 * h, u.scale[g + h / 2], u.offset[g + h / 2]);
@@ -366,7 +411,7 @@ void row_portable(const Problem& p, int64_t r, int64_t m0) {
   const uint8_t* row = p.w + r * p.row_bytes;
   Unpacked u;
   for (int64_t c = 0; c < p.k; c += T::kWeights, row += T::kBytes) {
-    T::template unpack<SoftHalf>(row, u);
+    T::template unpack<PortableDecode>(row, u);
     for (int j = 0; j < MR; ++j) {
       const float* x = p.x + (m0 + j) * p.ldx + c;
       for (int i = 0; i < T::kWeights; ++i)
