@@ -280,10 +280,9 @@ template <>
 struct Avx512Block<Q6_K> {
   template <class Emit>
   TANDEM_BLOCKS_AVX512 static inline void decode(const uint8_t* block, const Emit& emit) {
-    alignas(64) float quarter_scale[16];
     const __m128i sub_scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
-    _mm512_store_ps(quarter_scale, _mm512_mul_ps(_mm512_set1_ps(0.25f * VectorDecode::half(block + 208)),
-                                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub_scales))));
+    const __m512 quarter_scale = _mm512_mul_ps(_mm512_set1_ps(0.25f * VectorDecode::half(block + 208)),
+                                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub_scales)));
     const __m512i nibble_bits = _mm512_set1_epi32(0x3c3c3c3c), top_bits = _mm512_set1_epi32(0xc0c0c0c0);
     const __m512i flip_sign = _mm512_set1_epi32(static_cast<int>(0x80808080u));
     // Bits 2g, 2g + 1 of a high byte up to bits 6, 7: g = 0, 1 for the low nibbles, g = 2, 3 for the high ones.
@@ -299,17 +298,19 @@ struct Avx512Block<Q6_K> {
       const __m512i top_high = _mm512_ternarylogic_epi32(_mm512_sllv_epi32(qh, to_high), top_bits, flip_sign, kAndXor);
       const __m512i low = _mm512_ternarylogic_epi32(_mm512_slli_epi32(ql, 2), top_low, nibble_bits, kAndOr);
       const __m512i high = _mm512_ternarylogic_epi32(_mm512_srli_epi32(ql, 2), top_high, nibble_bits, kAndOr);
-      emit_quarters(low, quarter_scale + 8 * h, 128 * h, emit);
-      emit_quarters(high, quarter_scale + 8 * h + 4, 128 * h + 64, emit);
+      emit_quarters(low, quarter_scale, 8 * h, 128 * h, emit);
+      emit_quarters(high, quarter_scale, 8 * h + 4, 128 * h + 64, emit);
     }
   }
 
-  // 64 bytes 4 * (q - 32) as four groups of 16 weights, group i times quarter_scale[i].
+  // 64 bytes 4 * (q - 32) as four groups of 16 weights, group i times lane first + i of quarter_scale (taken
+  // from the register: a broadcast load would wait on the vector store).
   template <class Emit>
-  TANDEM_BLOCKS_AVX512 static inline void emit_quarters(__m512i bytes, const float* quarter_scale, int at,
+  TANDEM_BLOCKS_AVX512 static inline void emit_quarters(__m512i bytes, __m512 quarter_scale, int first, int at,
                                                         const Emit& emit) {
     const auto weights = [&](__m128i lane, int i) {
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane)), _mm512_set1_ps(quarter_scale[i]));
+      const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(first + i), quarter_scale);
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane)), scale);
     };
     emit(at, weights(_mm512_castsi512_si128(bytes), 0), weights(_mm512_extracti32x4_epi32(bytes, 1), 1));
     emit(at + 32, weights(_mm512_extracti32x4_epi32(bytes, 2), 2), weights(_mm512_extracti32x4_epi32(bytes, 3), 3));
@@ -323,7 +324,6 @@ template <>
 struct Avx512Block<Q4_K> {
   template <class Emit>
   TANDEM_BLOCKS_AVX512 static inline void decode(const uint8_t* block, const Emit& emit) {
-    alignas(32) float scale[8], neg_min[8];
     const uint32_t s0 = load_u32(block + 4), s1 = load_u32(block + 8), s2 = load_u32(block + 12);
     const uint32_t sc_high = (s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u);
     const uint32_t mn_high = ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u);
@@ -332,15 +332,20 @@ struct Avx512Block<Q4_K> {
     const auto widen = [](uint64_t bytes) {
       return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
     };
-    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(VectorDecode::half(block)), widen(sc)));
-    _mm256_store_ps(neg_min, _mm256_mul_ps(_mm256_set1_ps(-VectorDecode::half(block + 2)), widen(mn)));
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(VectorDecode::half(block)), widen(sc)));
+    const __m512 neg_min =
+        _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(-VectorDecode::half(block + 2)), widen(mn)));
+    // Sub-block j's table, its scale and min taken from the registers (broadcast loads would wait on a store).
+    const auto table = [&](int j) {
+      const __m512i lane = _mm512_set1_epi32(j);
+      return _mm512_fmadd_ps(_mm512_permutexvar_ps(lane, scale), iota, _mm512_permutexvar_ps(lane, neg_min));
+    };
     const uint8_t* qs = block + 16;
     for (int c = 0; c < 4; ++c) {
       const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c)));
       const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c + 16)));
-      const __m512 low = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * c]), iota, _mm512_set1_ps(neg_min[2 * c]));
-      const __m512 high = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * c + 1]), iota, _mm512_set1_ps(neg_min[2 * c + 1]));
+      const __m512 low = table(2 * c), high = table(2 * c + 1);
       emit(64 * c, _mm512_permutexvar_ps(v0, low), _mm512_permutexvar_ps(v1, low));
       emit(64 * c + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), high),
            _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), high));
