@@ -3,16 +3,18 @@
 //
 // Every type's weight is an integer q of 4 to 6 bits and, per group of 16 weights, a scale s and an offset o
 // with weight = s * q + o, where s * q is exact in fp32 (an fp16, or fp16 times a 6- or 8-bit sub-scale, times
-// q: at most 24 significant bits), so one fused multiply-add rounds once, as gguf's `d * q - m` does, and the
-// weight is exactly the fp32 value `gguf.quants.dequantize` gives. The FMAs then multiply x by those
-// weights: the result is the fp32 product with them up to summation order.
+// q: at most 24 significant bits), so one fused multiply-add rounds once, to the fp32 value
+// `gguf.quants.dequantize` gives. The FMAs then multiply x by exactly those weights: the result is the fp32
+// product with them up to summation order.
 //
 // A block (32 weights, or a super-block of 256) is decoded once per step of up to 4 rows of x, so the rows of
-// a step share its cost: in registers for Q4_K on AVX-512 (its 16 possible weights per sub-block are a
-// 16-float table that one permute indexes with the 4-bit q), otherwise unpacked into an L1 scratch (q as
-// bytes, s and o per 16) that the FMA loop widens to fp32. Threads share W's rows in contiguous runs, each
-// reading a row's blocks front to back and asking for the bytes 4 KiB ahead (one sequential stream the
-// prefetchers follow). fp16 scales are converted by F16C on the vector paths, in software on the portable one.
+// a step share its cost. On AVX-512 Q4_K and Q6_K decode in registers (Q4_K: a sub-block's 16 possible weights
+// are a 16-float table one permute indexes with the 4-bit q; Q6_K: q - 32 assembled as bytes a half
+// super-block at a time, widened and scaled); otherwise a block is unpacked into an L1 scratch (q as bytes, s
+// and o per 16) that the FMA loop widens to fp32. Threads share W's rows in contiguous runs, each reading a
+// row's blocks front to back (two rows side by side for 3 or more rows of x on AVX-512) and asking for the
+// bytes 4 KiB ahead (one sequential stream the prefetchers follow). fp16 scales are converted by F16C on the
+// vector paths, in software on the portable one.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/types.h>
@@ -353,23 +355,32 @@ struct Avx512Block<Q4_K> {
   }
 };
 
-// W row r against MR rows of x from m0: each 32 weights on two FMA chains per x row (first and second 16).
-template <class T, int MR>
-TANDEM_BLOCKS_AVX512 void row_avx512(const Problem& p, int64_t r, int64_t m0) {
-  __m512 acc0[MR], acc1[MR];
-  for (int j = 0; j < MR; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+// W rows r.. (NR of them) against MR rows of x from m0: each 32 weights on two FMA chains per (W row, x row),
+// first and second 16. Each W row's block in turn, so the x columns the first reads from L2 the second finds in
+// L1; an output's arithmetic is the same whatever NR and MR, so its value never depends on the grouping.
+template <class T, int NR, int MR>
+TANDEM_BLOCKS_AVX512 void rows_avx512(const Problem& p, int64_t r, int64_t m0) {
+  __m512 acc0[NR][MR], acc1[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
   const uint8_t* row = p.w + r * p.row_bytes;
   for (int64_t c = 0; c < p.k; c += T::kWeights, row += T::kBytes) {
-    prefetch_ahead<T>(p, row);
     const float* x = p.x + m0 * p.ldx + c;
-    Avx512Block<T>::decode(row, [&](int at, __m512 w0, __m512 w1) {
-      for (int j = 0; j < MR; ++j) {
-        acc0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * p.ldx + at), acc0[j]);
-        acc1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * p.ldx + at + 16), acc1[j]);
-      }
-    });
+#pragma GCC unroll 2
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = row + i * p.row_bytes;
+      prefetch_ahead<T>(p, block);
+      Avx512Block<T>::decode(block, [&](int at, __m512 w0, __m512 w1) {
+        for (int j = 0; j < MR; ++j) {
+          acc0[i][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + j * p.ldx + at), acc0[i][j]);
+          acc1[i][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + j * p.ldx + at + 16), acc1[i][j]);
+        }
+      });
+    }
   }
-  for (int j = 0; j < MR; ++j) store(p, r, m0 + j, _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])));
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j)
+      store(p, r + i, m0 + j, _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j])));
 }
 
 TANDEM_BLOCKS_AVX2 inline __m256 widen8(const uint8_t* q, float scale, float offset) {
@@ -429,25 +440,47 @@ void row_portable(const Problem& p, int64_t r, int64_t m0) {
 template <class T, int MR>
 void row(const Problem& p, int64_t r, int64_t m0) {
   switch (current_gemv_isa()) {
-    case GemvIsa::kAvx512: return row_avx512<T, MR>(p, r, m0);
+    case GemvIsa::kAvx512: return rows_avx512<T, 1, MR>(p, r, m0);
     case GemvIsa::kAvx2: return row_avx2<T, MR>(p, r, m0);
     case GemvIsa::kPortable: return row_portable<T, MR>(p, r, m0);
   }
 }
 
-// W rows [begin, end) against every row of x, up to kMaxTileRows at a time.
+// W row r against every row of x, up to kMaxTileRows at a time.
 template <class T>
-void rows_against_x(const Problem& p, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
-      switch (std::min<int64_t>(kMaxTileRows, p.m - m0)) {
-        case 1: row<T, 1>(p, r, m0); break;
-        case 2: row<T, 2>(p, r, m0); break;
-        case 3: row<T, 3>(p, r, m0); break;
-        default: row<T, 4>(p, r, m0); break;
-      }
+void row_against_x(const Problem& p, int64_t r) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
+    switch (std::min<int64_t>(kMaxTileRows, p.m - m0)) {
+      case 1: row<T, 1>(p, r, m0); break;
+      case 2: row<T, 2>(p, r, m0); break;
+      case 3: row<T, 3>(p, r, m0); break;
+      default: row<T, 4>(p, r, m0); break;
     }
   }
+}
+
+// W rows r, r + 1 against every row of x, up to kMaxTileRows at a time (AVX-512, 3 or more rows of x).
+template <class T>
+void pair_against_x(const Problem& p, int64_t r) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += kMaxTileRows) {
+    switch (std::min<int64_t>(kMaxTileRows, p.m - m0)) {
+      case 1: rows_avx512<T, 2, 1>(p, r, m0); break;
+      case 2: rows_avx512<T, 2, 2>(p, r, m0); break;
+      case 3: rows_avx512<T, 2, 3>(p, r, m0); break;
+      default: rows_avx512<T, 2, 4>(p, r, m0); break;
+    }
+  }
+}
+
+// W rows [begin, end). Three or more rows of x (AVX-512) take W rows in pairs: each x row is then read from L2
+// once per two W rows (4 rows of 4096 features are 64 KiB, past L1). One or two stream W a row at a time.
+template <class T>
+void rows_against_x(const Problem& p, int64_t begin, int64_t end) {
+  int64_t r = begin;
+  if (p.m > 2 && current_gemv_isa() == GemvIsa::kAvx512) {
+    for (; r + 2 <= end; r += 2) pair_against_x<T>(p, r);
+  }
+  for (; r < end; ++r) row_against_x<T>(p, r);
 }
 
 struct BlockType {
