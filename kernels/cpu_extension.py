@@ -1,6 +1,6 @@
 """The C++ CPU kernels, compiled on first use and cached: paged attention and the cache write, the fused
-small ops (fp32 and bf16), the linear layers' few-row GEMV (fp32, bf16 and int8 weights) and int8-weight
-GEMM, and the decode-only decoder stack built from them.
+small ops (fp32 and bf16), the linear layers' few-row GEMV (fp32, bf16, int8 and GGUF block weights) and
+int8-weight GEMM, and the decode-only decoder stack built from them.
 
 Pure torch can only attend over paged KV after gathering every sequence's blocks into a padded
 copy, once per layer per step; on a CPU that copy cost more than the attention itself. The C++
@@ -43,6 +43,7 @@ SOURCES = [
     CPU_DIR / "gemv_int8.cpp",
     CPU_DIR / "gemv_q8_0.cpp",
     CPU_DIR / "gemv_q8_0_w8a8.cpp",
+    CPU_DIR / "gemv_blocks.cpp",
     CPU_DIR / "q8_0_linear.cpp",
     CPU_DIR / "gemv_bf16.cpp",
     CPU_DIR / "gemm_int8.cpp",

@@ -33,6 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8_0_gemv", &linear_q8_0_gemv,
         "x W^T + b for a few rows of fp32 x over GGUF Q8_0 blocks read in place (each weight d * q exact in fp32)",
         arg("x"), arg("blocks"), arg("bias") = pybind11::none(), call_guard<gil_scoped_release>());
+  m.def("linear_gguf_gemv", &linear_gguf_gemv,
+        "x W^T + b for a few rows of fp32 x over GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K blocks read in place "
+        "(ggml_type: gguf's type number; each weight exactly gguf's dequantized fp32 value)",
+        arg("x"), arg("blocks"), arg("ggml_type"), arg("bias") = pybind11::none(), call_guard<gil_scoped_release>());
   m.def("quantize_rows_int8", &quantize_rows_int8,
         "each fp32 row as int8 round(x / s) with s = max|x| / 127: (int8 rows, fp32 scales)",
         call_guard<gil_scoped_release>());

@@ -75,6 +75,11 @@ torch::Tensor linear_int8_gemm(torch::Tensor x, torch::Tensor qweight, torch::Te
 // `y = x W^T + b` for a few rows of fp32 x over GGUF Q8_0 blocks [N, K / 32 * 34] (fp16 scale + 32 int8 each),
 // read in place; each weight is the exact fp32 d * q (gemv_q8_0.cpp).
 torch::Tensor linear_q8_0_gemv(torch::Tensor x, torch::Tensor blocks, std::optional<torch::Tensor> bias);
+// `y = x W^T + b` for a few rows of fp32 x over GGUF Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks
+// [N, K / block * bytes] read in place (`ggml_type` is gguf's number for the type); each weight is the fp32
+// value gguf's dequantize gives it (gemv_blocks.cpp).
+torch::Tensor linear_gguf_gemv(torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                               std::optional<torch::Tensor> bias);
 // A GGUF Q8_0 linear as the decode stack reads it (q8_0_linear.cpp): the checkpoint tensors' blocks, each a view
 // of the mapped file, their rows one after another; `out_rows[r]` is the output column of stored row r (a
 // segment's offset, and llama.cpp's q/k permutation undone); `w8a8` quantizes x per 32-block.
