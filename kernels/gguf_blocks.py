@@ -22,22 +22,24 @@ import torch
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """How one block type packs a row: `weights` per block, `nbytes` per block."""
+    """How one block type packs a row: `weights` per block, `nbytes` per block; `ggml_type` is GGML's
+    number for the type (`enum ggml_type`), what the C++ kernels are told."""
 
     weights: int
     nbytes: int
+    ggml_type: int
 
 
 # GGML's name for each block type tandem reads as stored -> its layout.
 BLOCK_LAYOUTS: dict[str, BlockLayout] = {
-    "Q4_0": BlockLayout(32, 18),
-    "Q4_1": BlockLayout(32, 20),
-    "Q5_0": BlockLayout(32, 22),
-    "Q5_1": BlockLayout(32, 24),
-    "Q8_0": BlockLayout(32, 34),
-    "Q4_K": BlockLayout(256, 144),
-    "Q5_K": BlockLayout(256, 176),
-    "Q6_K": BlockLayout(256, 210),
+    "Q4_0": BlockLayout(32, 18, 2),
+    "Q4_1": BlockLayout(32, 20, 3),
+    "Q5_0": BlockLayout(32, 22, 6),
+    "Q5_1": BlockLayout(32, 24, 7),
+    "Q8_0": BlockLayout(32, 34, 8),
+    "Q4_K": BlockLayout(256, 144, 12),
+    "Q5_K": BlockLayout(256, 176, 13),
+    "Q6_K": BlockLayout(256, 210, 14),
 }
 BLOCK_TYPES = tuple(BLOCK_LAYOUTS)
 

@@ -9,20 +9,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from tiny_gguf import HALF_FIELDS
 
 from kernels.gguf_blocks import BLOCK_LAYOUTS, BLOCK_TYPES, BlockWeight, UnknownBlockTypeError, dequantize
-
-# Byte offsets of each type's fp16 fields (scale, and minimum where there is one).
-HALF_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 
 
 def random_blocks(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
@@ -36,8 +25,13 @@ def random_blocks(kind: str, rows: int, blocks: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, blocks * nbytes)
 
 
-def test_every_block_type_has_a_field_table():
-    assert set(HALF_FIELDS) == set(BLOCK_TYPES)
+@pytest.mark.parametrize("kind", BLOCK_TYPES)
+def test_every_block_type_has_ggml_layout_and_number(kind: str):
+    ggml = GGMLQuantizationType[kind]
+    block = BLOCK_LAYOUTS[kind]
+    assert (block.weights, block.nbytes) == gguf.GGML_QUANT_SIZES[ggml]
+    assert block.ggml_type == ggml.value
+    assert kind in HALF_FIELDS
 
 
 @pytest.mark.parametrize("kind", BLOCK_TYPES)
