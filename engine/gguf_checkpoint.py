@@ -10,8 +10,10 @@ file. Other types (the I-quants, Q2_K, Q3_K) are refused when the file is opened
 
 `transformers` names the config fields (`AutoConfig.from_pretrained(..., gguf_file=)` reads metadata
 only) and builds the tokenizer; its tensor loading, which dequantizes, is never used. Tensor names follow
-llama.cpp's for the llama family (llama, mistral, qwen2), and the q/k rows llama.cpp's converter
-permuted for its RoPE are put back in Hugging Face order, as transformers' loader does.
+llama.cpp's for the llama family (llama, mistral, qwen2) and Gemma 3 (its four norms a layer and per-head
+q/k norms). Two things llama.cpp's converter changed are undone as transformers' loader undoes them: the
+q/k rows it permuted for its RoPE (llama, mistral) are put back in Hugging Face order, and the 1 it added
+to Gemma's RMSNorm weights (its kernel multiplies by the weight, Gemma's by `1 + weight`) is subtracted.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ if TYPE_CHECKING:
 SUPPORTED_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)
 # Architectures whose tensors are named as llama's; "llama" and "mistral" have their q/k rows permuted.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-ARCHITECTURES = LLAMA_FAMILY
+ARCHITECTURES = (*LLAMA_FAMILY, "gemma3")
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# Architectures whose RMSNorm weights llama.cpp's converter stored with 1 added.
+_NORMS_PLUS_ONE = ("gemma3",)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -61,7 +65,16 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_ARCHITECTURE_LAYER_NAMES: dict[str, dict[str, str]] = {}
+# Gemma 3's layer: norms on the attention's and the MLP's outputs too, and over each q/k head.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCHITECTURE_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -163,6 +176,9 @@ class GgufCheckpoint:
         if kind in BLOCK_TYPES:
             return BlockWeight(data, rows_first[-1], kind, order)
         tensor = data.view(torch.bfloat16).reshape(rows_first) if kind == "BF16" else data.reshape(rows_first)
+        if self.architecture in _NORMS_PLUS_ONE and stored.name.endswith("norm.weight"):
+            # A new tensor of one norm's size, in the file's float type as transformers computes it.
+            return tensor - 1
         return tensor if order is None else tensor[order]
 
     def _row_order(self, gguf_name: str, rows: int) -> torch.Tensor | None:
