@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, random_prompts
@@ -22,7 +24,7 @@ from tiny_gguf import random_blocks, tiny_gguf_llama, write_tiny_gguf
 
 from engine.checkpoints import open_checkpoint
 from engine.engine import GenerateRequest
-from engine.gguf_checkpoint import UnsupportedWeightTypeError
+from engine.gguf_checkpoint import GgufCheckpoint, UnsupportedWeightTypeError
 from engine.load_plan import KERNEL_COPIES, check_memory
 from engine.memory_limit import MemoryLimit
 from engine.model_store import model_fingerprint
@@ -189,3 +191,39 @@ def test_a_type_still_unread_is_refused_in_one_line(tmp_path: Path):
     ) as info:
         open_checkpoint(path)
     assert "\n" not in str(info.value) and "Q4_K" in str(info.value)
+
+
+def test_gemma3_tensors_get_gemmas_names_and_norms_without_the_added_one(tmp_path: Path):
+    """llama.cpp's converter stores Gemma's RMSNorm weights plus 1 and names its four norms a layer its
+    own way; q/k rows are not permuted for Gemma (the real file's serving is in test_gguf_real_files)."""
+    path = tmp_path / "gemma3-tensors.gguf"
+    norm = np.linspace(0.5, 2.0, 64, dtype=np.float32)
+    query = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    for part in ("attn_norm", "attn_q_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+        writer.add_tensor(f"blk.0.{part}.weight", norm)
+    writer.add_tensor("output_norm.weight", norm)
+    writer.add_tensor(
+        "blk.0.attn_q.weight",
+        gguf.quants.quantize(query, GGMLQuantizationType.Q4_0),
+        raw_dtype=GGMLQuantizationType.Q4_0,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = dict(GgufCheckpoint(path, SimpleNamespace()).tensors())
+    assert set(tensors) == {
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.pre_feedforward_layernorm.weight",
+        "model.layers.0.post_feedforward_layernorm.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    }
+    for name, tensor in tensors.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(tensor, torch.from_numpy(norm) - 1)
+    q_proj = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q_proj.kind == "Q4_0" and q_proj.out_order is None
