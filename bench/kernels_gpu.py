@@ -12,7 +12,7 @@ The Q8_0 linears (`kernels.triton_q8_0`, a GGUF's weights read as stored) stream
 once, so their figure is achieved bandwidth too: block, activation and output bytes over kernel time,
 for Llama 3.1 8B's projections (one checkpoint tensor each) at decode rows (1, 8: the GEMV) and
 prefill rows (64, 512: the GEMM; TFLOP/s as well), against the torch path that dequantizes the whole
-weight first (`q8_0_linear_reference`). The error is against that reference in fp32.
+weight first (`block_linear_reference`). The error is against that reference in fp32.
 
 Every launch is timed alone with CUDA events after a 512 MiB memset that flushes L2 (and keeps
 the GPU busy while the host enqueues the launch, so host overhead is not counted); the median
@@ -428,12 +428,12 @@ def q8_0_blocks(torch, rows: int, cols: int, device):
 
 
 def bench_q8_0_case(env, shapes: Shapes, timer: Timer, rows: int, n: int, k: int, peak: float) -> dict:
-    torch, triton_q8_0, q8_0_linear = env["torch"], env["triton_q8_0"], env["q8_0_linear"]
+    torch, triton_q8_0, block_linear = env["torch"], env["triton_q8_0"], env["block_linear"]
     device, dtype = torch.device(shapes.device), getattr(torch, shapes.dtype_name)
     blocks = q8_0_blocks(torch, n, k, device)
     x = torch.randn(rows, k, dtype=dtype, device=device)
-    weight = q8_0_linear.Q8_0Weight(blocks, k)
-    expected = q8_0_linear.q8_0_linear_reference(x.float(), weight)
+    weight = env["gguf_blocks"].BlockWeight(blocks, k, "Q8_0")
+    expected = block_linear.block_linear_reference(x.float(), weight)
     moved = blocks.nbytes + x.nbytes + rows * n * x.itemsize
     flops = 2 * rows * n * k
 
@@ -441,7 +441,7 @@ def bench_q8_0_case(env, shapes: Shapes, timer: Timer, rows: int, n: int, k: int
         return triton_q8_0.q8_0_linear(x, blocks, k)
 
     def run_torch():
-        return q8_0_linear.q8_0_linear_reference(x, weight)
+        return block_linear.block_linear_reference(x, weight)
 
     results = {}
     for name, launch in (("triton", run_triton), ("torch_dequantize", run_torch)):
@@ -472,7 +472,7 @@ def load_env(dry_run: bool) -> dict:
     import torch
     import triton
 
-    from kernels import q8_0_linear, triton_common, triton_decode, triton_prefill, triton_q8_0
+    from kernels import block_linear, gguf_blocks, triton_common, triton_decode, triton_prefill, triton_q8_0
     from kernels.metadata import AttentionMetadata
 
     return {
@@ -482,7 +482,8 @@ def load_env(dry_run: bool) -> dict:
         "triton_decode": triton_decode,
         "triton_prefill": triton_prefill,
         "AttentionMetadata": AttentionMetadata,
-        "q8_0_linear": q8_0_linear,
+        "block_linear": block_linear,
+        "gguf_blocks": gguf_blocks,
         "triton_q8_0": triton_q8_0,
     }
 

@@ -42,6 +42,7 @@ from engine.config import EngineConfig, ModelConfig, dtype_name
 from engine.memory_limit import MemoryLimit, available_memory, memory_limit
 from engine.model_facts import ModelFacts
 from engine.quantization import NONE, check_supported
+from kernels.gguf_blocks import BLOCK_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ TYPE_NAMES = {
     torch.float8_e4m3fn: "fp8",
 }
 STORED_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I8": "int8", "F8_E4M3": "fp8"}
-# Weight types held as views of the memory-mapped checkpoint, not copies: a GGUF's Q8_0 blocks.
-MAPPED_TYPES = frozenset({"q8_0"})
+# Weight types held as views of the memory-mapped checkpoint, not copies: a GGUF's blocks.
+MAPPED_TYPES = frozenset(kind.lower() for kind in BLOCK_TYPES)
 # The weights' entry for oneDNN's blocked copies of the fp32 linears (`kernels.cpu_linear`).
 KERNEL_COPIES = "fp32 kernel copies"
 
@@ -192,26 +193,28 @@ def plan(
 def resident_weights(
     model_config: ModelConfig, config: EngineConfig, settings: Settings, stored: Sequence[StoredTensor] = ()
 ) -> dict[str, int]:
-    """Bytes the engine's model holds by type once loaded under `config` (module docstring). A GGUF's Q8_0
-    tensors bound for a full-precision linear stay as stored (`CausalLM.q8_0_owner`): that linear counts
-    its blocks, not its dtype's weight, and gets no kernel copy."""
+    """Bytes the engine's model holds by type once loaded under `config` (module docstring). A GGUF's
+    block-quantized tensors bound for a full-precision linear or embedding stay as stored
+    (`CausalLM.block_owner`): that module counts its blocks, by type, not its dtype's weight, and gets no
+    kernel copy."""
     model = meta_model(model_config, config)
     as_stored: dict[int, nn.Module] = {}
-    q8_0_bytes = 0
+    block_bytes: dict[str, int] = {}
     for tensor in stored:
-        name = model.checkpoint_name(tensor.name) if tensor.dtype == "Q8_0" else None
-        owner = None if name is None else model.q8_0_owner(model.fused_name(name)[0])
+        name = model.checkpoint_name(tensor.name) if tensor.dtype in BLOCK_TYPES else None
+        owner = None if name is None else model.block_owner(model.fused_name(name)[0])
         if owner is not None:
             # A w8a8 linear (`--quantization w8a8_int8`) holds int8 rows and scales until blocks replace them.
             replaced = (owner.weight,) if hasattr(owner, "weight") else (owner.qweight, owner.scale)
             as_stored.update((id(kept), owner) for kept in replaced)
-            q8_0_bytes += tensor.nbytes
+            kind = tensor.dtype.lower()
+            block_bytes[kind] = block_bytes.get(kind, 0) + tensor.nbytes
     storages: dict[int, tuple[torch.dtype, int]] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         # Meta tensors have no address: a tied weight is the same tensor object, so its id identifies it.
         if id(tensor) not in as_stored:
             storages[id(tensor)] = (tensor.dtype, tensor.numel() * tensor.element_size())
-    by_type: dict[str, int] = {"q8_0": q8_0_bytes} if q8_0_bytes else {}
+    by_type = dict(block_bytes)
     for dtype, nbytes in storages.values():
         kind = TYPE_NAMES.get(dtype, dtype_name(dtype))
         by_type[kind] = by_type.get(kind, 0) + nbytes

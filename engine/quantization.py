@@ -89,20 +89,20 @@ def check_supported(name: str, device: str | torch.device, dtype: torch.dtype) -
     METHODS[name].check(torch.device(device), dtype)
 
 
-def weights_fingerprint(model_fingerprint: str, name: str, keeps_q8_0: bool = False) -> str:
+def weights_fingerprint(model_fingerprint: str, name: str, keeps_blocks: bool = False) -> str:
     """The fingerprint a tier announces for its weights: the checkpoint's, marked with the quantization.
 
     Unquantized weights keep the checkpoint's fingerprint as it was, so replicas of earlier versions
-    still agree with them. `keeps_q8_0`: the model computes a GGUF's Q8_0 blocks as stored; under a
-    method that then computes them its own way (w8a8_int8's per-block activations) the mark says so, so
-    such a tier never exchanges KV with one that requantized the same file per row.
+    still agree with them. `keeps_blocks`: the model computes a GGUF's blocks as stored; under a method
+    that then computes them its own way (w8a8_int8's per-block activations against Q8_0 blocks) the mark
+    says so, so such a tier never exchanges KV with one that requantized the same file per row.
     """
     if name == NONE:
         return model_fingerprint
     method = METHODS[name]
     mark = (
         method.q8_0_fingerprint_mark
-        if keeps_q8_0 and method.q8_0_fingerprint_mark
+        if keeps_blocks and method.q8_0_fingerprint_mark
         else method.fingerprint_mark
     )
     return f"{model_fingerprint}+{mark}"

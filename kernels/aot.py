@@ -13,7 +13,7 @@ backend launches and compiles exactly that:
   with each sliding window of `SLIDING_WINDOWS` (a window's size is a runtime scalar, so one windowed
   prefill kernel serves every size, and decode's kernels are the causal ones; a window can still
   change the split plan, hence the launches); the linears of a GGUF's Q8_0 weights (`triton_q8_0`) run
-  over every decode batch and a full step budget, as `Q8_0Linear` lays them out (one launch per
+  over every decode batch and a full step budget, as `BlockLinear` lays them out (one launch per
   checkpoint tensor, llama.cpp's q/k row orders, Qwen2's qkv bias). Tile
   sizes, split plans, warps and stages are therefore the launch sites' own, never copied here;
 - each distinct launch becomes what Triton's JIT would compile for it: Triton's own binder gives
@@ -68,10 +68,11 @@ from kernels import (  # noqa: E402
     triton_prefill,
     triton_q8_0,
 )
+from kernels.gguf_blocks import BlockWeight  # noqa: E402
 from kernels.kv_quant import FP8_MIN_CUDA_CAPABILITY  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.q8_0_linear import BLOCK_BYTES, BLOCK_WEIGHTS, Q8_0Weight  # noqa: E402
 from kernels.triton_common import KernelLaunch, is_interpreted, recorded_launches  # noqa: E402
+from kernels.triton_q8_0 import BLOCK_BYTES, BLOCK_WEIGHTS  # noqa: E402
 
 # Largest dynamic shared memory one block may opt into (CUDA programming guide, per compute capability).
 MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -287,15 +288,17 @@ def _moe_layer(model: ModelShape, tokens: int, dtype: torch.dtype, int8: bool) -
     triton_moe.fused_moe_planned(hidden, w_gate_up, w_down, weights, plan, block_m, *(scales if int8 else ()))
 
 
-def _q8_0_weight(rows: int, cols: int, ordered: bool = False) -> Q8_0Weight:
+def _q8_0_weight(rows: int, cols: int, ordered: bool = False) -> BlockWeight:
     """Q8_0 blocks of a `rows x cols` checkpoint tensor, with an output order when `ordered`."""
     order = _meta(rows, dtype=torch.int64) if ordered else None
-    return Q8_0Weight(_meta(rows, cols // BLOCK_WEIGHTS * BLOCK_BYTES, dtype=torch.uint8), cols, order)
+    return BlockWeight(
+        _meta(rows, cols // BLOCK_WEIGHTS * BLOCK_BYTES, dtype=torch.uint8), cols, "Q8_0", order
+    )
 
 
 def _q8_0_linears(model: ModelShape, tokens: int, dtype: torch.dtype) -> None:
     """A decoder layer's linears over a GGUF's Q8_0 blocks on a step of `tokens` rows, segment by segment
-    as `Q8_0Linear` holds them: q, k (in llama.cpp's row order) and v of a Llama, the same with a bias
+    as `BlockLinear` holds them: q, k (in llama.cpp's row order) and v of a Llama, the same with a bias
     and no order (Qwen2's), o, and gate, up and down unless the MLP is made of experts."""
     q_size, kv_size = model.heads * model.head_dim, model.kv_heads * model.head_dim
     qkv = [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]

@@ -1,5 +1,5 @@
 """Every decoder layer of a decode-only fp32 CPU step as one C++ call (the extension's `decode_layers`),
-over fp32, int8 (`kernels.int8_linear`) or GGUF Q8_0 (`kernels.q8_0_linear`, exact or w8a8) linear weights.
+over fp32, int8 (`kernels.int8_linear`) or GGUF Q8_0 (`kernels.block_linear`, exact or w8a8) linear weights.
 
 At batch 1 a layer of SmolLM2-135M streams ~14 MB of weights in a fraction of a millisecond, and the
 per-op path adds ~10 module calls and ~40 small aten ops per layer on top (views, splits, casts, a host
@@ -13,8 +13,9 @@ verification (at most `MAX_QUERY_LEN` tokens; the attention kernel is the same f
 runs by row count as its module does: fp32 weights on the GEMV up to `cpu_linear.GEMV_MAX_ROWS` rows
 and on oneDNN over the blocked weight beyond (`CpuLinear`; without oneDNN linears the stack takes only
 steps the GEMV serves), int8 weights on the int8 GEMV or GEMM (`Int8Linear`,
-`int8_linear.GEMV_MAX_ROWS`), Q8_0 weights on their GEMV (`Q8_0Linear`: exact up to
-`q8_0_linear.GEMV_MAX_ROWS` rows, past which the per-op path runs the module; w8a8 at any rows). A
+`int8_linear.GEMV_MAX_ROWS`), Q8_0 weights on their GEMV (a `BlockLinear` all of whose segments are
+Q8_0: exact up to `block_linear.GEMV_MAX_ROWS` rows, past which the per-op path runs the module; w8a8 at
+any rows; `takes_linear` says which linears the stack computes). A
 Q8_0 linear goes in as its segments, each the module's view of the mapped GGUF, with the output column
 of every stored row (`_q8_0_weights`). At a batch of 128 on a small model
 the per-op path's Python was nearly a fifth of the forward (bench/README.md, "CPU kernels"). Longer
@@ -44,11 +45,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kernels import cpu_linear, int8_linear, q8_0_linear
+from kernels import block_linear, cpu_linear, int8_linear
+from kernels.block_linear import BlockLinear
 from kernels.cpu_linear import CpuLinear
 from kernels.int8_linear import Int8Linear
 from kernels.metadata import AttentionMetadata
-from kernels.q8_0_linear import Q8_0Linear
 from kernels.window import kernel_window
 
 # Longest query of one sequence the stack takes: a decode token and its draft (`engine.speculation`).
@@ -75,16 +76,22 @@ class LayerNorms:
     mlp_out: str | None = None
 
 
+def takes_linear(linear: nn.Module) -> bool:
+    """Whether the stack computes `linear`: any but a GGUF layer holding blocks of a type other than Q8_0,
+    which the stack has no kernel for (the per-op path runs it)."""
+    return not isinstance(linear, BlockLinear) or linear.kinds == {"Q8_0"}
+
+
 def _row_limit(linear: nn.Module) -> int | None:
     """Most rows the stack can run `linear` on as its module does (None: any): past the GEMV, an int8
     linear has the int8 GEMM, an fp32 `CpuLinear` oneDNN and a w8a8 Q8_0 one its own kernel; an exact
     Q8_0 one and a plain fp32 one only their GEMV."""
-    if isinstance(linear, Q8_0Linear):
-        return None if linear.w8a8 else q8_0_linear.GEMV_MAX_ROWS
+    if isinstance(linear, BlockLinear):
+        return None if linear.w8a8 else block_linear.GEMV_MAX_ROWS
     return None if isinstance(linear, (Int8Linear, CpuLinear)) else cpu_linear.GEMV_MAX_ROWS
 
 
-def _q8_0_weights(linear: Q8_0Linear, extension: ModuleType) -> object:
+def _q8_0_weights(linear: BlockLinear, extension: ModuleType) -> object:
     """The extension's view of a Q8_0 linear: its segments' blocks as they are (views of the mapped file)
     and, for each stored row, the output column the module puts it in (its segment's offset plus, for
     llama.cpp's permuted q/k rows, the inverse of the segment's `out_order`). The stack computes stored
@@ -179,7 +186,7 @@ class CpuDecodeStack:
         for name, linear in linears.items():
             bias = linear.bias
             weights[f"{name}_bias"] = None if bias is None else bias.detach()
-            if isinstance(linear, Q8_0Linear):
+            if isinstance(linear, BlockLinear):
                 weights[name] = torch.empty(linear.out_features, linear.in_features, device="meta")
                 weights[f"{name}_q8_0"] = _q8_0_weights(linear, self._extension)
             elif isinstance(linear, Int8Linear):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from base.settings import ATTENTION_BACKENDS, Settings, get_settings
-from kernels import cpu_bf16_linear, cpu_extension, cpu_linear, cpu_lm_head, moe, q8_0_linear
+from kernels import block_linear, cpu_bf16_linear, cpu_extension, cpu_linear, cpu_lm_head, moe
 from kernels.backend import AttentionBackend, TorchBackend
 from kernels.w8a8_linear import W8A8Linear
 
@@ -116,7 +116,7 @@ class Platform:
             cpu_bf16_linear.use_bf16_linears(model, self.extension)
         if self.extension is not None:
             moe.use_cpu_kernels(model, self.extension)
-            q8_0_linear.use_cpu_kernels(model, self.extension)
+            block_linear.use_cpu_kernels(model, self.extension)
         # The stack computes the dense families' layers with fp32 activations: a mixture of experts and
         # W8A8 linears keep the per-op path.
         if self.decode_stack and len(model.layers) > 0 and model.fits_decode_stack and not w8a8(model):

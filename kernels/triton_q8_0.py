@@ -2,7 +2,7 @@
 
 The torch path dequantizes the whole weight to the activations' dtype before every matmul: a
 full-precision copy of each weight per step, written and read again, where the blocks themselves are
-a bit over a quarter of fp32's bytes. Here the kernels load the 34-byte blocks (`kernels.q8_0_linear`),
+a bit over a quarter of fp32's bytes. Here the kernels load the 34-byte blocks (`kernels.block_linear`),
 turn each into 32 weights `d * q` in registers and accumulate in fp32, so a step streams the blocks
 once and allocates nothing the size of a weight.
 
@@ -25,7 +25,7 @@ Outputs are written through a row stride, so the segments of a fused layer (`q8_
 columns of one output; a segment with an output order (rows that llama.cpp interleaved) is gathered
 after its launch, as the torch path does.
 
-Tested against `kernels.q8_0_linear.q8_0_linear_reference` under `TRITON_INTERPRET=1`
+Tested against `kernels.block_linear.block_linear_reference` under `TRITON_INTERPRET=1`
 (tests/test_triton_q8_0.py) and compiled for sm_80/sm_90 by `kernels.aot`.
 """
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.q8_0_linear import BLOCK_BYTES, BLOCK_WEIGHTS, Q8_0Weight
+from kernels.gguf_blocks import BLOCK_LAYOUTS, BlockWeight
 from kernels.triton_common import KernelLaunch, dot_dtype, dot_precision, launch, num_sms
 
 # Most rows of x the GEMV takes. It multiplies on the FMA units, 2 FLOPs per weight per row against
@@ -55,6 +55,9 @@ REDUCE_BLOCK_N = 256
 PROGRAMS_PER_SM = 4
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# A Q8_0 block: 32 weights in 34 bytes (an fp16 scale, 32 int8 quants).
+BLOCK_WEIGHTS = BLOCK_LAYOUTS["Q8_0"].weights
+BLOCK_BYTES = BLOCK_LAYOUTS["Q8_0"].nbytes
 _WEIGHTS = tl.constexpr(BLOCK_WEIGHTS)
 _BYTES = tl.constexpr(BLOCK_BYTES)
 
@@ -311,10 +314,10 @@ def _gemm(
 
 
 def q8_0_layer(
-    x: torch.Tensor, segments: Sequence[tuple[int, Q8_0Weight]], out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor, segments: Sequence[tuple[int, BlockWeight]], out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`Q8_0Linear.forward` on the GPU: one launch per segment (`(first output row, weight)`, covering
-    every output row), each writing its columns of one output in Hugging Face order."""
+    """`BlockLinear.forward` on the GPU over Q8_0 segments: one launch per segment (`(first output row,
+    weight)`, covering every output row), each writing its columns of one output in Hugging Face order."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty((flat.shape[0], out_features), dtype=x.dtype, device=x.device)
     for offset, weight in segments:

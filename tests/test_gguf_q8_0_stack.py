@@ -21,8 +21,9 @@ from engine.model_runner import ScheduledChunk
 from engine.model_store import resolve_model
 from engine.params import SamplingParams, StoppingParams
 from engine.quantization import weights_fingerprint
+from kernels.block_linear import BlockLinear
 from kernels.cpu_decode_stack import CpuDecodeStack
-from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
+from kernels.gguf_blocks import BlockWeight
 from kernels.q8_0_w8a8 import q8_0_w8a8_reference, quantize_blocks
 from tandem.tiny_model import TINY_VOCAB_SIZE
 
@@ -59,7 +60,7 @@ def test_q8_0_decode_steps_take_the_stack_and_equal_the_per_layer_path(
     """The stack computes the Q8_0 segments (q/k in llama.cpp's row order) where they lie, bit for bit
     what the modules compute, over several steps; exact Q8_0 up to its GEMV's 32 rows, w8a8 past them."""
     engine, seqs = engine_with_prompts(q8_0_gguf, quantization, num_seqs)
-    linears = [m for m in engine.model.layers.modules() if isinstance(m, Q8_0Linear)]
+    linears = [m for m in engine.model.layers.modules() if isinstance(m, BlockLinear)]
     assert len(linears) == 4 * len(engine.model.layers)
     assert all(linear.w8a8 == (quantization == "w8a8_int8") for linear in linears)
     assert engine.model.decode_stack is not None
@@ -77,12 +78,12 @@ def test_q8_0_decode_steps_take_the_stack_and_equal_the_per_layer_path(
 def test_w8a8_on_a_gguf_keeps_the_q8_0_blocks_and_marks_the_fingerprint(extension, q8_0_gguf):
     engine, _ = engine_with_prompts(q8_0_gguf, "w8a8_int8", 1)
     head = engine.model.lm_head
-    assert isinstance(head, Q8_0Linear) and head.w8a8
-    exact = weights_fingerprint("fp", "none", keeps_q8_0=True)
+    assert isinstance(head, BlockLinear) and head.w8a8
+    exact = weights_fingerprint("fp", "none", keeps_blocks=True)
     requantized = weights_fingerprint("fp", "w8a8_int8")
-    blocks = weights_fingerprint("fp", "w8a8_int8", keeps_q8_0=True)
+    blocks = weights_fingerprint("fp", "w8a8_int8", keeps_blocks=True)
     assert len({exact, requantized, blocks}) == 3
-    assert weights_fingerprint("fp", "int8", keeps_q8_0=True) == weights_fingerprint("fp", "int8")
+    assert weights_fingerprint("fp", "int8", keeps_blocks=True) == weights_fingerprint("fp", "int8")
 
 
 def q8_0_blocks(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -147,9 +148,9 @@ def test_w8a8_q8_0_layer_equals_its_torch_path_with_permuted_segments(extension)
     """A fused w8a8 layer (a q segment in llama.cpp's row order, then a plain one) gives the same bits on
     the extension as on the torch reference, at decode rows and past the exact GEMV's 32."""
     generator = torch.Generator().manual_seed(6)
-    layer = Q8_0Linear(48 + 16, 96, None, "cpu", w8a8=True)
-    layer.load_blocks(0, Q8_0Weight(q8_0_blocks(48, 96, generator), 96, unpermute_order(48, 3)))
-    layer.load_blocks(48, Q8_0Weight(q8_0_blocks(16, 96, generator), 96))
+    layer = BlockLinear(48 + 16, 96, None, "cpu", w8a8=True)
+    layer.load_blocks(0, BlockWeight(q8_0_blocks(48, 96, generator), 96, "Q8_0", unpermute_order(48, 3)))
+    layer.load_blocks(48, BlockWeight(q8_0_blocks(16, 96, generator), 96, "Q8_0"))
     for tokens in (1, 3, 40):
         x = torch.randn(tokens, 96, generator=generator)
         layer.extension = None

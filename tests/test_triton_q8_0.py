@@ -2,7 +2,7 @@
 interpreter (conftest turns it on before anything imports Triton), or compiled on a GPU with
 `TANDEM_TEST_DEVICE=cuda TRITON_INTERPRET=0`, as bench/gpu_check.sh runs them.
 
-Tolerance: the reference is `q8_0_linear_reference` in float64, where the dequantized weights (exact in
+Tolerance: the reference is `block_linear_reference` in float64, where the dequantized weights (exact in
 fp32: an 11-bit scale times an 8-bit integer) and their products and sums are exact. A kernel's result
 may differ from it by, element by element, with `S = sum_k |x_k w_k| + |b|` and `u` the unit roundoff
 of x's dtype:
@@ -25,8 +25,10 @@ import torch
 from conftest import TEST_DEVICE
 
 from kernels import triton_q8_0
-from kernels.q8_0_linear import BLOCK_BYTES, BLOCK_WEIGHTS, Q8_0Linear, Q8_0Weight, q8_0_linear_reference
+from kernels.block_linear import BlockLinear, block_linear_reference
+from kernels.gguf_blocks import BlockWeight
 from kernels.triton_common import DEFAULT_NUM_SMS, recorded_launches
+from kernels.triton_q8_0 import BLOCK_BYTES, BLOCK_WEIGHTS
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -47,31 +49,31 @@ def random_blocks(rows: int, cols: int, gen: torch.Generator, offset: int = 0) -
     return buffer[offset:].view(rows, count * BLOCK_BYTES).to(TEST_DEVICE)
 
 
-def exact(x: torch.Tensor, weight: Q8_0Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def exact(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The reference (dequantize, then matmul) in float64: exact for these sizes."""
-    out = q8_0_linear_reference(x.double(), weight)
+    out = block_linear_reference(x.double(), weight)
     return out if bias is None else out + bias.double()
 
 
 def error_bound(
-    x: torch.Tensor, weight: Q8_0Weight, bias: torch.Tensor | None, output_roundings: int = 1
+    x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, output_roundings: int = 1
 ) -> torch.Tensor:
     """The elementwise bound of the module doc, for `output_roundings` roundings of the output."""
-    magnitude = q8_0_linear_reference(x.double().abs(), _absolute(weight))
+    magnitude = block_linear_reference(x.double().abs(), _absolute(weight))
     if bias is not None:
         magnitude = magnitude + bias.double().abs()
     u = UNIT_ROUNDOFF[x.dtype]
     return ((weight.cols + 1) * 2.0**-24 + u + 2 * u * output_roundings) * magnitude
 
 
-def _absolute(weight: Q8_0Weight) -> Q8_0Weight:
+def _absolute(weight: BlockWeight) -> BlockWeight:
     """`weight` with every scale and quant made non-negative: its dequantization is `|W|`."""
     rows, cols = weight.shape
     grouped = weight.blocks.reshape(rows, cols // BLOCK_WEIGHTS, BLOCK_BYTES).clone()
     grouped[..., 1] &= 0x7F  # the fp16 scale's sign bit (little-endian: the second byte)
     quants = grouped[..., 2:].view(torch.int8)
     grouped[..., 2:] = quants.abs().view(torch.uint8)
-    return Q8_0Weight(grouped.reshape(rows, -1), cols, weight.out_order)
+    return BlockWeight(grouped.reshape(rows, -1), cols, "Q8_0", weight.out_order)
 
 
 def assert_within(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
@@ -89,7 +91,7 @@ def assert_within(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor
 def test_q8_0_linear_matches_the_reference(m, dtype, with_bias, n, k):
     """Decode rows (1, 3: the GEMV) and prefill rows (17, 64: the GEMM, one partial and one full tile)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    weight = Q8_0Weight(random_blocks(n, k, gen), k)
+    weight = BlockWeight(random_blocks(n, k, gen), k, "Q8_0")
     x = torch.randn(m, k, generator=gen).to(dtype).to(TEST_DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(TEST_DEVICE) if with_bias else None
     got = triton_q8_0.q8_0_linear(x, weight.blocks, k, bias)
@@ -101,7 +103,7 @@ def test_blocks_at_an_odd_address_and_strided_rows_of_x():
     """Scales and quants are read a byte at a time, so blocks need no alignment (a view of a mapped file
     may start anywhere); x may be a column slice of a wider tensor."""
     gen = torch.Generator().manual_seed(5)
-    weight = Q8_0Weight(random_blocks(40, 160, gen, offset=1), 160)
+    weight = BlockWeight(random_blocks(40, 160, gen, offset=1), 160, "Q8_0")
     assert weight.blocks.data_ptr() % 2 == 1
     for m in (2, 20):
         wide = torch.randn(m, 200, generator=gen).to(TEST_DEVICE)
@@ -161,15 +163,15 @@ def test_a_split_gemv_launches_the_reduction_and_one_that_is_not_does_not():
 @pytest.mark.parametrize("tokens", [1, 19])
 def test_fused_layer_with_an_output_order_matches_the_torch_layer(dtype, tokens):
     """A qkv-like layer of three segments, the first two with llama.cpp's row order, and a bias: one
-    launch per segment into one output (`Q8_0Linear.forward` on CUDA), against the layer's torch path."""
+    launch per segment into one output (`BlockLinear.forward` on CUDA), against the layer's torch path."""
     gen = torch.Generator().manual_seed(tokens)
     hidden, sizes = 96, (48, 24, 24)
     bias = torch.randn(sum(sizes), generator=gen).to(dtype)
-    layer = Q8_0Linear(sum(sizes), hidden, bias, TEST_DEVICE)
+    layer = BlockLinear(sum(sizes), hidden, bias, TEST_DEVICE)
     offset = 0
     for index, rows in enumerate(sizes):
         order = torch.randperm(rows, generator=gen) if index < 2 else None
-        layer.load_blocks(offset, Q8_0Weight(random_blocks(rows, hidden, gen), hidden, order))
+        layer.load_blocks(offset, BlockWeight(random_blocks(rows, hidden, gen), hidden, "Q8_0", order))
         offset += rows
     x = torch.randn(2, tokens, hidden, generator=gen).to(dtype).to(TEST_DEVICE)
     got = triton_q8_0.q8_0_layer(x, layer.segments, layer.out_features, layer.bias)

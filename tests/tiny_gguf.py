@@ -2,12 +2,16 @@
 
 A random-weight Llama (the tiny tokenizer, ChatML template) goes into one GGUF with its 2-D weights
 in a chosen block type (norms stay F32, as llama.cpp keeps them) and q/k rows permuted for llama.cpp's
-RoPE layout, so `transformers` reads it back (`gguf_file=`, dequantizing) as the reference model.
+RoPE layout, so `transformers` reads it back (`gguf_file=`, dequantizing) as the reference model. Types
+the `gguf` package cannot quantize to (the K types, Q2_K) are written as random blocks of the weights'
+magnitude instead (`random_blocks`): the reference reads whatever the file holds.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -16,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from kernels.gguf_blocks import dequantize
 from tandem.tiny_model import TINY_EOS_TOKEN_IDS, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
 # HF parameter name inside a layer -> llama.cpp's tensor name inside `blk.N`.
@@ -32,13 +37,32 @@ _LAYER_NAMES = {
 }
 
 
-def tiny_gguf_llama(seed: int = 0, tie_word_embeddings: bool = False) -> LlamaForCausalLM:
-    """The random Llama the tiny GGUFs hold: head_dim = hidden / heads, as llama.cpp's llama assumes."""
+# Types `gguf.quants.quantize` writes; the others are built by hand (`random_blocks`).
+QUANTIZABLE = {GGMLQuantizationType[kind] for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+# Byte offsets of each block type's fp16 fields (scale, and minimum where there is one).
+HALF_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def tiny_gguf_llama(
+    seed: int = 0, tie_word_embeddings: bool = False, hidden_size: int = 128, intermediate_size: int = 96
+) -> LlamaForCausalLM:
+    """The random Llama the tiny GGUFs hold: head_dim = hidden / heads, as llama.cpp's llama assumes (the
+    K types need both sizes a multiple of 256)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=96,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -62,9 +86,15 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, weight_type: GGMLQuantizationType, model: LlamaForCausalLM | None = None
+    path: Path,
+    weight_type: GGMLQuantizationType,
+    model: LlamaForCausalLM | None = None,
+    overrides: Mapping[str, GGMLQuantizationType] | None = None,
 ) -> LlamaForCausalLM:
-    """Write `model` (default `tiny_gguf_llama()`) to `path` with 2-D weights in `weight_type`."""
+    """Write `model` (default `tiny_gguf_llama()`) to `path` with 2-D weights in `weight_type`, or in
+    `overrides[part]` for the tensors named `part` (`attn_v`, `token_embd`: a llama.cpp `_M` mix)."""
+    overrides = overrides or {}
+    default_type = weight_type
     model = model or tiny_gguf_llama()
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -82,17 +112,42 @@ def write_tiny_gguf(
     _add_tokenizer(writer, path.parent / f"{path.stem}-tokenizer")
     for name, tensor in _gguf_tensors(model):
         array = tensor.detach().float().numpy()
+        part = name.split(".")[-2]
+        weight_type = overrides.get(part, default_type)
         if array.ndim == 1 or weight_type == GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
         elif weight_type == GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
-        else:
+        elif weight_type in QUANTIZABLE or weight_type == GGMLQuantizationType.BF16:
             writer.add_tensor(name, gguf.quants.quantize(array, weight_type), raw_dtype=weight_type)
+        else:
+            blocks = random_blocks(
+                weight_type.name, *array.shape, float(array.std()), seed=zlib.crc32(name.encode())
+            )
+            writer.add_tensor(name, blocks, raw_dtype=weight_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def random_blocks(kind: str, rows: int, cols: int, std: float, seed: int) -> np.ndarray:
+    """`rows x cols` weights of block type `kind` as random bytes whose fp16 fields are one value, chosen
+    so the weights' standard deviation is about `std` (Q2_K, which tandem refuses, stays unscaled)."""
+    weights, nbytes = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    for start in HALF_FIELDS[kind]:
+        raw[..., start : start + 2] = np.array([1.0], np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    if kind == "Q2_K":
+        return raw
+    unit = dequantize(torch.from_numpy(raw), kind, cols).std().item()
+    grouped = raw.reshape(rows, cols // weights, nbytes)
+    for start in HALF_FIELDS[kind]:
+        grouped[..., start : start + 2] = np.array([std / unit], np.float16).view(np.uint8)
+    return raw
 
 
 def _gguf_tensors(model: LlamaForCausalLM):

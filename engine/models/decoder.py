@@ -27,10 +27,11 @@ from engine.config import ModelConfig, rope_parameter_sets
 from engine.kv_cache import KVCache
 from engine.sampler import greedy_argmax
 from kernels.backend import AttentionBackend
-from kernels.cpu_decode_stack import ACTIVATIONS, CpuDecodeStack, LayerNorms
+from kernels.block_embedding import BlockEmbedding
+from kernels.block_linear import BlockLinear
+from kernels.cpu_decode_stack import ACTIVATIONS, CpuDecodeStack, LayerNorms, takes_linear
+from kernels.gguf_blocks import BlockWeight
 from kernels.metadata import AttentionMetadata
-from kernels.q8_0_embedding import Q8_0Embedding
-from kernels.q8_0_linear import Q8_0Linear, Q8_0Weight
 from kernels.w8a8_linear import W8A8Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -295,9 +296,10 @@ class CausalLM(nn.Module):
     @property
     def fits_decode_stack(self) -> bool:
         """Whether the C++ decode stack computes this model's layers exactly: a family that declares its
-        `stack_norms`, with an activation the stack has (its linears fp32, int8 or GGUF Q8_0)."""
+        `stack_norms`, with an activation the stack has and linears it computes (fp32, int8 or GGUF Q8_0)."""
         activations = all(getattr(layer.mlp, "activation", None) in ACTIVATIONS for layer in self.layers)
-        return self.stack_norms is not None and activations
+        linears = all(takes_linear(module) for module in self.layers.modules())
+        return self.stack_norms is not None and activations and linears
 
     def build_decode_stack(self, extension: ModuleType) -> CpuDecodeStack:
         """The C++ decode stack over this model's layers (where `fits_decode_stack`): each layer's window,
@@ -352,9 +354,9 @@ class CausalLM(nn.Module):
         converts as it copies; a quantized layer (`engine.quantization`) has no full-precision weight to
         copy into, and its `load_weight_rows(offset, tensor)` quantizes the tensor a block of rows at a
         time (`row_blocks`), so the quantizer's fp32 temporaries stay small whatever the tensor's size.
-        A GGUF's Q8_0 weight (`kernels.q8_0_linear.Q8_0Weight`) bound for a full-precision linear or the
-        embedding turns it into a `Q8_0Linear` or `Q8_0Embedding` holding the blocks as stored; anywhere
-        else it is dequantized.
+        A GGUF's block-quantized weight (`kernels.gguf_blocks.BlockWeight`, any block type) bound for a
+        full-precision linear or the embedding turns it into a `BlockLinear` or `BlockEmbedding` holding
+        the blocks as stored; anywhere else it is dequantized.
         """
         params = dict(self.named_parameters())
         row_loaders = self._weight_row_loaders()
@@ -365,7 +367,7 @@ class CausalLM(nn.Module):
                 loaded.update(self._load_tensor(hf_name, name, tensor, params, row_loaders))
         missing = self._expected_shards() - loaded
         missing.update(
-            f"{n}.weight" for n, m in self.named_modules() if isinstance(m, Q8_0Linear) and m.missing_rows()
+            f"{n}.weight" for n, m in self.named_modules() if isinstance(m, BlockLinear) and m.missing_rows()
         )
         if missing:
             raise KeyError(f"checkpoint lacks parameters: {sorted(missing)[:5]}")
@@ -382,12 +384,14 @@ class CausalLM(nn.Module):
         it filled."""
         name, shard = self.fused_name(name)
         offset = 0 if shard is None else self._shard_offset(name, shard)
-        if isinstance(tensor, Q8_0Weight):
-            if self._place_q8_0(name, offset, tensor):
+        if isinstance(tensor, BlockWeight):
+            if self._place_blocks(name, offset, tensor):
                 return [f"{name}#{shard}"]
             tensor = tensor.dequantize()
-        elif isinstance(self._weight_owner(name), Q8_0Linear):
-            raise ValueError(f"checkpoint tensor {hf_name!r} is not Q8_0 but shares a layer with Q8_0 ones")
+        elif isinstance(self._weight_owner(name), BlockLinear):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} is not block-quantized but shares a layer with ones that are"
+            )
         if name in row_loaders:
             for start, rows in row_blocks(tensor, self.dtype):
                 row_loaders[name](offset + start, rows)
@@ -407,38 +411,40 @@ class CausalLM(nn.Module):
                 return name.replace(f".{hf_part}.", f".{ours}."), index
         return name, None
 
-    def q8_0_owner(self, name: str) -> nn.Module | None:
-        """The linear or embedding that keeps a Q8_0 weight bound for our parameter `name` as stored, or
-        None where it is dequantized instead (a module already quantized another way). A tied LM head
-        has no weight of its own: it reads the embedding's blocks.
+    def block_owner(self, name: str) -> nn.Module | None:
+        """The linear or embedding that keeps a GGUF block-quantized weight bound for our parameter `name`
+        as stored, or None where it is dequantized instead (a module already quantized another way). A
+        tied LM head has no weight of its own: it reads the embedding's blocks.
 
-        A `W8A8Linear` (`--quantization w8a8_int8`) keeps them too, as a w8a8 `Q8_0Linear`: the blocks
+        A `W8A8Linear` (`--quantization w8a8_int8`) keeps them too, as a w8a8 `BlockLinear`: Q8_0 blocks
         are already 8-bit weights in llama.cpp's scheme, so they stay as stored (shared pages, no second
         rounding) and the activations are quantized per block, where requantizing the dequantized rows
-        to one scale per row would round every weight again."""
+        to one scale per row would round every weight again. Blocks of the other types in such a layer
+        stay as stored too and run exactly (a fused layer may mix types, and one layer holds one kind of
+        weight: its blocks or int8 rows)."""
         module = self._weight_owner(name)
         tied = module is self.lm_head and self.config.tie_word_embeddings
-        kept = type(module) in (nn.Linear, nn.Embedding, Q8_0Linear) or isinstance(module, W8A8Linear)
+        kept = type(module) in (nn.Linear, nn.Embedding, BlockLinear) or isinstance(module, W8A8Linear)
         if tied or not kept:
             return None
         return module
 
-    def _place_q8_0(self, name: str, offset: int, weight: Q8_0Weight) -> bool:
+    def _place_blocks(self, name: str, offset: int, weight: BlockWeight) -> bool:
         """Give `weight` to the module whose weight is `name`, as its rows `offset..` for a linear, first
-        making it a `Q8_0Linear` (w8a8 for a `W8A8Linear`) or `Q8_0Embedding` (False where `q8_0_owner`
-        says it has no such place). A tied LM head becomes a `Q8_0Linear` over the embedding's blocks."""
-        module = self.q8_0_owner(name)
+        making it a `BlockLinear` (w8a8 for a `W8A8Linear`) or `BlockEmbedding` (False where `block_owner`
+        says it has no such place). A tied LM head becomes a `BlockLinear` over the embedding's blocks."""
+        module = self.block_owner(name)
         if module is None:
             return False
         if type(module) is nn.Embedding:
             tied_head = module is self.embed_tokens and self.config.tie_word_embeddings
-            self.set_submodule(name.removesuffix(".weight"), Q8_0Embedding(weight, module.weight.dtype))
+            self.set_submodule(name.removesuffix(".weight"), BlockEmbedding(weight, module.weight.dtype))
             if tied_head:
-                self.lm_head = Q8_0Linear.empty_like(self.lm_head)
+                self.lm_head = BlockLinear.empty_like(self.lm_head)
                 self.lm_head.load_blocks(0, weight)
             return True
-        if not isinstance(module, Q8_0Linear):
-            module = Q8_0Linear.empty_like(module, w8a8=isinstance(module, W8A8Linear))
+        if not isinstance(module, BlockLinear):
+            module = BlockLinear.empty_like(module, w8a8=isinstance(module, W8A8Linear))
             self.set_submodule(name.removesuffix(".weight"), module)
         module.load_blocks(offset, weight)
         return True
