@@ -185,7 +185,7 @@ def test_q8_0_gemv_reads_long_rows_of_x_against_groups_of_w_rows(extension, isa:
     try:
         dense = torch.randn(11, cols, generator=generator)
         blocks = torch.from_numpy(gguf.quants.quantize(dense.numpy(), GGMLQuantizationType.Q8_0))
-        weight = Q8_0Weight(blocks, cols).dequantize().double()
+        weight = BlockWeight(blocks, cols, "Q8_0").dequantize().double()
         x = torch.randn(tokens, cols, generator=generator)
         bias = torch.randn(11, generator=generator)
         out = extension.linear_q8_0_gemv(x, blocks, bias)

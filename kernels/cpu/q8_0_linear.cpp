@@ -6,7 +6,7 @@
 // llama.cpp's converter stores q/k rows in its own RoPE order; rather than permute the rows (a copy) or read
 // them out of order (breaking the sequential stream the GEMV is fast on), each stored row is computed in
 // place and its output written to its Hugging Face column (`Q8_0Weights::out_rows`), as
-// `kernels.q8_0_linear.Q8_0Linear` gathers its output columns: the same value lands in the same place.
+// `kernels.block_linear.BlockLinear` gathers its output columns: the same value lands in the same place.
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
