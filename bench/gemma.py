@@ -8,7 +8,8 @@ servers compute the same tokens), greedy, EOS ignored, exact output lengths. lla
 -t 2`) serves the very Q4_K_M GGUF tandem's checkpoint was dequantized from; tandem serves that
 checkpoint with int8 weights (embedding and LM head included), once with fp32 activations
 (`--quantization int8`) and once with activations quantized per token (`w8a8_int8`, as llama.cpp's
-dot products quantize theirs). Each system is a fresh server measured alone, one after the other:
+dot products quantize theirs); `tandem-gguf` serves the GGUF file itself, each tensor in its stored
+block type (exact mode). Each system is a fresh server measured alone, one after the other:
 
 - all at once: 32 completions of 128 tokens sent together: output tok/s;
 - single stream: 4 completions of 256 tokens, one at a time: decode tok/s (1 / TPOT p50), TTFT p50;
@@ -33,13 +34,20 @@ from bench.report import results_dir
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "gemma-3-270m"
-# tandem systems and the --quantization each runs.
-TANDEM = {"tandem-int8": "int8", "tandem-w8a8": "w8a8_int8"}
+# tandem systems and the --quantization each runs on the fp32 checkpoint; None: the Q4_K_M GGUF itself,
+# its blocks served as stored (exact mode).
+TANDEM = {"tandem-int8": "int8", "tandem-w8a8": "w8a8_int8", "tandem-gguf": None}
 SYSTEMS = (*TANDEM, "llama-server")
-COLORS = {"tandem-int8": "tab:blue", "tandem-w8a8": "tab:green", "llama-server": "tab:gray"}
+COLORS = {
+    "tandem-int8": "tab:blue",
+    "tandem-w8a8": "tab:green",
+    "tandem-gguf": "tab:orange",
+    "llama-server": "tab:gray",
+}
 LABELS = {
     "tandem-int8": "tandem int8",
     "tandem-w8a8": "tandem w8a8_int8",
+    "tandem-gguf": "tandem Q4_K_M as stored",
     "llama-server": "llama-server Q4_K_M",
 }
 LLAMA_PARALLEL = 16
@@ -76,8 +84,10 @@ def serving(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[tu
     from bench.session import SystemSkipped
 
     if name in TANDEM:
-        server_args = ["--quantization", TANDEM[name], "--kv-cache-memory", "1GiB", "--max-num-seqs", "64"]
-        decode, target = servers.tandem_decode_server(name, str(model_dir), args.threads, server_args)
+        quantization = [] if TANDEM[name] is None else ["--quantization", TANDEM[name]]
+        model = gguf_path() if TANDEM[name] is None else model_dir
+        server_args = [*quantization, "--kv-cache-memory", "1GiB", "--max-num-seqs", "64"]
+        decode, target = servers.tandem_decode_server(name, str(model), args.threads, server_args)
         with decode:
             yield "tandem", target, {"threads": args.threads, "server_args": server_args}
         return
