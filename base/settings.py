@@ -33,6 +33,8 @@ CPU_EXTENSION_ENV = "TANDEM_CPU_EXTENSION"
 ONEDNN_LINEAR_ENV = "TANDEM_ONEDNN_LINEAR"
 CPU_DECODE_STACK_ENV = "TANDEM_CPU_DECODE_STACK"
 PARENT_PID_ENV = "TANDEM_PARENT_PID"
+# OpenTelemetry's own variable, read as its SDK reads it, so one setting reaches every OTLP-aware process.
+OTLP_TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_TARGET = "localhost:50051"
@@ -67,6 +69,10 @@ def _path(raw: str) -> Path:
 
 def _text(raw: str) -> str:
     return raw
+
+
+def _optional_text(raw: str) -> str | None:
+    return raw.strip() or None
 
 
 def _token(raw: str) -> str | None:
@@ -177,6 +183,16 @@ class Settings:
             _switch,
         ),
         default=True,
+    )
+    otlp_traces_endpoint: str | None = _read_from(
+        Variable(
+            OTLP_TRACES_ENDPOINT_ENV,
+            "unset (tracing off)",
+            "the OTLP gRPC collector the tiers export traces to when no `--otlp-traces-endpoint` is given "
+            "(http://host:port or https://host:port); the other `OTEL_*` variables are the SDK's own",
+            _optional_text,
+        ),
+        default=None,
     )
     parent_pid: int | None = _read_from(
         Variable(

@@ -24,9 +24,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from base.errors import ConfigError
+from base.settings import OTLP_TRACES_ENDPOINT_ENV, get_settings
 
 TRACEPARENT = "traceparent"
-ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENDPOINT_VARIABLE = OTLP_TRACES_ENDPOINT_ENV
 INSTALL_HINT = "pip install tandem-serve[tracing]"
 
 Attributes = Mapping[str, Any]
@@ -65,7 +66,7 @@ def resolve_endpoint(flag_value: str | None) -> str | None:
     """The collector to export to: the flag, else the SDK's variable, else None (tracing off)."""
     if flag_value is not None:
         return check_endpoint(flag_value, "--otlp-traces-endpoint")
-    from_environment = os.environ.get(ENDPOINT_VARIABLE)
+    from_environment = get_settings().otlp_traces_endpoint
     if from_environment:
         return check_endpoint(from_environment, ENDPOINT_VARIABLE)
     return None
