@@ -54,7 +54,7 @@ SOURCES = [
     CPU_DIR / "decode_region.cpp",
     CPU_DIR / "bindings.cpp",
 ]
-HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h", CPU_DIR / "row_ops.h"]
+HEADERS = [CPU_DIR / "kernels.h", CPU_DIR / "gemv_common.h", CPU_DIR / "row_ops.h", CPU_DIR / "half_float.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 COMPILE_SECONDS = 70  # measured on the 2-core development machine (AMD EPYC); told to the user before a build

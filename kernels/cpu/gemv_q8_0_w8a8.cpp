@@ -26,6 +26,7 @@
 #include <cstring>
 #include <optional>
 
+#include "half_float.h"
 #include "kernels.h"
 
 #define TANDEM_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx2,f16c,fma")))
@@ -230,25 +231,6 @@ TANDEM_AVX2_F16C void row_avx2(const Problem& p, int64_t r, int64_t m0) {
     }
   }
   for (int j = 0; j < MR; ++j) store(p, r, m0 + j, reduce(acc[j]));
-}
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exponent = 113;
-    while ((mantissa & 0x400u) == 0) mantissa <<= 1, --exponent;
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
 }
 
 template <int MR>
